@@ -1,0 +1,290 @@
+"""The planner's domain types: sessions, messages, turns, session events and usage.
+
+No I/O and no grpc, protobuf or SQLAlchemy here (STYLE rule 1). Values are frozen
+dataclasses; the store and the transport translate them at their edges.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from datetime import datetime
+from enum import StrEnum
+from typing import Any, TypeAlias
+
+JsonObject: TypeAlias = dict[str, Any]
+
+
+class MessageKind(StrEnum):
+    """The kind of a transcript message (SPEC section 3, "The transcript")."""
+
+    HUMAN = "human"
+    ASSISTANT = "assistant"
+    TOOL_CALL = "tool_call"
+    TOOL_RESULT = "tool_result"
+    COMPACTION = "compaction"
+
+
+class TurnState(StrEnum):
+    """Whether a turn runs or has ended."""
+
+    RUNNING = "running"
+    ENDED = "ended"
+
+
+class TurnEndReason(StrEnum):
+    """Why a turn ended (seed: Limits; SPEC section 3, ``TurnEndReason``)."""
+
+    COMPLETED = "completed"
+    MAX_ROUNDS = "max_rounds"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+    INTERRUPTED = "interrupted"
+
+
+class EventKind(StrEnum):
+    """The kinds of stored session event (SPEC section 3, "Two kinds of server event")."""
+
+    MESSAGE_ACCEPTED = "message_accepted"
+    TURN_STARTED = "turn_started"
+    ASSISTANT_MESSAGE = "assistant_message"
+    TOOL_CALL_STARTED = "tool_call_started"
+    TOOL_CALL_FINISHED = "tool_call_finished"
+    CHANGESET_PROPOSED = "changeset_proposed"
+    KNOWLEDGE_WRITTEN = "knowledge_written"
+    COMPACTED = "compacted"
+    TURN_ENDED = "turn_ended"
+
+
+#: Events that store a message; the message's sequence is the event's.
+MESSAGE_EVENTS = frozenset(
+    {
+        EventKind.MESSAGE_ACCEPTED,
+        EventKind.ASSISTANT_MESSAGE,
+        EventKind.TOOL_CALL_STARTED,
+        EventKind.TOOL_CALL_FINISHED,
+        EventKind.COMPACTED,
+    }
+)
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Tokens reported by the provider: ``input_tokens`` counts all prompt tokens."""
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+    def __add__(self, other: Usage) -> Usage:
+        return Usage(
+            self.input_tokens + other.input_tokens, self.output_tokens + other.output_tokens
+        )
+
+    @property
+    def total(self) -> int:
+        """Input plus output tokens: the context the next call starts from."""
+        return self.input_tokens + self.output_tokens
+
+
+@dataclass(frozen=True)
+class Session:
+    """One conversation of a human with the planner about one project.
+
+    ``summary``/``summary_up_to`` hold the latest compaction (empty/0 when none);
+    ``last_sequence`` is the per-session event counter; ``context`` is the running
+    context estimate (SPEC section 6). ``create_request_id`` is the AIP-155 key of the
+    ``CreateSession`` that made it.
+    """
+
+    session_id: str
+    project_id: str
+    organization_id: str
+    owner_id: str
+    title: str
+    create_time: datetime
+    update_time: datetime
+    summary: str = ""
+    summary_up_to: int = 0
+    last_sequence: int = 0
+    running_turn_id: str = ""
+    context: ContextEstimate = field(default_factory=lambda: ContextEstimate())
+    create_request_id: str = ""
+
+
+@dataclass(frozen=True)
+class ContextEstimate:
+    """The running context estimate of a session (seed: Context compaction; SPEC 6).
+
+    ``base_tokens`` is the usage (input + output) reported for the latest turn-purpose
+    answer, or after a compaction the summary's output tokens; None when nothing is
+    known yet. ``pending_bytes`` counts the UTF-8 bytes of the messages stored after that
+    point (all messages when ``base_tokens`` is None), so the estimate costs O(new
+    messages), never O(transcript).
+    """
+
+    base_tokens: int | None = None
+    pending_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Message:
+    """One transcript message (SPEC section 3, "The transcript and sessions").
+
+    ``sequence`` is the sequence of the session event that stored it. Tool calls carry
+    ``tool_call_id``, ``tool_name`` and ``tool_arguments`` (JSON text as the model sent
+    it, possibly invalid); tool results carry ``tool_call_id``, ``tool_name``,
+    ``tool_result`` (JSON text) and ``tool_error``. ``human_id`` is the human the message
+    came from or the planner acted for. Compaction markers carry ``up_to`` and
+    ``estimated_tokens``.
+    """
+
+    session_id: str
+    turn_id: str
+    message_id: str
+    kind: MessageKind
+    create_time: datetime
+    sequence: int = 0
+    text: str = ""
+    cut: bool = False
+    tool_call_id: str = ""
+    tool_name: str = ""
+    tool_arguments: str = ""
+    tool_result: str = ""
+    tool_error: bool = False
+    human_id: str = ""
+    usage: Usage | None = None
+    up_to: int = 0
+    estimated_tokens: int = 0
+
+    def size_bytes(self) -> int:
+        """The UTF-8 size of what the model sees of this message, for the estimate."""
+        return (
+            len(self.text.encode())
+            + len(self.tool_name.encode())
+            + len(self.tool_arguments.encode())
+            + len(self.tool_result.encode())
+        )
+
+
+@dataclass(frozen=True)
+class TurnStartedData:
+    """Payload of ``turn_started``."""
+
+    model: str
+    max_rounds: int
+
+
+@dataclass(frozen=True)
+class TurnEndedData:
+    """Payload of ``turn_ended``; ``error_reason`` is an ErrorInfo reason for FAILED."""
+
+    reason: TurnEndReason
+    usage: Usage
+    compaction_usage: Usage
+    rounds: int
+    error_reason: str = ""
+    error_message: str = ""
+
+
+@dataclass(frozen=True)
+class ChangesetProposedData:
+    """Payload of ``changeset_proposed``."""
+
+    changeset_id: str
+    tool_call_id: str
+
+
+@dataclass(frozen=True)
+class KnowledgeWrittenData:
+    """Payload of ``knowledge_written``."""
+
+    entry_id: str
+    version: int
+    tool_call_id: str
+
+
+@dataclass(frozen=True)
+class CompactedData:
+    """Payload of ``compacted`` (the seed's ``planner.compacted`` event)."""
+
+    up_to: int
+    estimated_tokens: int
+
+
+EventData: TypeAlias = (
+    TurnStartedData | TurnEndedData | ChangesetProposedData | KnowledgeWrittenData | CompactedData
+)
+
+
+@dataclass(frozen=True)
+class SessionEvent:
+    """A stored session event (SPEC section 3).
+
+    ``sequence`` is 0 until the store assigns it (per session, from 1, no gaps, in the
+    transaction that stores the event). Message events carry their ``message``; the
+    others carry ``data``.
+    """
+
+    session_id: str
+    turn_id: str
+    kind: EventKind
+    create_time: datetime
+    sequence: int = 0
+    message: Message | None = None
+    data: EventData | None = None
+
+    def with_sequence(self, sequence: int) -> SessionEvent:
+        """Return a copy numbered ``sequence``, its message numbered the same."""
+        message = (
+            dataclasses.replace(self.message, sequence=sequence) if self.message else None
+        )
+        return dataclasses.replace(self, sequence=sequence, message=message)
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """A piece of an answer as it streams: not stored, never replayed (SPEC 3).
+
+    ``offset`` is the piece's offset in the answer text, in characters; ``message_id``
+    the id the assistant message will have.
+    """
+
+    session_id: str
+    turn_id: str
+    message_id: str
+    offset: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One turn (SPEC section 3, ``GetTurn``; section 5, ownership and recovery).
+
+    ``owner``/``lease_expires_at`` name the replica running it and until when its lease
+    holds; ``cancel_requested`` is set by a cancel from any replica.
+    """
+
+    turn_id: str
+    session_id: str
+    human_id: str
+    state: TurnState
+    start_time: datetime
+    human_sequence: int = 0
+    request_id: str = ""
+    request_hash: str = ""
+    end_reason: TurnEndReason | None = None
+    error_reason: str = ""
+    error_message: str = ""
+    rounds: int = 0
+    usage: Usage = Usage()
+    compaction_usage: Usage = Usage()
+    writes: int = 0
+    instructions_version: str = ""
+    tool_schema_version: str = ""
+    skill_name: str = ""
+    skill_version: str = ""
+    model: str = ""
+    owner: str = ""
+    lease_expires_at: datetime | None = None
+    cancel_requested: bool = False
+    end_time: datetime | None = None

@@ -1,0 +1,515 @@
+"""The core's ports: what the turn loop needs from the world, as Protocols (STYLE rule 3).
+
+``service/adapters/`` implements them (SQL storage, the gateway and backend clients, the
+cross-replica notifier); tests use in-memory fakes or the real adapters on the devstack.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from enum import StrEnum
+from typing import Protocol
+
+from service.core.model import (
+    ContextEstimate,
+    JsonObject,
+    Message,
+    Session,
+    SessionEvent,
+    Turn,
+    TurnEndReason,
+    Usage,
+)
+
+# --------------------------------------------------------------------------- storage
+
+
+@dataclass(frozen=True)
+class NewSession:
+    """A session to create; ``request_hash`` fingerprints the payload (AIP-155)."""
+
+    session_id: str
+    project_id: str
+    organization_id: str
+    owner_id: str
+    title: str
+    request_id: str
+    request_hash: str
+    now: datetime
+
+
+@dataclass(frozen=True)
+class SessionCursor:
+    """Where a page of sessions ends: newest first, ties by id (SPEC section 3)."""
+
+    create_time: datetime
+    session_id: str
+
+
+@dataclass(frozen=True)
+class SessionQuery:
+    """Sessions of a project; ``owner_id`` None means every owner (service principals)."""
+
+    project_id: str
+    organization_id: str
+    owner_id: str | None
+    page_size: int
+    after: SessionCursor | None = None
+
+
+@dataclass(frozen=True)
+class RunningLimits:
+    """Running turns allowed at once, across replicas (SPEC section 8)."""
+
+    per_human: int = 4
+    per_project: int = 20
+
+
+@dataclass(frozen=True)
+class TurnStart:
+    """Step 1 of the turn loop: the human message and the turn row, in one transaction.
+
+    ``message`` is the human message (sequence 0: the store numbers it) and ``events``
+    are ``message_accepted`` and ``turn_started`` (the first carries ``message``).
+    ``turn`` is the new running turn with its owner and lease.
+    """
+
+    turn: Turn
+    project_id: str
+    message: Message
+    events: Sequence[SessionEvent]
+    limits: RunningLimits
+    now: datetime
+
+
+class StartOutcomeKind(StrEnum):
+    """What ``start_turn`` did."""
+
+    STARTED = "started"
+    #: The (session, request_id) pair was seen before with the same payload.
+    DUPLICATE = "duplicate"
+    #: A running turn's lease has expired: close it INTERRUPTED, then try again.
+    EXPIRED_TURN = "expired_turn"
+
+
+@dataclass(frozen=True)
+class TurnStartOutcome:
+    """The result of ``start_turn``.
+
+    STARTED: ``turn`` is the new turn, ``events`` the stored events, numbered.
+    DUPLICATE: ``turn`` is the original turn, ``events`` holds its stored
+    ``message_accepted`` event. EXPIRED_TURN: ``turn`` is the expired running turn.
+    """
+
+    kind: StartOutcomeKind
+    turn: Turn
+    events: Sequence[SessionEvent] = ()
+
+
+@dataclass(frozen=True)
+class TurnPatch:
+    """Absolute new values for a turn's columns; None leaves a column unchanged.
+
+    ``end_reason`` set means the turn ends now (state ENDED, ``end_time`` = commit's now).
+    """
+
+    rounds: int | None = None
+    usage: Usage | None = None
+    compaction_usage: Usage | None = None
+    writes: int | None = None
+    instructions_version: str | None = None
+    tool_schema_version: str | None = None
+    skill_name: str | None = None
+    skill_version: str | None = None
+    model: str | None = None
+    end_reason: TurnEndReason | None = None
+    error_reason: str | None = None
+    error_message: str | None = None
+
+
+@dataclass(frozen=True)
+class SummaryUpdate:
+    """A new compaction summary covering the messages up to sequence ``up_to``."""
+
+    summary: str
+    up_to: int
+
+
+@dataclass(frozen=True)
+class TurnCommit:
+    """One transaction of a running turn (SPEC section 5; at most 4 per one-round turn).
+
+    The store numbers ``events`` from the session counter, inserts them and their
+    messages, applies ``turn_patch``, sets ``summary`` and ``context`` on the session, and
+    notifies other replicas after commit. When ``context`` is None the store adds the
+    UTF-8 size of the stored messages to the session's ``pending_bytes`` instead.
+
+    Conditions, checked in the transaction (``StoreConflict`` and nothing stored when one
+    fails): the turn is RUNNING; when ``owner`` is set, that replica owns it; when
+    ``lease_expired_before`` is set, its lease expired before that time (the sweeper's
+    takeover).
+    """
+
+    session_id: str
+    turn_id: str
+    now: datetime
+    events: Sequence[SessionEvent] = ()
+    turn_patch: TurnPatch | None = None
+    summary: SummaryUpdate | None = None
+    context: ContextEstimate | None = None
+    owner: str | None = None
+    lease_expired_before: datetime | None = None
+
+
+@dataclass(frozen=True)
+class LeaseStatus:
+    """The result of a lease renewal: ``held`` false means another replica took over."""
+
+    held: bool
+    cancel_requested: bool = False
+
+
+@dataclass(frozen=True)
+class ContextSnapshot:
+    """What the model will see: the session (summary, estimate) and the messages after
+    the summary's ``up_to``, in sequence order (SPEC section 6)."""
+
+    session: Session
+    messages: Sequence[Message]
+
+
+class SessionStore(Protocol):
+    """Sessions, transcripts, turns and events (SPEC sections 3, 5, 8).
+
+    Every method is one unit of work. Failures to reach the database raise
+    ``StoreUnavailable``; domain refusals raise ``PlannerError`` subclasses with the
+    reasons named below.
+    """
+
+    async def ping(self) -> None:
+        """Check the database answers; raises ``StoreUnavailable``."""
+        ...
+
+    async def create_session(self, new: NewSession) -> Session:
+        """Create a session, or return the one created before with the same (owner,
+        request_id) and payload; a different payload raises ``InvalidArgument``
+        (``REQUEST_ID_REUSED``)."""
+        ...
+
+    async def get_session(self, session_id: str) -> Session | None:
+        """The session, or None."""
+        ...
+
+    async def list_sessions(
+        self, query: SessionQuery
+    ) -> tuple[list[Session], SessionCursor | None]:
+        """One page of sessions, newest first, ties by id, and the next cursor."""
+        ...
+
+    async def update_session_title(
+        self, session_id: str, title: str, now: datetime
+    ) -> Session | None:
+        """Set the title; None when the session does not exist."""
+        ...
+
+    async def delete_session(self, session_id: str) -> bool:
+        """Remove the session, its messages, events, turns and idempotency keys in one
+        transaction; False when it did not exist."""
+        ...
+
+    async def list_messages(
+        self, session_id: str, after_sequence: int, limit: int
+    ) -> list[Message]:
+        """Up to ``limit`` messages with a greater sequence, in sequence order."""
+        ...
+
+    async def events_after(
+        self, session_id: str, after_sequence: int, limit: int
+    ) -> list[SessionEvent]:
+        """Up to ``limit`` session events with a greater sequence, in order (replay)."""
+        ...
+
+    async def get_turn(self, turn_id: str) -> Turn | None:
+        """The turn, or None."""
+        ...
+
+    async def turn_messages(self, turn_id: str) -> list[Message]:
+        """The messages of one turn, in sequence order."""
+        ...
+
+    async def load_context(self, session_id: str) -> ContextSnapshot | None:
+        """The session and the messages after its summary; None when it is gone."""
+        ...
+
+    async def start_turn(self, start: TurnStart) -> TurnStartOutcome:
+        """Store the human message and open the turn, in one transaction.
+
+        In order: the (session, request_id) duplicate check (a different payload raises
+        ``InvalidArgument``/``REQUEST_ID_REUSED``); a running turn whose lease holds
+        raises ``FailedPrecondition``/``TURN_IN_PROGRESS`` (as does losing the race on
+        the partial unique index), one whose lease expired gives EXPIRED_TURN; the
+        running-turn limits raise ``ResourceExhausted``/``TOO_MANY_TURNS``; a missing
+        session raises ``NotFound``.
+        """
+        ...
+
+    async def commit(self, commit: TurnCommit) -> list[SessionEvent]:
+        """Apply one ``TurnCommit``; returns its events, numbered. See ``TurnCommit``."""
+        ...
+
+    async def renew_lease(self, turn_id: str, owner: str, until: datetime) -> LeaseStatus:
+        """Extend the lease of a running turn ``owner`` holds."""
+        ...
+
+    async def request_cancel(self, turn_id: str) -> Turn | None:
+        """Flag a running turn cancelled and notify its owner; returns the turn as
+        stored (ended turns unchanged), None when unknown."""
+        ...
+
+    async def running_turns(
+        self, *, owner: str | None = None, lease_expired_before: datetime | None = None
+    ) -> list[Turn]:
+        """Running turns, optionally only ``owner``'s or only those whose lease expired."""
+        ...
+
+
+# --------------------------------------------------------------------------- events
+
+
+class Subscription(Protocol):
+    """A stream's view of one session's events: session events and text deltas."""
+
+    def __aiter__(self) -> AsyncIterator[SessionEvent | object]: ...
+
+    def close(self) -> None: ...
+
+
+class Notifier(Protocol):
+    """Cross-replica signals (e.g. PostgreSQL LISTEN/NOTIFY on one connection per
+    process). The store sends them in its transactions; this side receives them."""
+
+    async def start(
+        self,
+        on_events: Callable[[str, int], Awaitable[None] | None],
+        on_cancel: Callable[[str], Awaitable[None] | None],
+    ) -> None:
+        """Start delivering ``(session_id, last_sequence)`` of events committed by other
+        replicas, and turn ids whose cancel was requested."""
+        ...
+
+    async def stop(self) -> None: ...
+
+
+# --------------------------------------------------------------------------- model
+
+
+class Role(StrEnum):
+    """The author of a message sent to the model."""
+
+    USER = "user"
+    ASSISTANT = "assistant"
+    TOOL = "tool"
+
+
+class Purpose(StrEnum):
+    """Why the model is called (``ballet.llm.v1.Purpose``)."""
+
+    TURN = "turn"
+    COMPACTION = "compaction"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A tool call made by the model; ``arguments`` is JSON text, possibly invalid."""
+
+    call_id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class ModelMessage:
+    """One message of the conversation sent to the model."""
+
+    role: Role
+    text: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str = ""
+    tool_name: str = ""
+    is_error: bool = False
+
+
+@dataclass(frozen=True)
+class ToolDeclaration:
+    """A tool offered to the model: name, description and JSON Schema (JSON text)."""
+
+    name: str
+    description: str
+    parameters_json_schema: str
+
+
+@dataclass(frozen=True)
+class ModelDeadlines:
+    """Seconds allowed for the first delta, between deltas, and in total."""
+
+    first_delta_s: float
+    idle_s: float
+    total_s: float
+
+
+@dataclass(frozen=True)
+class ModelRequest:
+    """One model call through the gateway, metered to ``project_id`` with the
+    project's ``credential_ref`` (seed: Limits; SPEC section 5 step 4)."""
+
+    project_id: str
+    credential_ref: str
+    model: str
+    purpose: Purpose
+    system_prompt: str
+    messages: Sequence[ModelMessage]
+    tools: Sequence[ToolDeclaration]
+    request_id: str
+    deadlines: ModelDeadlines
+
+
+@dataclass(frozen=True)
+class TextChunk:
+    """A piece of the answer's text."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCallChunk:
+    """A complete tool call."""
+
+    call: ToolCall
+
+
+@dataclass(frozen=True)
+class FinishChunk:
+    """The end of the answer; ``usage`` None when the provider reported none."""
+
+    reason: str
+    usage: Usage | None
+
+
+ModelChunk = TextChunk | ToolCallChunk | FinishChunk
+
+
+class ModelGateway(Protocol):
+    """The LLM gateway (``ballet.llm.v1``).
+
+    ``stream`` yields chunks and ends after a ``FinishChunk``. It raises ``ModelFailure``
+    after its own bounded retries (only before the first delta; SPEC section 5).
+    """
+
+    def stream(self, request: ModelRequest) -> AsyncIterator[ModelChunk]: ...
+
+
+# --------------------------------------------------------------------------- backends
+
+
+@dataclass(frozen=True)
+class Acting:
+    """Whom a backend call acts for (seed: Authority; SPEC section 4).
+
+    Every call carries ``token`` (the human's bearer token), ``x-ballet-actor:
+    planner:<session_id>`` and the planner's own service credential.
+    """
+
+    human_id: str
+    organization_id: str
+    token: str
+    session_id: str
+
+    @property
+    def actor(self) -> str:
+        """The recorded actor, ``planner:<session_id>``."""
+        return f"planner:{self.session_id}"
+
+
+@dataclass(frozen=True)
+class ProjectInfo:
+    """A project as the system prompt shows it, with its planner settings."""
+
+    project_id: str
+    name: str
+    description: str
+    organization_id: str
+    organization_name: str
+    planner_skill: str
+    model_credential: str
+    permissions: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class SkillDocument:
+    """A skill's SKILL.md in the version the project resolves."""
+
+    name: str
+    version: str
+    content: str
+
+
+@dataclass(frozen=True)
+class BackendCall:
+    """One tool's backend work: validated ``arguments`` for tool ``tool``, in the
+    session's project, with ``request_id`` (the tool call's id) for writes, and
+    ``timeout_s`` seconds at most."""
+
+    tool: str
+    arguments: JsonObject
+    project_id: str
+    acting: Acting
+    request_id: str
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class BackendResult:
+    """A tool's JSON output, and for writes what was written (for session events)."""
+
+    output: JsonObject
+    changeset_id: str = ""
+    knowledge_entry_id: str = ""
+    knowledge_version: int = 0
+    extra: JsonObject = field(default_factory=dict)
+
+
+class ToolBackends(Protocol):
+    """The tracker, skills and knowledge backends, acting for the human.
+
+    ``invoke`` runs one tool against its backend and returns our own JSON shape
+    (documented per tool in ``service/core/tools.py``); it raises ``ToolFailure`` with a
+    reason (``PERMISSION_DENIED``, ``NOT_FOUND``, ``STALE_VERSION``,
+    ``BACKEND_UNAVAILABLE``, ``DEADLINE_EXCEEDED``, ``CREDENTIAL_EXPIRED``, ...).
+    """
+
+    async def invoke(self, call: BackendCall) -> BackendResult: ...
+
+    async def get_project(self, acting: Acting, project_id: str, timeout_s: float) -> ProjectInfo:
+        """The project, if the human may read it. Raises ``NotFound`` (unknown, or not
+        readable by the human), ``Unavailable`` (backend down), ``Unauthenticated``."""
+        ...
+
+    async def read_skill(
+        self, acting: Acting, project_id: str, name: str, timeout_s: float
+    ) -> SkillDocument:
+        """A skill in the version the project resolves (pins applied). Raises
+        ``NotFound`` or ``Unavailable``."""
+        ...
+
+
+# --------------------------------------------------------------------------- clock
+
+
+class Clock(Protocol):
+    """Wall-clock time for stored timestamps and leases; monotonic for deadlines."""
+
+    def now(self) -> datetime: ...
+
+    def monotonic(self) -> float: ...
