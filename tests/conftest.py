@@ -1,0 +1,104 @@
+"""Fixtures every test tier may use: PostgreSQL servers and the shared data folder.
+
+The server logic lives in tests/pg.py; this file only decides lifetimes and what a
+missing prerequisite means. A missing PostgreSQL skips the tests that need it on a
+developer's machine, but fails them in CI (``CI=true``) or with
+``BALLET_REQUIRE_POSTGRES=1``, so a CI run can never go green without them. Tier-specific
+fixtures belong in ``tests/<tier>/conftest.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NoReturn
+
+import pytest
+
+from tests.pg import ExternalPg, PgCluster, PgServer, PostgresNotFound, postgres_required
+
+# <repo>/../shared/data: the data sets shared by the project's repositories.
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def _unavailable(reason: str, *, required: bool) -> NoReturn:
+    if required:
+        pytest.fail(reason, pytrace=False)
+    pytest.skip(reason)
+
+
+def _started_cluster() -> PgCluster:
+    try:
+        cluster = PgCluster.temporary()
+    except PostgresNotFound as exc:
+        missing = str(exc)
+    else:
+        missing = ""
+    if missing:
+        # Outside the except block, so the report shows the reason, not a traceback chain.
+        _unavailable(
+            f"{missing} (tests fail instead of skipping with CI=true or BALLET_REQUIRE_POSTGRES=1)",
+            required=postgres_required(),
+        )
+    try:
+        cluster.start()
+    except BaseException:
+        cluster.destroy()
+        raise
+    return cluster
+
+
+@pytest.fixture(scope="session")
+def pg_cluster() -> Iterator[PgServer]:
+    """The session's PostgreSQL server: BALLET_TEST_DATABASE_URL's, or a private cluster.
+
+    Tests may only create and drop databases on it; a test that stops or restarts
+    PostgreSQL uses `own_pg_cluster`.
+    """
+    external = os.environ.get("BALLET_TEST_DATABASE_URL")
+    if external:
+        yield ExternalPg(external)
+        return
+    cluster = _started_cluster()
+    try:
+        yield cluster
+    finally:
+        cluster.destroy()
+
+
+@pytest.fixture
+def pg_url(pg_cluster: PgServer) -> Iterator[str]:
+    """A new, empty database for this test: its SQLAlchemy URL (postgresql+psycopg://)."""
+    name = f"test_{uuid.uuid4().hex[:16]}"
+    pg_cluster.create_database(name)
+    try:
+        yield pg_cluster.url(name)
+    finally:
+        pg_cluster.drop_database(name)
+
+
+@pytest.fixture
+def own_pg_cluster() -> Iterator[PgCluster]:
+    """A running private cluster for this test alone, which it may stop and restart."""
+    cluster = _started_cluster()
+    try:
+        yield cluster
+    finally:
+        cluster.destroy()
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """The shared data folder, ``<repo>/../shared/data`` (read-only in CI).
+
+    Skips when it is absent, or fails with BALLET_REQUIRE_SHARED_DATA=1 (set by .ci/run).
+    """
+    if not SHARED_DATA.is_dir():
+        _unavailable(
+            f"shared data folder {SHARED_DATA} is absent (it is expected beside the "
+            "repository; BALLET_REQUIRE_SHARED_DATA=1 turns this skip into a failure)",
+            required=os.environ.get("BALLET_REQUIRE_SHARED_DATA") == "1",
+        )
+    return SHARED_DATA
