@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 import psycopg
 import pytest
 from sqlalchemy import text
@@ -35,8 +37,8 @@ async def test_pg_url_is_a_fresh_database_sqlalchemy_can_use(pg_url: str) -> Non
 
 @pytest.mark.postgres
 def test_dropped_database_is_gone(pg_cluster: PgServer) -> None:
-    name = "test_drop_me"
-    pg_cluster.drop_database(name)
+    # Unique, since BALLET_TEST_DATABASE_URL's server may be shared by concurrent runs.
+    name = f"test_drop_{uuid.uuid4().hex[:12]}"
     pg_cluster.create_database(name)
     # An open session must not block the drop (the fixture drops WITH (FORCE)).
     with psycopg.connect(libpq(pg_cluster.url(name))) as lingering:
