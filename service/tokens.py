@@ -164,7 +164,9 @@ class KeySet:
                 algorithm = jwk.get("alg")
                 kid = jwk.get("kid")
                 if algorithm not in _PRODUCTION_ALGORITHMS or not kid:
-                    raise ValueError(f"key set {self._path}: every key needs a kid and alg EdDSA or RS256")
+                    raise ValueError(
+                        f"key set {self._path}: every key needs a kid and alg EdDSA or RS256"
+                    )
                 keys[kid] = (jwt.PyJWK.from_dict(jwk, algorithm=algorithm).key, algorithm)
             self._keys = keys
             self._mtime = mtime

@@ -235,9 +235,7 @@ class SessionEvent:
 
     def with_sequence(self, sequence: int) -> SessionEvent:
         """Return a copy numbered ``sequence``, its message numbered the same."""
-        message = (
-            dataclasses.replace(self.message, sequence=sequence) if self.message else None
-        )
+        message = dataclasses.replace(self.message, sequence=sequence) if self.message else None
         return dataclasses.replace(self, sequence=sequence, message=message)
 
 
