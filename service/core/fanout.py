@@ -1,0 +1,331 @@
+"""In-process fan-out of session events to attached Chat streams (SPEC section 3).
+
+One ``Hub`` per process. The turn runner publishes events here after their commit; the
+cross-replica notifier calls ``on_remote_events`` when another replica committed some,
+and the hub reads them from the store once for all of the session's streams here. An
+idle stream is a queue in a dict: no database connection, timer or poll of its own.
+
+Each stream has a bounded ``StreamQueue`` (default 1,000 events or 1 MiB). Text deltas
+that back up are merged into the queued delta; session events that overflow end the
+stream with ``RESOURCE_EXHAUSTED``/``SLOW_CONSUMER``, and the client reopens with
+``after_sequence``. Publishing never waits for a consumer, so a slow stream never slows
+the turn or other streams.
+
+Events reach each queue in sequence order without gaps or duplicates: an event that
+arrives early (two commits of one session published out of order) waits in the
+queue's reorder buffer, and a gap that does not fill itself is read from the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from service.core.errors import NotFound, PlannerError, ResourceExhausted
+from service.core.model import EventKind, SessionEvent, TextDelta
+
+log = logging.getLogger(__name__)
+
+#: Reads up to ``limit`` events of a session after a sequence (``SessionStore.events_after``).
+EventReader = Callable[[str, int, int], Awaitable[list[SessionEvent]]]
+
+_EVENT_OVERHEAD_BYTES = 256
+
+
+def event_size(item: SessionEvent | TextDelta | object) -> int:
+    """Approximate bytes an item holds in a queue (for the 1 MiB bound)."""
+    if isinstance(item, SessionEvent):
+        return _EVENT_OVERHEAD_BYTES + (item.message.size_bytes() if item.message else 0)
+    if isinstance(item, TextDelta):
+        return _EVENT_OVERHEAD_BYTES + len(item.text.encode())
+    return _EVENT_OVERHEAD_BYTES
+
+
+@dataclass(frozen=True)
+class StreamEnd:
+    """The last item of a queue: the stream ends with ``error`` (None: ends cleanly)."""
+
+    error: PlannerError | None
+
+
+@dataclass
+class StreamQueue:
+    """The bounded outbound queue of one Chat stream attached to one session.
+
+    Items are ``SessionEvent`` (in sequence order), ``TextDelta``, ``StreamEnd`` and
+    replies (any other object, passed through). ``last_sequence`` is the newest session
+    event accepted into the queue.
+    """
+
+    session_id: str
+    human_id: str
+    last_sequence: int
+    max_events: int = 1000
+    max_bytes: int = 1 << 20
+    _items: deque[object] = field(default_factory=deque)
+    _bytes: int = 0
+    _pending: dict[int, SessionEvent] = field(default_factory=dict)
+    _ready: asyncio.Event = field(default_factory=asyncio.Event)
+    closed: bool = False
+
+    def put_reply(self, reply: object) -> None:
+        """Queue a reply for this stream only (not counted against the bounds)."""
+        if not self.closed:
+            self._items.append(reply)
+            self._ready.set()
+
+    def offer(self, event: SessionEvent) -> bool:
+        """Accept a session event; returns True when a gap is left to fill from the store."""
+        if self.closed or event.sequence <= self.last_sequence:
+            return False
+        self._pending[event.sequence] = event
+        while self.last_sequence + 1 in self._pending:
+            ready = self._pending.pop(self.last_sequence + 1)
+            self.last_sequence = ready.sequence
+            self._push(ready)
+            if self.closed:
+                return False
+        return bool(self._pending)
+
+    def offer_delta(self, delta: TextDelta) -> None:
+        """Accept a text delta, merging it into a queued delta of the same answer."""
+        if self.closed:
+            return
+        if self._items:
+            tail = self._items[-1]
+            if (
+                isinstance(tail, TextDelta)
+                and tail.message_id == delta.message_id
+                and tail.offset + len(tail.text) == delta.offset
+            ):
+                merged = TextDelta(
+                    tail.session_id,
+                    tail.turn_id,
+                    tail.message_id,
+                    tail.offset,
+                    tail.text + delta.text,
+                )
+                self._items[-1] = merged
+                self._bytes += len(delta.text.encode())
+                return
+        if len(self._items) >= self.max_events or self._bytes >= self.max_bytes:
+            # Deltas are not stored: a backed-up stream may lose some, and the
+            # assistant_message event still carries the whole text.
+            return
+        self._items.append(delta)
+        self._bytes += event_size(delta)
+        self._ready.set()
+
+    def end(self, error: PlannerError | None) -> None:
+        """End the stream after what is queued (or at once for an overflow)."""
+        if self.closed:
+            return
+        self.closed = True
+        self._items.append(StreamEnd(error))
+        self._ready.set()
+
+    def _push(self, event: SessionEvent) -> None:
+        size = event_size(event)
+        if len(self._items) >= self.max_events or self._bytes + size > self.max_bytes:
+            self._items.clear()
+            self._bytes = 0
+            self.end(
+                ResourceExhausted(
+                    "the stream fell behind; reopen with after_sequence",
+                    reason="SLOW_CONSUMER",
+                    metadata={"last_sequence": str(self.last_sequence - 1)},
+                )
+            )
+            return
+        self._items.append(event)
+        self._bytes += size
+        self._ready.set()
+
+    async def get(self) -> object:
+        """Wait for and return the next item."""
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        item = self._items.popleft()
+        self._bytes = max(0, self._bytes - event_size(item))
+        return item
+
+    @property
+    def has_gap(self) -> bool:
+        """True when events wait in the reorder buffer for a missing sequence."""
+        return bool(self._pending)
+
+
+class Hub:
+    """Routes a process's session events and text deltas to the attached streams."""
+
+    def __init__(
+        self, read_events: EventReader, *, max_events: int = 1000, max_bytes: int = 1 << 20
+    ) -> None:
+        self._read = read_events
+        self._max_events = max_events
+        self._max_bytes = max_bytes
+        self._queues: dict[str, set[StreamQueue]] = {}
+        self._answers: dict[str, TextDelta] = {}
+        self._filling: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # ----------------------------------------------------------------- streams
+
+    def attach(self, session_id: str, human_id: str, after_sequence: int) -> StreamQueue:
+        """Attach a stream to a session; it gets events after ``after_sequence``.
+
+        The caller replays stored events with ``replay`` before reading live ones.
+        """
+        queue = StreamQueue(
+            session_id,
+            human_id,
+            after_sequence,
+            max_events=self._max_events,
+            max_bytes=self._max_bytes,
+        )
+        self._queues.setdefault(session_id, set()).add(queue)
+        return queue
+
+    def detach(self, queue: StreamQueue) -> None:
+        """Detach a stream; idempotent."""
+        queues = self._queues.get(queue.session_id)
+        if queues is not None:
+            queues.discard(queue)
+            if not queues:
+                del self._queues[queue.session_id]
+        queue.closed = True
+
+    async def replay(self, queue: StreamQueue, until_sequence: int) -> None:
+        """Queue the stored events after the queue's position up to ``until_sequence``.
+
+        Then, if an answer is streaming, one text delta with the text so far (SPEC 3).
+        """
+        while queue.last_sequence < until_sequence and not queue.closed:
+            batch = await self._read(
+                queue.session_id,
+                queue.last_sequence,
+                min(500, until_sequence - queue.last_sequence),
+            )
+            if not batch:
+                break
+            for event in batch:
+                queue.offer(event)
+        answer = self._answers.get(queue.session_id)
+        if answer is not None:
+            queue.offer_delta(answer)
+
+    def stream_count(self, human_id: str | None = None) -> int:
+        """Open streams in this process, of one human when given."""
+        return sum(
+            1
+            for queues in self._queues.values()
+            for q in queues
+            if human_id is None or q.human_id == human_id
+        )
+
+    # --------------------------------------------------------------- publishing
+
+    def publish(self, events: list[SessionEvent]) -> None:
+        """Deliver events committed by this process (call after the commit)."""
+        for event in events:
+            if event.kind in (EventKind.ASSISTANT_MESSAGE, EventKind.TURN_ENDED):
+                answer = self._answers.get(event.session_id)
+                if answer is not None and (
+                    event.kind is EventKind.TURN_ENDED
+                    or (event.message is not None and event.message.message_id == answer.message_id)
+                ):
+                    del self._answers[event.session_id]
+            for queue in tuple(self._queues.get(event.session_id, ())):
+                if queue.offer(event):
+                    self._schedule_fill(event.session_id)
+
+    def publish_delta(self, delta: TextDelta) -> None:
+        """Deliver a text delta to this process's streams of the session."""
+        current = self._answers.get(delta.session_id)
+        if current is not None and current.message_id == delta.message_id:
+            self._answers[delta.session_id] = TextDelta(
+                delta.session_id,
+                delta.turn_id,
+                delta.message_id,
+                0,
+                current.text + delta.text,
+            )
+        else:
+            self._answers[delta.session_id] = TextDelta(
+                delta.session_id, delta.turn_id, delta.message_id, 0, delta.text
+            )
+        for queue in tuple(self._queues.get(delta.session_id, ())):
+            queue.offer_delta(delta)
+
+    def clear_answer(self, session_id: str) -> None:
+        """Forget a streaming answer that ended without an assistant message."""
+        self._answers.pop(session_id, None)
+
+    async def on_remote_events(self, session_id: str, last_sequence: int) -> None:
+        """Another replica committed events of ``session_id`` up to ``last_sequence``;
+        ``-1`` means the session was deleted."""
+        if last_sequence < 0:
+            self.session_deleted(session_id)
+            return
+        queues = self._queues.get(session_id)
+        if queues and any(q.last_sequence < last_sequence for q in queues):
+            await self._fill(session_id)
+
+    async def resync(self) -> None:
+        """Re-read every attached session (after the notifier reconnected)."""
+        for session_id in tuple(self._queues):
+            await self._fill(session_id)
+
+    def session_deleted(self, session_id: str) -> None:
+        """End every stream of a deleted session with NOT_FOUND."""
+        for queue in tuple(self._queues.pop(session_id, ())):
+            queue.end(NotFound("the session was deleted", reason="SESSION_NOT_FOUND"))
+        self._answers.pop(session_id, None)
+
+    def close_all(self, error: PlannerError | None) -> None:
+        """End every stream (shutdown)."""
+        for session_id in tuple(self._queues):
+            for queue in tuple(self._queues.pop(session_id, ())):
+                queue.end(error)
+
+    # ------------------------------------------------------------------ gaps
+
+    def _schedule_fill(self, session_id: str) -> None:
+        if session_id in self._filling:
+            return
+        self._filling.add(session_id)
+        task = asyncio.get_running_loop().create_task(self._fill_later(session_id))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _fill_later(self, session_id: str) -> None:
+        try:
+            # Out-of-order local commits fill their own gap within a few loop turns;
+            # read the store only for a gap that stays.
+            for _ in range(3):
+                await asyncio.sleep(0)
+            if any(q.has_gap for q in self._queues.get(session_id, ())):
+                await self._fill(session_id)
+        except Exception:
+            log.exception("filling a gap in session events failed")
+        finally:
+            self._filling.discard(session_id)
+
+    async def _fill(self, session_id: str) -> None:
+        queues = tuple(self._queues.get(session_id, ()))
+        if not queues:
+            return
+        start = min(q.last_sequence for q in queues)
+        while True:
+            batch = await self._read(session_id, start, 500)
+            if not batch:
+                return
+            for event in batch:
+                self.publish([event])
+            start = batch[-1].sequence
+            if len(batch) < 500:
+                return
