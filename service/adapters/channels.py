@@ -1,0 +1,123 @@
+"""Outbound gRPC channels to the planner's dependencies (SPEC sections 4 and 8).
+
+Every outbound channel takes TLS settings (CA, and for mTLS a client certificate and
+key); plaintext is allowed only to a loopback address or with an explicit
+``insecure = true`` (SPEC section 4, Identity and authority). Keepalive follows SPEC
+section 8: a ping every 60 s with a 20 s timeout.
+
+Nothing here does I/O at import time; certificate files are read when a channel is made.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+#: Keepalive of every outbound channel, in milliseconds (SPEC section 8).
+KEEPALIVE_TIME_MS = 60_000
+KEEPALIVE_TIMEOUT_MS = 20_000
+
+
+@dataclass(frozen=True)
+class ChannelTls:
+    """TLS settings of one outbound channel.
+
+    ``ca_file`` is a PEM bundle of the roots to trust (None: the system's roots).
+    ``cert_file`` and ``key_file`` are the planner's client certificate and key in PEM,
+    for mTLS; give both or neither. ``server_name`` overrides the name checked against the
+    server's certificate (for addresses that are not the certificate's name).
+    """
+
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    server_name: str | None = None
+
+
+def make_channel(
+    address: str,
+    *,
+    tls: ChannelTls | None,
+    insecure: bool,
+    max_receive_bytes: int | None = None,
+) -> grpc.aio.Channel:
+    """Make a ``grpc.aio`` channel to ``address`` (``host:port``, ``[v6]:port``,
+    ``dns:///host:port``, ``unix:path``...).
+
+    With ``tls``, a secure channel (mTLS when a client certificate is configured). Without
+    it, a plaintext channel, but only to a loopback address or a Unix socket, or when
+    ``insecure`` is true. ``max_receive_bytes`` caps received messages (bytes; None: gRPC's
+    default of 4 MiB).
+
+    Raises ``ValueError`` (plaintext to a non-loopback address without ``insecure``, or
+    only one of ``cert_file``/``key_file``) and ``OSError`` (a certificate file cannot be
+    read).
+    """
+    options: list[tuple[str, int | str]] = [
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ]
+    if max_receive_bytes is not None:
+        if max_receive_bytes <= 0:
+            raise ValueError("max_receive_bytes must be positive")
+        options.append(("grpc.max_receive_message_length", max_receive_bytes))
+    if tls is not None:
+        if (tls.cert_file is None) != (tls.key_file is None):
+            raise ValueError(
+                f"TLS for {address}: give both a client certificate and its key, or neither"
+            )
+        if tls.server_name:
+            options.append(("grpc.ssl_target_name_override", tls.server_name))
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=_read(tls.ca_file),
+            private_key=_read(tls.key_file),
+            certificate_chain=_read(tls.cert_file),
+        )
+        return grpc.aio.secure_channel(address, credentials, options=options)
+    if not insecure and not is_loopback(address):
+        raise ValueError(
+            f"refusing a plaintext channel to {address}: configure TLS for it, or set "
+            "insecure = true to allow plaintext to a non-loopback address"
+        )
+    return grpc.aio.insecure_channel(address, options=options)
+
+
+def _read(path: Path | None) -> bytes | None:
+    return None if path is None else path.read_bytes()
+
+
+def is_loopback(address: str) -> bool:
+    """True when ``address`` stays on this machine: ``localhost``, a loopback IP
+    (127.0.0.0/8, ``::1``) with or without a port and a gRPC name scheme, or a Unix
+    socket. Any other name is not, even if it resolves to loopback: resolution may
+    change, the configuration does not."""
+    target = address.strip()
+    if target.startswith(("unix:", "unix-abstract:")):
+        return True
+    for scheme in ("dns:///", "dns:", "ipv4:", "ipv6:"):
+        if target.startswith(scheme):
+            target = target[len(scheme) :]
+            break
+    # ``ipv4:`` and ``ipv6:`` targets may list several addresses; all must be local.
+    return all(_loopback_host(_host(part)) for part in target.split(","))
+
+
+def _loopback_host(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _host(target: str) -> str:
+    if target.startswith("["):
+        return target[1 : target.find("]")] if "]" in target else target
+    if target.count(":") == 1:
+        return target.split(":", 1)[0]
+    # No port, or a bare IPv6 address.
+    return target
