@@ -1,0 +1,40 @@
+"""The devstack's LLM gateway (SPEC section 9): `ballet.llm.v1.GatewayService` over a
+provider (`scripted`, SPEC section 10, or `openai`), with a per-project usage ledger.
+
+Modules: `base` (the provider port: chunks, `ProviderError`), `scripted`, `openai_provider`,
+`ledger`, `service` (the servicer and `add_gateway_service`). Nothing here does I/O at
+import time.
+"""
+
+from devstack.gateway.base import (
+    FinishChunk,
+    FinishReason,
+    Provider,
+    ProviderChunk,
+    ProviderError,
+    TextChunk,
+    ToolCallChunk,
+    Usage,
+)
+from devstack.gateway.ledger import UsageLedger, UsageRecord, UsageTotals
+from devstack.gateway.scripted import Scenario, ScenarioError, ScriptedProvider
+from devstack.gateway.service import GatewayServicer, add_gateway_service
+
+__all__ = [
+    "FinishChunk",
+    "FinishReason",
+    "GatewayServicer",
+    "Provider",
+    "ProviderChunk",
+    "ProviderError",
+    "Scenario",
+    "ScenarioError",
+    "ScriptedProvider",
+    "TextChunk",
+    "ToolCallChunk",
+    "Usage",
+    "UsageLedger",
+    "UsageRecord",
+    "UsageTotals",
+    "add_gateway_service",
+]

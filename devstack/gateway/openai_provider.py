@@ -1,0 +1,482 @@
+"""The `openai` provider: any OpenAI-compatible Chat Completions endpoint (SPEC section 9).
+
+It speaks through the official SDK (`openai.AsyncOpenAI`), streaming, so it works with
+the OpenAI API and with local servers that copy it (vLLM, Ollama, llama.cpp).
+
+Request conversion (`ballet.llm.v1.GenerateRequest` to a Chat Completions body):
+
+- `system_prompt` -> a leading `{"role": "system"}` message (when not empty);
+- user -> `{"role": "user", "content": text}`;
+- assistant -> `{"role": "assistant", "content": text or null, "tool_calls": [{"id",
+  "type": "function", "function": {"name", "arguments"}}]}` (`tool_calls` only when any);
+- tool -> `{"role": "tool", "tool_call_id", "content"}`; the result's `is_error` has no
+  Chat Completions field: the planner's error results say so in their content;
+- tools -> `{"type": "function", "function": {"name", "description", "parameters"}}`
+  (none sent for compaction: the API refuses an empty list);
+- `stream=True` with `stream_options={"include_usage": True}`; `max_output_tokens` > 0 ->
+  `max_tokens` or `max_completion_tokens` (constructor choice);
+- model: `GenerateRequest.model` when set, else the provider's default.
+
+Streaming: text deltas are yielded as they arrive; tool-call fragments are assembled by
+their `index` (which need not start at 0: id and name come with the first fragment of an
+index, arguments in any number of fragments, split anywhere) and yielded, complete and in
+index order, after the stream ends; usage comes from the final chunk (empty `choices`).
+Finish reasons: stop -> STOP, tool_calls/function_call -> TOOL_CALLS, length -> LENGTH,
+content_filter -> CONTENT_FILTER; a server that says "stop" (or nothing) while calling
+tools (some local servers do) gets TOOL_CALLS.
+
+Errors (`ProviderError`, code / ErrorInfo reason):
+
+- connection failure, HTTP 5xx, an error event inside the stream -> UNAVAILABLE;
+- timeout, HTTP 408 -> DEADLINE_EXCEEDED;
+- HTTP 429 -> RESOURCE_EXHAUSTED / RATE_LIMITED with the Retry-After delay, or
+  QUOTA_EXCEEDED when the error code or type is `insufficient_quota`;
+- HTTP 401 -> UNAUTHENTICATED / CREDENTIAL_EXPIRED: the provider refused the project's
+  credential. The HTTP answer cannot tell expired from revoked or mistyped, and all need
+  the same fix (a new credential), which is the turn failure the planner reports (SPEC
+  section 3); UNAUTHENTICATED is not retried by the planner (SPEC section 5);
+- HTTP 403 -> PERMISSION_DENIED; 404 -> NOT_FOUND (usually an unknown model or a wrong
+  base URL); 400 and 422 -> INVALID_ARGUMENT (reason CONTEXT_LENGTH_EXCEEDED when the
+  error code says so); 409 -> ABORTED; other statuses -> UNKNOWN;
+- an answer the SDK cannot parse -> INTERNAL.
+
+The SDK's own retries are off (`max_retries=0` by default): the planner retries per SPEC
+section 5, and two layers of retries would multiply the attempts and the latency.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import grpc
+import openai
+from ballet.llm.v1 import gateway_pb2
+from openai.types.chat import (
+    ChatCompletionAssistantMessageParam,
+    ChatCompletionChunk,
+    ChatCompletionFunctionToolParam,
+    ChatCompletionMessageFunctionToolCallParam,
+    ChatCompletionMessageParam,
+    ChatCompletionToolMessageParam,
+)
+
+from devstack.gateway.base import (
+    REASON_CREDENTIAL_EXPIRED,
+    REASON_QUOTA_EXCEEDED,
+    REASON_RATE_LIMITED,
+    FinishChunk,
+    FinishReason,
+    ProviderChunk,
+    ProviderError,
+    TextChunk,
+    ToolCallChunk,
+    Usage,
+    new_tool_call_id,
+)
+
+DEFAULT_BASE_URL = "https://api.openai.com/v1"
+
+ENV_BASE_URL = "BALLET_OPENAI_BASE_URL"
+ENV_API_KEY = "BALLET_OPENAI_API_KEY"
+ENV_MODEL = "BALLET_OPENAI_MODEL"
+ENV_TOKEN_LIMIT_PARAM = "BALLET_OPENAI_TOKEN_LIMIT_PARAM"
+ENV_TIMEOUT_S = "BALLET_OPENAI_TIMEOUT_S"
+
+# Local OpenAI-compatible servers ignore the key, but the SDK insists on one.
+_PLACEHOLDER_API_KEY = "unused"
+
+REASON_CONTEXT_LENGTH_EXCEEDED = "CONTEXT_LENGTH_EXCEEDED"
+REASON_MODEL_REQUIRED = "MODEL_REQUIRED"
+REASON_INVALID_TOOL_SCHEMA = "INVALID_TOOL_SCHEMA"
+
+TokenLimitParam = Literal["max_tokens", "max_completion_tokens"]
+
+_FINISH_REASONS: Mapping[str, FinishReason] = {
+    "stop": FinishReason.STOP,
+    "tool_calls": FinishReason.TOOL_CALLS,
+    "function_call": FinishReason.TOOL_CALLS,
+    "length": FinishReason.LENGTH,
+    "content_filter": FinishReason.CONTENT_FILTER,
+}
+
+
+class ConfigError(ValueError):
+    """The provider's environment settings are missing or invalid; names the variable."""
+
+
+@dataclass(frozen=True, slots=True)
+class OpenAIConfig:
+    """Settings of the `openai` provider.
+
+    Attributes:
+        base_url: the endpoint's base URL, up to and including `/v1`.
+        api_key: the key sent as `Authorization: Bearer`; the devstack uses this one key
+            for every `credential_ref`.
+        model: the default model, used when `GenerateRequest.model` is empty.
+        token_limit_param: which body field carries `max_output_tokens` (OpenAI's
+            reasoning models want `max_completion_tokens`; many local servers know only
+            `max_tokens`).
+        timeout_s: the HTTP timeout of one call, in seconds.
+    """
+
+    base_url: str = DEFAULT_BASE_URL
+    api_key: str = field(default=_PLACEHOLDER_API_KEY, repr=False)
+    model: str = ""
+    token_limit_param: TokenLimitParam = "max_tokens"
+    timeout_s: float = 600.0
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> OpenAIConfig:
+        """Read the settings from the environment.
+
+        Variables: `BALLET_OPENAI_BASE_URL` (else `OPENAI_BASE_URL`, else the OpenAI API),
+        `BALLET_OPENAI_API_KEY` (else `OPENAI_API_KEY`; required for the OpenAI API, a
+        placeholder is sent to other endpoints), `BALLET_OPENAI_MODEL` (the default
+        model), `BALLET_OPENAI_TOKEN_LIMIT_PARAM` (`max_tokens` or
+        `max_completion_tokens`), `BALLET_OPENAI_TIMEOUT_S` (seconds, default 600).
+
+        Raises:
+            ConfigError: a variable is invalid, or no key is set for the OpenAI API.
+        """
+        env = os.environ if environ is None else environ
+        base_url = env.get(ENV_BASE_URL) or env.get("OPENAI_BASE_URL") or DEFAULT_BASE_URL
+        api_key = env.get(ENV_API_KEY) or env.get("OPENAI_API_KEY") or ""
+        if not api_key:
+            if base_url.rstrip("/") == DEFAULT_BASE_URL:
+                raise ConfigError(
+                    f"{ENV_API_KEY} (or OPENAI_API_KEY) is required for {DEFAULT_BASE_URL}; "
+                    f"for a local server set {ENV_BASE_URL}"
+                )
+            api_key = _PLACEHOLDER_API_KEY
+        limit_param = env.get(ENV_TOKEN_LIMIT_PARAM) or "max_tokens"
+        if limit_param not in ("max_tokens", "max_completion_tokens"):
+            raise ConfigError(
+                f"{ENV_TOKEN_LIMIT_PARAM} must be max_tokens or max_completion_tokens, "
+                f"got {limit_param!r}"
+            )
+        timeout_text = env.get(ENV_TIMEOUT_S) or "600"
+        try:
+            timeout_s = float(timeout_text)
+        except ValueError:
+            timeout_s = -1.0
+        if not timeout_s > 0:
+            raise ConfigError(
+                f"{ENV_TIMEOUT_S} must be a number of seconds > 0, got {timeout_text!r}"
+            )
+        token_limit_param: TokenLimitParam = (
+            "max_tokens" if limit_param == "max_tokens" else "max_completion_tokens"
+        )
+        return cls(
+            base_url=base_url,
+            api_key=api_key,
+            model=env.get(ENV_MODEL, ""),
+            token_limit_param=token_limit_param,
+            timeout_s=timeout_s,
+        )
+
+
+class OpenAIProvider:
+    """The `openai` provider (see the module docstring for the conversions and errors).
+
+    Args:
+        base_url: the endpoint's base URL, e.g. `https://api.openai.com/v1` or
+            `http://127.0.0.1:11434/v1`.
+        api_key: the bearer key (any non-empty text for servers that ignore it).
+        model: the default model, used when the request's `model` is empty.
+        token_limit_param: the body field for `max_output_tokens`.
+        timeout_s: the HTTP timeout of one call, in seconds.
+        max_retries: the SDK's own retries; 0 because the planner retries.
+    """
+
+    def __init__(
+        self,
+        *,
+        base_url: str,
+        api_key: str,
+        model: str = "",
+        token_limit_param: TokenLimitParam = "max_tokens",
+        timeout_s: float = 600.0,
+        max_retries: int = 0,
+    ) -> None:
+        self.model = model
+        self.token_limit_param: TokenLimitParam = token_limit_param
+        self._client = openai.AsyncOpenAI(
+            base_url=base_url,
+            api_key=api_key or _PLACEHOLDER_API_KEY,
+            timeout=timeout_s,
+            max_retries=max_retries,
+        )
+
+    @classmethod
+    def from_config(cls, config: OpenAIConfig) -> OpenAIProvider:
+        """A provider with these settings."""
+        return cls(
+            base_url=config.base_url,
+            api_key=config.api_key,
+            model=config.model,
+            token_limit_param=config.token_limit_param,
+            timeout_s=config.timeout_s,
+        )
+
+    async def aclose(self) -> None:
+        """Close the HTTP connections."""
+        await self._client.close()
+
+    async def generate(self, request: gateway_pb2.GenerateRequest) -> AsyncIterator[ProviderChunk]:
+        """Stream one Chat Completions answer as provider chunks.
+
+        Raises:
+            ProviderError: see the module docstring for the mapping; INVALID_ARGUMENT
+                (`MODEL_REQUIRED`) when neither the request nor the provider names a model,
+                (`INVALID_TOOL_SCHEMA`) when a tool's schema is not a JSON object.
+        """
+        model = request.model or self.model
+        if not model:
+            raise ProviderError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"no model: the request names none and {ENV_MODEL} is not set",
+                reason=REASON_MODEL_REQUIRED,
+            )
+        messages = chat_messages(request)
+        tools = chat_tools(request)
+        limit = request.max_output_tokens if request.max_output_tokens > 0 else None
+        use_max_tokens = self.token_limit_param == "max_tokens"
+        assembler = _ToolCallAssembler()
+        finish_reason: str | None = None
+        usage: Usage | None = None
+        try:
+            stream = await self._client.chat.completions.create(
+                model=model,
+                messages=messages,
+                tools=tools if tools else openai.omit,
+                stream=True,
+                stream_options={"include_usage": True},
+                max_tokens=limit if limit is not None and use_max_tokens else openai.omit,
+                max_completion_tokens=(
+                    limit if limit is not None and not use_max_tokens else openai.omit
+                ),
+            )
+            async with stream:
+                async for chunk in stream:
+                    if chunk.usage is not None:
+                        usage = Usage(
+                            input_tokens=chunk.usage.prompt_tokens,
+                            output_tokens=chunk.usage.completion_tokens,
+                        )
+                    for text in _read_choices(chunk, assembler):
+                        yield TextChunk(text)
+                    for choice in chunk.choices:
+                        if choice.index == 0 and choice.finish_reason is not None:
+                            finish_reason = choice.finish_reason
+        except openai.OpenAIError as exc:
+            raise translate_error(exc) from exc
+        calls = assembler.calls()
+        for call in calls:
+            yield call
+        reason = _FINISH_REASONS.get(finish_reason or "", FinishReason.UNSPECIFIED)
+        if calls and reason in (FinishReason.STOP, FinishReason.UNSPECIFIED):
+            reason = FinishReason.TOOL_CALLS
+        yield FinishChunk(reason=reason, usage=usage)
+
+
+def _read_choices(chunk: ChatCompletionChunk, assembler: _ToolCallAssembler) -> list[str]:
+    # Only choice 0 exists: the request never sets n > 1.
+    texts: list[str] = []
+    for choice in chunk.choices:
+        if choice.index != 0:
+            continue
+        delta = choice.delta
+        if delta.content:
+            texts.append(delta.content)
+        # A refusal is the model's answer to the human; show it as text.
+        if delta.refusal:
+            texts.append(delta.refusal)
+        for fragment in delta.tool_calls or ():
+            function = fragment.function
+            assembler.add(
+                fragment.index,
+                fragment.id,
+                function.name if function else None,
+                function.arguments if function else None,
+            )
+    return texts
+
+
+class _ToolCallAssembler:
+    """Tool-call fragments gathered by index until the stream ends."""
+
+    def __init__(self) -> None:
+        self._ids: dict[int, str] = {}
+        self._names: dict[int, str] = {}
+        self._arguments: dict[int, list[str]] = {}
+
+    def add(self, index: int, call_id: str | None, name: str | None, arguments: str | None) -> None:
+        self._arguments.setdefault(index, [])
+        # Some servers repeat the id and name on later fragments; the first one counts.
+        if call_id and index not in self._ids:
+            self._ids[index] = call_id
+        if name and index not in self._names:
+            self._names[index] = name
+        if arguments:
+            self._arguments[index].append(arguments)
+
+    def calls(self) -> list[ToolCallChunk]:
+        return [
+            ToolCallChunk(
+                # A few compatible servers send no id; the planner needs one to pair results.
+                id=self._ids.get(index) or new_tool_call_id(),
+                name=self._names.get(index, ""),
+                arguments="".join(self._arguments[index]),
+            )
+            for index in sorted(self._arguments)
+        ]
+
+
+def chat_messages(request: gateway_pb2.GenerateRequest) -> list[ChatCompletionMessageParam]:
+    """The Chat Completions `messages` of a request (see the module docstring).
+
+    Raises:
+        ProviderError: INVALID_ARGUMENT for a message whose role is unspecified.
+    """
+    messages: list[ChatCompletionMessageParam] = []
+    if request.system_prompt:
+        messages.append({"role": "system", "content": request.system_prompt})
+    for index, message in enumerate(request.messages):
+        if message.role == gateway_pb2.ROLE_USER:
+            messages.append({"role": "user", "content": message.text})
+        elif message.role == gateway_pb2.ROLE_ASSISTANT:
+            assistant: ChatCompletionAssistantMessageParam = {
+                "role": "assistant",
+                "content": message.text or (None if message.tool_calls else ""),
+            }
+            if message.tool_calls:
+                calls: list[ChatCompletionMessageFunctionToolCallParam] = [
+                    {
+                        "id": call.id,
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": call.arguments},
+                    }
+                    for call in message.tool_calls
+                ]
+                assistant["tool_calls"] = calls
+            messages.append(assistant)
+        elif message.role == gateway_pb2.ROLE_TOOL:
+            result: ChatCompletionToolMessageParam = {
+                "role": "tool",
+                "tool_call_id": message.tool_result.tool_call_id,
+                "content": message.tool_result.content,
+            }
+            messages.append(result)
+        else:
+            raise ProviderError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"messages[{index}].role is unspecified"
+            )
+    return messages
+
+
+def chat_tools(request: gateway_pb2.GenerateRequest) -> list[ChatCompletionFunctionToolParam]:
+    """The Chat Completions `tools` of a request; an empty schema means "no arguments".
+
+    Raises:
+        ProviderError: INVALID_ARGUMENT (`INVALID_TOOL_SCHEMA`) naming the tool whose
+            schema is not a JSON object.
+    """
+    tools: list[ChatCompletionFunctionToolParam] = []
+    for tool in request.tools:
+        schema_text = tool.parameters_json_schema or '{"type":"object","properties":{}}'
+        try:
+            schema = json.loads(schema_text)
+        except json.JSONDecodeError as exc:
+            raise _bad_schema(tool.name, f"not JSON: {exc}") from exc
+        if not isinstance(schema, dict):
+            raise _bad_schema(tool.name, "not a JSON object")
+        tools.append(
+            {
+                "type": "function",
+                "function": {
+                    "name": tool.name,
+                    "description": tool.description,
+                    "parameters": schema,
+                },
+            }
+        )
+    return tools
+
+
+def _bad_schema(name: str, problem: str) -> ProviderError:
+    return ProviderError(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"the JSON Schema of tool {name!r} is {problem}",
+        reason=REASON_INVALID_TOOL_SCHEMA,
+    )
+
+
+def translate_error(exc: openai.OpenAIError) -> ProviderError:
+    """The `ProviderError` for an SDK error (see the module docstring for the table)."""
+    if isinstance(exc, openai.APITimeoutError):
+        return ProviderError(grpc.StatusCode.DEADLINE_EXCEEDED, f"model call timed out: {exc}")
+    if isinstance(exc, openai.APIConnectionError):
+        return ProviderError(grpc.StatusCode.UNAVAILABLE, f"model endpoint unreachable: {exc}")
+    if isinstance(exc, openai.APIResponseValidationError):
+        return ProviderError(grpc.StatusCode.INTERNAL, f"unexpected model answer: {exc}")
+    if isinstance(exc, openai.APIStatusError):
+        return _status_error(exc)
+    if isinstance(exc, openai.APIError):
+        # An error event inside an accepted stream: the provider broke off the answer.
+        return ProviderError(grpc.StatusCode.UNAVAILABLE, f"model stream failed: {exc.message}")
+    return ProviderError(grpc.StatusCode.UNKNOWN, f"model call failed: {exc}")
+
+
+def _status_error(exc: openai.APIStatusError) -> ProviderError:
+    status = exc.status_code
+    message = f"model endpoint answered HTTP {status}: {exc.message}"
+    codes = {exc.code, exc.type}
+    if status == 429:
+        if "insufficient_quota" in codes:
+            return ProviderError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, message, reason=REASON_QUOTA_EXCEEDED
+            )
+        return ProviderError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            message,
+            reason=REASON_RATE_LIMITED,
+            retry_after_s=_retry_after_s(exc.response.headers),
+        )
+    if status == 401:
+        return ProviderError(
+            grpc.StatusCode.UNAUTHENTICATED, message, reason=REASON_CREDENTIAL_EXPIRED
+        )
+    if status == 403:
+        return ProviderError(grpc.StatusCode.PERMISSION_DENIED, message)
+    if status == 404:
+        return ProviderError(grpc.StatusCode.NOT_FOUND, message)
+    if status in (400, 422):
+        reason = REASON_CONTEXT_LENGTH_EXCEEDED if "context_length_exceeded" in codes else None
+        return ProviderError(grpc.StatusCode.INVALID_ARGUMENT, message, reason=reason)
+    if status == 408:
+        return ProviderError(grpc.StatusCode.DEADLINE_EXCEEDED, message)
+    if status == 409:
+        return ProviderError(grpc.StatusCode.ABORTED, message)
+    if status >= 500:
+        return ProviderError(grpc.StatusCode.UNAVAILABLE, message)
+    return ProviderError(grpc.StatusCode.UNKNOWN, message)
+
+
+def _retry_after_s(headers: Mapping[str, str]) -> float | None:
+    # `retry-after-ms` is OpenAI's precise form; `retry-after` is seconds (an HTTP date
+    # form exists but rate limiters do not send it).
+    for name, divisor in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
+        value = headers.get(name)
+        if value is None:
+            continue
+        try:
+            seconds = float(value) / divisor
+        except ValueError:
+            continue
+        if seconds >= 0:
+            return seconds
+    return None

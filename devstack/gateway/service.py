@@ -1,0 +1,250 @@
+"""The devstack's `ballet.llm.v1.GatewayService` servicer (SPEC section 9).
+
+`Generate` refuses a request without `project_id` or `credential_ref`, with purpose
+unspecified, or with a message whose role is unspecified (INVALID_ARGUMENT); otherwise it
+streams the provider's answer as `GenerateResponse` chunks (text deltas, then tool calls,
+then the finish), meters finished calls in the `UsageLedger`, and turns a `ProviderError`
+into a `google.rpc.Status` with exactly one `ErrorInfo` (domain `llm.ballet`, AIP-193)
+plus a `RetryInfo` when the provider said when to retry.
+
+Every request received, refused ones included, is appended to `GatewayServicer.requests`
+in arrival order, so tests can assert on exactly what the model saw.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+from ballet.llm.v1 import gateway_pb2, gateway_pb2_grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from devstack.gateway.base import (
+    FinishChunk,
+    FinishReason,
+    Provider,
+    ProviderError,
+    TextChunk,
+    ToolCallChunk,
+)
+from devstack.gateway.ledger import UsageLedger, UsageRecord
+
+ERROR_DOMAIN = "llm.ballet"
+"""The `google.rpc.ErrorInfo.domain` of every error the gateway sends."""
+
+REASON_PROJECT_REQUIRED = "PROJECT_REQUIRED"
+REASON_CREDENTIAL_REF_REQUIRED = "CREDENTIAL_REF_REQUIRED"
+REASON_PURPOSE_REQUIRED = "PURPOSE_REQUIRED"
+REASON_ROLE_REQUIRED = "ROLE_REQUIRED"
+REASON_PROVIDER_FAILED = "PROVIDER_FAILED"
+
+_log = logging.getLogger(__name__)
+
+_FINISH_REASONS = {
+    FinishReason.UNSPECIFIED: gateway_pb2.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: gateway_pb2.FINISH_REASON_STOP,
+    FinishReason.TOOL_CALLS: gateway_pb2.FINISH_REASON_TOOL_CALLS,
+    FinishReason.LENGTH: gateway_pb2.FINISH_REASON_LENGTH,
+    FinishReason.CONTENT_FILTER: gateway_pb2.FINISH_REASON_CONTENT_FILTER,
+}
+_PURPOSE_NAMES = {
+    gateway_pb2.PURPOSE_TURN: "turn",
+    gateway_pb2.PURPOSE_COMPACTION: "compaction",
+}
+
+
+def rich_status(error: ProviderError) -> status_pb2.Status:
+    """The `google.rpc.Status` for a provider error: its code and message, one ErrorInfo
+    (domain `llm.ballet`, reason `error.error_reason`) and, when `retry_after_s` is set, a
+    RetryInfo with that delay."""
+    info = error_details_pb2.ErrorInfo(reason=error.error_reason, domain=ERROR_DOMAIN)
+    details = [_packed(info)]
+    if error.retry_after_s is not None:
+        seconds = int(error.retry_after_s)
+        nanos = round((error.retry_after_s - seconds) * 1e9)
+        delay = duration_pb2.Duration(seconds=seconds, nanos=min(nanos, 999_999_999))
+        details.append(_packed(error_details_pb2.RetryInfo(retry_delay=delay)))
+    code: int = error.code.value[0]
+    return status_pb2.Status(code=code, message=error.message, details=details)
+
+
+def _packed(message: error_details_pb2.ErrorInfo | error_details_pb2.RetryInfo) -> any_pb2.Any:
+    packed = any_pb2.Any()
+    packed.Pack(message)
+    return packed
+
+
+def _refusal(request: gateway_pb2.GenerateRequest) -> ProviderError | None:
+    def invalid(message: str, reason: str) -> ProviderError:
+        return ProviderError(grpc.StatusCode.INVALID_ARGUMENT, message, reason=reason)
+
+    if not request.project_id:
+        return invalid(
+            "project_id is required: every model call is metered to a project",
+            REASON_PROJECT_REQUIRED,
+        )
+    if not request.credential_ref:
+        return invalid(
+            "credential_ref is required: the gateway calls with the project's credential",
+            REASON_CREDENTIAL_REF_REQUIRED,
+        )
+    if request.purpose not in _PURPOSE_NAMES:
+        return invalid(
+            "purpose must be PURPOSE_TURN or PURPOSE_COMPACTION", REASON_PURPOSE_REQUIRED
+        )
+    for index, message in enumerate(request.messages):
+        if message.role == gateway_pb2.ROLE_UNSPECIFIED:
+            return invalid(f"messages[{index}].role is unspecified", REASON_ROLE_REQUIRED)
+    return None
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
+    """`ballet.llm.v1.GatewayService` over one provider.
+
+    Args:
+        provider: the model backend; the public `provider` attribute may be replaced
+            between calls (a test switching scenarios).
+        ledger: where finished calls are metered; a fresh `UsageLedger` by default.
+
+    Attributes:
+        requests: every `GenerateRequest` received, in arrival order (refused ones too).
+        ledger: the usage ledger.
+    """
+
+    def __init__(self, provider: Provider, *, ledger: UsageLedger | None = None) -> None:
+        self.provider = provider
+        self.ledger = ledger if ledger is not None else UsageLedger()
+        self.requests: list[gateway_pb2.GenerateRequest] = []
+
+    def reset(self) -> None:
+        """Forget the recorded requests and the ledger (between tests sharing a server)."""
+        self.requests.clear()
+        self.ledger.clear()
+
+    async def Generate(
+        self,
+        request: gateway_pb2.GenerateRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        """Stream one answer: text deltas, then tool calls, then the finish (always last).
+
+        Errors (status with ErrorInfo, domain `llm.ballet`): INVALID_ARGUMENT for a
+        refused request; the provider's status for a `ProviderError`; INTERNAL
+        (`PROVIDER_FAILED`) for any other provider failure or a chunk out of order.
+        """
+        self.requests.append(request)
+        refusal = _refusal(request)
+        if refusal is not None:
+            await self._abort(context, request, refusal)
+        error: ProviderError | None = None
+        finish: FinishChunk | None = None
+        saw_tool_call = False
+        try:
+            chunks = self.provider.generate(request)
+            try:
+                async for chunk in chunks:
+                    if finish is not None:
+                        raise _out_of_order("a chunk after the finish")
+                    if isinstance(chunk, TextChunk):
+                        if saw_tool_call:
+                            raise _out_of_order("a text delta after a tool call")
+                        yield gateway_pb2.GenerateResponse(
+                            text_delta=gateway_pb2.TextDelta(text=chunk.text)
+                        )
+                    elif isinstance(chunk, ToolCallChunk):
+                        saw_tool_call = True
+                        yield gateway_pb2.GenerateResponse(
+                            tool_call=gateway_pb2.ToolCall(
+                                id=chunk.id, name=chunk.name, arguments=chunk.arguments
+                            )
+                        )
+                    else:
+                        finish = chunk
+            finally:
+                # Ends the provider's stream (and its HTTP request) when the client
+                # cancels or the provider broke the contract.
+                await _close(chunks)
+            if finish is None:
+                raise _out_of_order("the answer ended without a finish")
+        except ProviderError as exc:
+            error = exc
+        except Exception as exc:
+            # A provider bug must still reach the planner as a status it can read.
+            _log.exception("provider failed: request_id=%s", request.request_id)
+            error = ProviderError(
+                grpc.StatusCode.INTERNAL,
+                f"the provider failed: {type(exc).__name__}: {exc}",
+                reason=REASON_PROVIDER_FAILED,
+            )
+        if error is not None:
+            await self._abort(context, request, error)
+        assert finish is not None
+        self.ledger.record(
+            UsageRecord(
+                project_id=request.project_id,
+                credential_ref=request.credential_ref,
+                purpose=_PURPOSE_NAMES[request.purpose],
+                model=request.model,
+                request_id=request.request_id,
+                usage=finish.usage,
+            )
+        )
+        _log.info(
+            "generate done: project=%s purpose=%s request_id=%s finish=%s usage=%s",
+            request.project_id,
+            _PURPOSE_NAMES[request.purpose],
+            request.request_id,
+            finish.reason.value,
+            finish.usage,
+        )
+        response_finish = gateway_pb2.Finish(reason=_FINISH_REASONS[finish.reason])
+        if finish.usage is not None:
+            response_finish.usage.CopyFrom(
+                gateway_pb2.Usage(
+                    input_tokens=finish.usage.input_tokens,
+                    output_tokens=finish.usage.output_tokens,
+                )
+            )
+        yield gateway_pb2.GenerateResponse(finish=response_finish)
+
+    async def _abort(
+        self,
+        context: grpc.aio.ServicerContext,
+        request: gateway_pb2.GenerateRequest,
+        error: ProviderError,
+    ) -> None:
+        _log.info(
+            "generate failed: project=%s request_id=%s code=%s reason=%s",
+            request.project_id,
+            request.request_id,
+            error.code.name,
+            error.error_reason,
+        )
+        await context.abort_with_status(rpc_status.to_status(rich_status(error)))
+
+
+async def _close(chunks: AsyncIterator[object]) -> None:
+    aclose = getattr(chunks, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+def _out_of_order(what: str) -> ProviderError:
+    return ProviderError(
+        grpc.StatusCode.INTERNAL,
+        f"the provider broke the gateway contract: {what}",
+        reason=REASON_PROVIDER_FAILED,
+    )
+
+
+def add_gateway_service(
+    server: grpc.aio.Server, provider: Provider, *, ledger: UsageLedger | None = None
+) -> GatewayServicer:
+    """Register a `GatewayServicer` over `provider` on a grpc.aio server (before it
+    starts) and return it, so the caller can read its `requests` and `ledger`."""
+    servicer = GatewayServicer(provider, ledger=ledger)
+    gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
+    return servicer
