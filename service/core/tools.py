@@ -50,8 +50,9 @@ TOOL_SCHEMA_VERSION = "tools-2026-11-1"
 MAX_RESULT_BYTES = 16 * 1024
 #: The default deadline of one tool's backend work, in seconds (SPEC section 5, Deadlines).
 DEFAULT_TOOL_TIMEOUT_S = 10.0
-# The runner's own timer fires this much after the backend's deadline, so the backend's
-# DEADLINE_EXCEEDED normally wins and this only guards a backend that ignores deadlines.
+# The runner's own timer fires a little after the backend's deadline (at most this much),
+# so the backend's DEADLINE_EXCEEDED normally wins and the timer only guards a backend
+# that ignores deadlines.
 _TIMER_SLACK_S = 0.5
 # Error messages from backends are for the model; keep them short.
 _MAX_ERROR_MESSAGE_CHARS = 1000
@@ -597,7 +598,7 @@ class ToolRunner:
             timeout_s=timeout_s,
         )
         try:
-            async with asyncio.timeout(timeout_s + _TIMER_SLACK_S):
+            async with asyncio.timeout(timeout_s + min(_TIMER_SLACK_S, timeout_s / 2)):
                 result = await self._backends.invoke(backend_call)
         except TimeoutError:
             raise _deadline(spec) from None
