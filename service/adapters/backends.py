@@ -15,7 +15,7 @@ it.
 
 Errors (STYLE rules 5 and 6): an upstream ``grpc.aio.AioRpcError`` is parsed once, in
 ``upstream_error``, and translated by one of two tables: ``tool_failure`` for tool calls
-(the model gets an error result) and ``_project_error``/``_skill_error`` for the system
+(the model gets an error result) and ``project_error``/``skill_error`` for the system
 prompt's reads (domain ``PlannerError``s the transport maps to status codes).
 """
 
@@ -126,7 +126,7 @@ def tool_failure(error: UpstreamError) -> ToolFailure:
     return ToolFailure(reason, error.message or reason.lower().replace("_", " "))
 
 
-def _project_error(error: UpstreamError, project_id: str) -> PlannerError:
+def project_error(error: UpstreamError, project_id: str) -> PlannerError:
     # NOT_FOUND and PERMISSION_DENIED look the same, so existence does not leak (SPEC 4).
     if error.code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED):
         return NotFound(f"project {project_id!r} not found", reason="PROJECT_NOT_FOUND")
@@ -138,7 +138,7 @@ def _project_error(error: UpstreamError, project_id: str) -> PlannerError:
     )
 
 
-def _skill_error(error: UpstreamError, name: str) -> PlannerError:
+def skill_error(error: UpstreamError, name: str) -> PlannerError:
     if error.code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED):
         return NotFound(f"skill {name!r} not found", reason="SKILL_NOT_FOUND")
     if error.code == grpc.StatusCode.UNAUTHENTICATED:
@@ -216,7 +216,7 @@ class GrpcToolBackends:
                 request, metadata=self._metadata(acting), timeout=timeout_s
             )
         except grpc.aio.AioRpcError as error:
-            raise _project_error(upstream_error(error), project_id) from None
+            raise project_error(upstream_error(error), project_id) from None
         project = response.project
         return ProjectInfo(
             project_id=project.project_id,
@@ -244,7 +244,7 @@ class GrpcToolBackends:
                 request, metadata=self._metadata(acting), timeout=timeout_s
             )
         except grpc.aio.AioRpcError as error:
-            raise _skill_error(upstream_error(error), name) from None
+            raise skill_error(upstream_error(error), name) from None
         return SkillDocument(
             name=response.skill.name or name,
             version=response.skill.version,

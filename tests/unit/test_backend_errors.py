@@ -1,0 +1,117 @@
+"""The one translation of backend RPC failures (STYLE rules 5 and 6), pinned as tables.
+
+``tool_failure``: what the model sees for a failed tool call (SPEC section 5 step 5).
+``get_project``/``read_skill``: which domain error ends session creation or a turn
+(SPEC sections 4 and 5 step 2). No I/O: the errors are built as grpc.aio raises them.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2  # type: ignore[import-untyped, unused-ignore]
+
+from service.adapters.backends import (
+    UpstreamError,
+    project_error,
+    skill_error,
+    tool_failure,
+    upstream_error,
+)
+from service.core.errors import NotFound, PlannerError, Unauthenticated, Unavailable
+
+Code = grpc.StatusCode
+
+
+def rpc_error(code: grpc.StatusCode, message: str, reason: str = "") -> grpc.aio.AioRpcError:
+    """An ``AioRpcError`` carrying a ``google.rpc.Status`` with one ``ErrorInfo``."""
+    trailing = grpc.aio.Metadata()
+    if reason:
+        detail = any_pb2.Any()
+        detail.Pack(error_details_pb2.ErrorInfo(reason=reason, domain="tracker.ballet"))
+        status = status_pb2.Status(code=code.value[0], message=message, details=[detail])
+        trailing = grpc.aio.Metadata(("grpc-status-details-bin", status.SerializeToString()))
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, message)
+
+
+def test_the_error_info_reason_is_parsed() -> None:
+    parsed = upstream_error(rpc_error(Code.ABORTED, "version 3 is current", "STALE_VERSION"))
+    assert parsed == UpstreamError(Code.ABORTED, "version 3 is current", "STALE_VERSION")
+    assert upstream_error(rpc_error(Code.INTERNAL, "x")).reason == ""
+
+
+def test_a_malformed_status_detail_keeps_the_code() -> None:
+    trailing = grpc.aio.Metadata(("grpc-status-details-bin", b"\xff\x00garbage"))
+    error = grpc.aio.AioRpcError(Code.NOT_FOUND, grpc.aio.Metadata(), trailing, "gone")
+    assert upstream_error(error) == UpstreamError(Code.NOT_FOUND, "gone", "")
+
+
+@pytest.mark.parametrize(
+    ("code", "reason", "expected", "keeps_message"),
+    [
+        (Code.PERMISSION_DENIED, "MISSING_PERMISSION", "PERMISSION_DENIED", True),
+        (Code.NOT_FOUND, "ITEM_NOT_FOUND", "NOT_FOUND", True),
+        (Code.ABORTED, "STALE_VERSION", "STALE_VERSION", True),
+        (Code.ABORTED, "", "STALE_VERSION", True),
+        (Code.ABORTED, "CONCURRENT_CHANGE", "CONFLICT", True),
+        (Code.ALREADY_EXISTS, "", "CONFLICT", True),
+        (Code.INVALID_ARGUMENT, "BAD_REF", "INVALID_ARGUMENTS", True),
+        (Code.FAILED_PRECONDITION, "ITEM_CLOSED", "INVALID_ARGUMENTS", True),
+        (Code.OUT_OF_RANGE, "", "INVALID_ARGUMENTS", True),
+        (Code.UNAVAILABLE, "", "BACKEND_UNAVAILABLE", False),
+        (Code.DEADLINE_EXCEEDED, "", "DEADLINE_EXCEEDED", False),
+        (Code.UNAUTHENTICATED, "TOKEN_EXPIRED", "CREDENTIAL_EXPIRED", False),
+        (Code.UNAUTHENTICATED, "WRONG_AUDIENCE", "BACKEND_ERROR", False),
+        (Code.INTERNAL, "", "BACKEND_ERROR", False),
+        (Code.UNKNOWN, "", "BACKEND_ERROR", False),
+        (Code.RESOURCE_EXHAUSTED, "", "BACKEND_ERROR", False),
+        (Code.CANCELLED, "", "BACKEND_ERROR", False),
+    ],
+)
+def test_tool_failures(
+    code: grpc.StatusCode, reason: str, expected: str, keeps_message: bool
+) -> None:
+    failure = tool_failure(upstream_error(rpc_error(code, "the backend's words", reason)))
+    assert failure.reason == expected
+    assert failure.message
+    # Refusals the model can act on keep the backend's explanation; internal failures do
+    # not pass backend internals on to the model.
+    assert (failure.message == "the backend's words") is keeps_message
+
+
+@pytest.mark.parametrize(
+    ("code", "reason", "kind", "expected_reason"),
+    [
+        (Code.NOT_FOUND, "", NotFound, "PROJECT_NOT_FOUND"),
+        (Code.PERMISSION_DENIED, "", NotFound, "PROJECT_NOT_FOUND"),
+        (Code.UNAVAILABLE, "", Unavailable, "DEPENDENCY_UNAVAILABLE"),
+        (Code.DEADLINE_EXCEEDED, "", Unavailable, "DEPENDENCY_UNAVAILABLE"),
+        (Code.INTERNAL, "", Unavailable, "DEPENDENCY_UNAVAILABLE"),
+        (Code.UNAUTHENTICATED, "TOKEN_EXPIRED", Unauthenticated, "TOKEN_EXPIRED"),
+        (Code.UNAUTHENTICATED, "", Unauthenticated, "UNAUTHENTICATED"),
+    ],
+)
+def test_get_project_errors(
+    code: grpc.StatusCode, reason: str, kind: type[PlannerError], expected_reason: str
+) -> None:
+    error = project_error(upstream_error(rpc_error(code, "x", reason)), "demo")
+    assert type(error) is kind
+    assert error.reason == expected_reason
+
+
+@pytest.mark.parametrize(
+    ("code", "kind", "expected_reason"),
+    [
+        (Code.NOT_FOUND, NotFound, "SKILL_NOT_FOUND"),
+        (Code.PERMISSION_DENIED, NotFound, "SKILL_NOT_FOUND"),
+        (Code.UNAVAILABLE, Unavailable, "DEPENDENCY_UNAVAILABLE"),
+        (Code.UNAUTHENTICATED, Unauthenticated, "UNAUTHENTICATED"),
+    ],
+)
+def test_read_skill_errors(
+    code: grpc.StatusCode, kind: type[PlannerError], expected_reason: str
+) -> None:
+    error = skill_error(upstream_error(rpc_error(code, "x")), "planning")
+    assert type(error) is kind
+    assert error.reason == expected_reason
