@@ -51,7 +51,7 @@ class StreamEnd:
     error: PlannerError | None
 
 
-@dataclass
+@dataclass(eq=False)
 class StreamQueue:
     """The bounded outbound queue of one Chat stream attached to one session.
 
@@ -169,6 +169,7 @@ class Hub:
         self._max_events = max_events
         self._max_bytes = max_bytes
         self._queues: dict[str, set[StreamQueue]] = {}
+        self._streams: set[StreamQueue] = set()
         self._answers: dict[str, TextDelta] = {}
         self._filling: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -188,10 +189,24 @@ class Hub:
             max_bytes=self._max_bytes,
         )
         self._queues.setdefault(session_id, set()).add(queue)
+        self._streams.add(queue)
+        return queue
+
+    def bind(self, queue: StreamQueue, session_id: str, after_sequence: int) -> None:
+        """Attach an existing queue (one that already carried replies) to a session."""
+        queue.session_id = session_id
+        queue.last_sequence = after_sequence
+        self._queues.setdefault(session_id, set()).add(queue)
+
+    def new_queue(self, human_id: str) -> StreamQueue:
+        """A queue for a stream not yet attached to any session (replies only)."""
+        queue = StreamQueue("", human_id, 0, max_events=self._max_events, max_bytes=self._max_bytes)
+        self._streams.add(queue)
         return queue
 
     def detach(self, queue: StreamQueue) -> None:
         """Detach a stream; idempotent."""
+        self._streams.discard(queue)
         queues = self._queues.get(queue.session_id)
         if queues is not None:
             queues.discard(queue)
@@ -220,12 +235,7 @@ class Hub:
 
     def stream_count(self, human_id: str | None = None) -> int:
         """Open streams in this process, of one human when given."""
-        return sum(
-            1
-            for queues in self._queues.values()
-            for q in queues
-            if human_id is None or q.human_id == human_id
-        )
+        return sum(1 for q in self._streams if human_id is None or q.human_id == human_id)
 
     # --------------------------------------------------------------- publishing
 
