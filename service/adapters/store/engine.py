@@ -1,0 +1,139 @@
+"""Async engines for the planner's database: PostgreSQL (psycopg 3) or SQLite (aiosqlite).
+
+SPEC section 8: PostgreSQL in production, SQLite as the embedded single-process default
+for ``dev`` and first runs.
+
+SQLite needs care to behave like a database with concurrent writers in one process:
+
+- WAL journal, so readers never block the writer and the writer never blocks readers.
+- ``busy_timeout``, so a writer waits for the write lock instead of failing at once.
+- ``foreign_keys=ON``, which SQLite leaves off per connection; deleting a session relies
+  on ``ON DELETE CASCADE``.
+- ``BEGIN IMMEDIATE`` for write transactions. With the sqlite3 driver's default
+  (deferred) transactions, two writers that both read first deadlock on the upgrade to a
+  write lock and one fails with "database is locked" without waiting; taking the write
+  lock at BEGIN makes them queue in the busy handler instead. The driver's own
+  transaction handling is switched off so SQLAlchemy's ``begin`` event emits the BEGIN
+  (the recipe of SQLAlchemy's SQLite dialect documentation).
+- Reads (``read_only(engine)``) emit no BEGIN at all: each statement then runs in its own
+  implicit read transaction, which in WAL mode never waits for the writer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import event
+from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+#: The execution option that marks an engine (or connection) as read-only: PostgreSQL
+#: reads then run in autocommit, SQLite reads without BEGIN.
+READ_ONLY_OPTION = "ballet_read_only"
+
+
+def is_postgresql(engine: AsyncEngine) -> bool:
+    """Whether the engine talks to PostgreSQL (else SQLite)."""
+    return engine.dialect.name == "postgresql"
+
+
+def make_engine(
+    url: str,
+    *,
+    pool_size: int = 10,
+    max_overflow: int = 10,
+    pool_timeout_s: float = 10.0,
+    pool_pre_ping: bool = False,
+    connect_timeout_s: int = 5,
+    sqlite_busy_timeout_ms: int = 10_000,
+    application_name: str = "ballet-planner",
+    echo: bool = False,
+) -> AsyncEngine:
+    """An ``AsyncEngine`` for ``url``: ``postgresql+psycopg://...`` or
+    ``sqlite+aiosqlite:///path`` (a file; ``:memory:`` is one connection's private
+    database and cannot be shared by a pool).
+
+    ``pool_size``/``max_overflow`` bound the connections; a unit of work that waits
+    longer than ``pool_timeout_s`` seconds for one fails (the store turns that into
+    ``StoreUnavailable``). ``pool_pre_ping`` costs one round trip per checkout and is off
+    by default: after a database restart the first statement on a stale connection fails
+    and SQLAlchemy then discards every pooled connection, so the pool heals after one
+    failed unit of work. ``connect_timeout_s`` bounds a PostgreSQL connection attempt, so
+    an unreachable server fails fast instead of hanging a turn. Raises ``ValueError`` for
+    any other backend.
+    """
+    parsed = make_url(url)
+    backend = parsed.get_backend_name()
+    if backend == "postgresql":
+        if parsed.get_driver_name() != "psycopg":
+            raise ValueError(f"use the psycopg driver (postgresql+psycopg://), not {url!r}")
+        engine = create_async_engine(
+            parsed,
+            pool_size=pool_size,
+            max_overflow=max_overflow,
+            pool_timeout=pool_timeout_s,
+            pool_pre_ping=pool_pre_ping,
+            echo=echo,
+            connect_args={
+                "connect_timeout": connect_timeout_s,
+                "application_name": application_name,
+                # Find a peer that vanished without closing the socket (a failed host, a
+                # dropped NAT entry) in about a minute rather than the kernel's two hours.
+                "keepalives": 1,
+                "keepalives_idle": 30,
+                "keepalives_interval": 10,
+                "keepalives_count": 3,
+            },
+        )
+        return engine
+    if backend == "sqlite":
+        if parsed.get_driver_name() != "aiosqlite":
+            raise ValueError(f"use the aiosqlite driver (sqlite+aiosqlite:///), not {url!r}")
+        if parsed.database in (None, "", ":memory:"):
+            raise ValueError("SQLite needs a database file, not an in-memory database")
+        engine = create_async_engine(
+            parsed,
+            pool_size=pool_size,
+            max_overflow=max_overflow,
+            pool_timeout=pool_timeout_s,
+            pool_pre_ping=pool_pre_ping,
+            echo=echo,
+        )
+        _configure_sqlite(engine, busy_timeout_ms=sqlite_busy_timeout_ms)
+        return engine
+    raise ValueError(f"unsupported database URL {url!r}: use PostgreSQL or SQLite")
+
+
+def read_only(engine: AsyncEngine) -> AsyncEngine:
+    """A view of ``engine`` (same pool) for units of work that only read.
+
+    On PostgreSQL its connections run in autocommit, which saves the BEGIN and COMMIT
+    round trips of a one-statement read; on SQLite no BEGIN is emitted (see the module
+    docstring). A multi-statement read then sees each statement's own snapshot.
+    """
+    if is_postgresql(engine):
+        return engine.execution_options(isolation_level="AUTOCOMMIT", **{READ_ONLY_OPTION: True})
+    return engine.execution_options(**{READ_ONLY_OPTION: True})
+
+
+def _configure_sqlite(engine: AsyncEngine, *, busy_timeout_ms: int) -> None:
+    @event.listens_for(engine.sync_engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        # Take transaction control away from the sqlite3 driver (see the module docstring).
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
+            cursor.execute("PRAGMA foreign_keys=ON")
+            # In WAL mode NORMAL loses no data on a process crash, only possibly the last
+            # commits on a power loss; the embedded default is for development.
+            cursor.execute("PRAGMA synchronous=NORMAL")
+        finally:
+            cursor.close()
+
+    @event.listens_for(engine.sync_engine, "begin")
+    def _on_begin(connection: Connection) -> None:
+        if connection.get_execution_options().get(READ_ONLY_OPTION):
+            return
+        connection.exec_driver_sql("BEGIN IMMEDIATE")

@@ -1,0 +1,279 @@
+"""The planner's SQL schema as SQLAlchemy Core tables (SPEC sections 3, 5 and 8).
+
+Four tables, all keyed by text ids the planner generates:
+
+- ``sessions``: one row per session, with the compaction summary, the per-session event
+  counter ``last_sequence`` (SPEC 3: from 1, no gaps, no reuse), the running context
+  estimate (SPEC 6) and the AIP-155 key of the ``CreateSession`` that made it.
+- ``messages``: the transcript, keyed by (session, sequence); ``size_bytes`` is
+  ``Message.size_bytes()`` so the context estimate never re-encodes text.
+- ``session_events``: every stored session event, keyed by (session, sequence). Message
+  events keep their text only in ``messages`` (joined on the same key when read);
+  ``data`` holds the JSON of the event's ``EventData`` payload, NULL when it has none.
+- ``turns``: one row per turn, with its AIP-155 request id, the replica that owns it and
+  its lease (SPEC 5, "Ownership and recovery").
+
+Unique keys carry the concurrency rules: the partial index ``uq_turns_one_running`` (one
+running turn per session, across replicas) and the AIP-155 request-id keys (for
+sessions a partial index that ignores the empty id, since creating a session through
+Chat ``open`` may carry none). Deleting a session cascades to its messages, events and
+turns, and so to its idempotency keys (SPEC 3, ``DeleteSession``).
+
+Timestamps are timezone-aware UTC in Python on both dialects (``UtcDateTime``).
+Migrations (``migrations/versions``) create exactly this schema; a test compares them.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    Column,
+    DateTime,
+    Dialect,
+    ForeignKey,
+    Index,
+    MetaData,
+    Table,
+    Text,
+    UniqueConstraint,
+    literal_column,
+    text,
+)
+from sqlalchemy.types import TypeDecorator
+
+#: Constraint and index names are derived, so migrations and reflection agree on them
+#: and a violated constraint can be recognised by name (``repository._translated``).
+NAMING_CONVENTION: dict[str, str] = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+#: ``turns.state`` values (``service.core.model.TurnState``).
+RUNNING = "running"
+ENDED = "ended"
+
+
+class UtcDateTime(TypeDecorator[datetime]):
+    """A timezone-aware UTC timestamp on every dialect.
+
+    PostgreSQL stores ``timestamp with time zone``; SQLite has no time zone type, so the
+    value is stored as naive UTC in SQLAlchemy's fixed-width text form, which also sorts
+    correctly. Results are always aware UTC. Naive datetimes are refused (``ValueError``):
+    guessing their zone would silently shift leases.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value!r}: the store needs aware UTC times")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: Any | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if not isinstance(value, datetime):
+            raise TypeError(f"expected a datetime from the database, got {value!r}")
+        if value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value.astimezone(UTC)
+
+
+def _text(name: str, *, nullable: bool = False, default: str | None = "") -> Column[str]:
+    # Text columns default to '' rather than NULL: the domain types use '' for "none",
+    # and one spelling of "none" keeps comparisons and unique keys simple.
+    return Column(
+        name,
+        Text,
+        nullable=nullable,
+        server_default=None if default is None else text(f"'{default}'"),
+    )
+
+
+def _count(name: str) -> Column[int]:
+    return Column(name, BigInteger, nullable=False, server_default=text("0"))
+
+
+def _flag(name: str) -> Column[bool]:
+    return Column(name, Boolean, nullable=False, server_default=text("false"))
+
+
+sessions = Table(
+    "sessions",
+    metadata,
+    Column("session_id", Text, primary_key=True),
+    _text("project_id", default=None),
+    _text("organization_id", default=None),
+    _text("owner_id", default=None),
+    _text("title"),
+    Column("create_time", UtcDateTime, nullable=False),
+    Column("update_time", UtcDateTime, nullable=False),
+    _text("summary"),
+    _count("summary_up_to"),
+    # The per-session event counter: the last sequence assigned (SPEC 3).
+    _count("last_sequence"),
+    # The context estimate (SPEC 6): reported usage, NULL when none is known yet, and
+    # the UTF-8 bytes stored since.
+    Column("context_base_tokens", BigInteger, nullable=True),
+    _count("context_pending_bytes"),
+    _text("create_request_id"),
+    _text("create_request_hash"),
+)
+
+#: ``create_request_id <> ''``, inlined for the partial index (see ``IS_RUNNING``).
+HAS_CREATE_REQUEST_ID = sessions.c.create_request_id != literal_column("''")
+
+# AIP-155 keys of CreateSession, per human; '' means the caller sent none.
+Index(
+    "uq_sessions_owner_id_create_request_id",
+    sessions.c.owner_id,
+    sessions.c.create_request_id,
+    unique=True,
+    postgresql_where=HAS_CREATE_REQUEST_ID,
+    sqlite_where=HAS_CREATE_REQUEST_ID,
+)
+# ListSessions: a project's sessions, newest first, ties by id (SPEC 3), keyset-paged.
+Index(
+    "ix_sessions_project_id_create_time_session_id",
+    sessions.c.project_id,
+    sessions.c.create_time.desc(),
+    sessions.c.session_id.desc(),
+)
+
+messages = Table(
+    "messages",
+    metadata,
+    Column(
+        "session_id",
+        Text,
+        ForeignKey(sessions.c.session_id, ondelete="CASCADE"),
+        primary_key=True,
+    ),
+    # The sequence of the session event that stored the message (SPEC 3).
+    Column("sequence", BigInteger, primary_key=True, autoincrement=False),
+    Column("message_id", Text, nullable=False, unique=True),
+    _text("turn_id", default=None),
+    _text("kind", default=None),
+    Column("create_time", UtcDateTime, nullable=False),
+    _text("text"),
+    _flag("cut"),
+    _text("tool_call_id"),
+    _text("tool_name"),
+    _text("tool_arguments"),
+    _text("tool_result"),
+    _flag("tool_error"),
+    _text("human_id"),
+    # NULL when the provider reported no usage (both or neither).
+    Column("usage_input_tokens", BigInteger, nullable=True),
+    Column("usage_output_tokens", BigInteger, nullable=True),
+    _count("up_to"),
+    _count("estimated_tokens"),
+    # Message.size_bytes(): what the model sees of it, in UTF-8 bytes (SPEC 6).
+    _count("size_bytes"),
+)
+Index("ix_messages_turn_id_sequence", messages.c.turn_id, messages.c.sequence)
+
+session_events = Table(
+    "session_events",
+    metadata,
+    Column(
+        "session_id",
+        Text,
+        ForeignKey(sessions.c.session_id, ondelete="CASCADE"),
+        primary_key=True,
+    ),
+    Column("sequence", BigInteger, primary_key=True, autoincrement=False),
+    _text("turn_id", default=None),
+    _text("kind", default=None),
+    Column("create_time", UtcDateTime, nullable=False),
+    # JSON of the EventData payload; NULL when the event has none.
+    Column("data", Text, nullable=True),
+)
+
+turns = Table(
+    "turns",
+    metadata,
+    Column("turn_id", Text, primary_key=True),
+    Column(
+        "session_id",
+        Text,
+        ForeignKey(sessions.c.session_id, ondelete="CASCADE"),
+        nullable=False,
+    ),
+    _text("human_id", default=None),
+    _text("project_id", default=None),
+    _text("state", default=None),
+    Column("start_time", UtcDateTime, nullable=False),
+    Column("end_time", UtcDateTime, nullable=True),
+    # The sequence of the human message that started the turn.
+    _count("human_sequence"),
+    _text("request_id"),
+    _text("request_hash"),
+    Column("end_reason", Text, nullable=True),
+    _text("error_reason"),
+    _text("error_message"),
+    _count("rounds"),
+    _count("usage_input_tokens"),
+    _count("usage_output_tokens"),
+    _count("compaction_input_tokens"),
+    _count("compaction_output_tokens"),
+    _count("writes"),
+    _text("instructions_version"),
+    _text("tool_schema_version"),
+    _text("skill_name"),
+    _text("skill_version"),
+    _text("model"),
+    # The replica running the turn and until when its lease holds (SPEC 5).
+    _text("owner"),
+    Column("lease_expires_at", UtcDateTime, nullable=True),
+    _flag("cancel_requested"),
+    CheckConstraint(f"state IN ('{RUNNING}', '{ENDED}')", name="state"),
+    # AIP-155 keys of SendMessage, per session, for the life of the session (SPEC 3).
+    # Turns always have one (the request id is required), so the key is not partial and
+    # also serves every lookup of a session's turns, e.g. the cascade of a delete.
+    UniqueConstraint("session_id", "request_id"),
+)
+
+#: ``turns.state = 'running'`` with the value inlined rather than bound: PostgreSQL uses
+#: a partial index only when the query's condition implies the index's, which a bound
+#: parameter does not once the statement is prepared with a generic plan.
+IS_RUNNING = turns.c.state == literal_column(f"'{RUNNING}'")
+
+# One running turn per session, across replicas (SPEC 3 and 5): the loser of a race
+# between two replicas fails here even if both passed the check.
+Index(
+    "uq_turns_one_running",
+    turns.c.session_id,
+    unique=True,
+    postgresql_where=IS_RUNNING,
+    sqlite_where=IS_RUNNING,
+)
+# The sweeper: running turns whose lease expired (SPEC 5).
+Index("ix_turns_state_lease_expires_at", turns.c.state, turns.c.lease_expires_at)
+# Start-up recovery of a replica's own turns, and the running-turn limits (SPEC 8).
+for _column in (turns.c.owner, turns.c.human_id, turns.c.project_id):
+    Index(
+        f"ix_turns_running_{_column.name}",
+        _column,
+        postgresql_where=IS_RUNNING,
+        sqlite_where=IS_RUNNING,
+    )
+
+#: Unique constraints and indexes whose violation the repository handles itself.
+UQ_ONE_RUNNING_TURN = "uq_turns_one_running"
+UQ_TURN_REQUEST_ID = "uq_turns_session_id_request_id"
+UQ_SESSION_REQUEST_ID = "uq_sessions_owner_id_create_request_id"
