@@ -1,0 +1,188 @@
+"""The one table from domain errors to gRPC status codes (AIP-193; STYLE rule 5).
+
+Every refusal leaves the planner as a ``google.rpc.Status`` with exactly one
+``google.rpc.ErrorInfo`` (domain ``planner.ballet``, the error's stable reason, its
+metadata) and, when the error sets ``retry_after_s``, a ``google.rpc.RetryInfo``. Unary
+calls carry it in the ``grpc-status-details-bin`` trailer (``abort``); the Chat stream
+sends it as its ``error`` event (``status_of``).
+
+Nothing else in the service chooses a status code. An exception that is not a domain
+error is a bug: it becomes ``INTERNAL`` with reason ``INTERNAL`` and a fixed message, so
+no text of it leaks; it is logged with its traceback. ``asyncio.CancelledError`` and
+``grpc.aio.AbortError`` are never caught here (they derive from ``BaseException`` or are
+re-raised as they are).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, NoReturn
+
+import grpc
+from google.protobuf import duration_pb2
+from google.rpc import error_details_pb2, status_pb2
+
+from service.core import errors
+from service.tokens import TokenError
+
+log = logging.getLogger(__name__)
+
+#: Trailing metadata key of the binary ``google.rpc.Status`` (gRPC rich error model).
+STATUS_DETAILS_KEY = "grpc-status-details-bin"
+#: ``RetryInfo`` sent with DATABASE_UNAVAILABLE: the database is usually back quickly.
+DATABASE_RETRY_AFTER_S = 1.0
+INTERNAL_MESSAGE = "internal error"
+
+#: Domain error class -> gRPC code. Resolved along the class's MRO, so a subclass maps
+#: like its nearest listed ancestor. Pinned by tests/unit/test_transport_errors.py.
+STATUS_CODES: Mapping[type[BaseException], grpc.StatusCode] = {
+    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.NotFound: grpc.StatusCode.NOT_FOUND,
+    errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.OutOfRange: grpc.StatusCode.OUT_OF_RANGE,
+    errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    errors.Aborted: grpc.StatusCode.ABORTED,
+    errors.Internal: grpc.StatusCode.INTERNAL,
+    errors.PlannerError: grpc.StatusCode.INTERNAL,
+    errors.StoreUnavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.StoreConflict: grpc.StatusCode.ABORTED,
+    TokenError: grpc.StatusCode.UNAUTHENTICATED,
+}
+
+
+@dataclass(frozen=True)
+class RpcFailure:
+    """What a failure becomes on the wire: code, message, ErrorInfo reason and metadata,
+    and the retry delay in seconds (None: no ``RetryInfo``)."""
+
+    code: grpc.StatusCode
+    message: str
+    reason: str
+    metadata: Mapping[str, str]
+    retry_after_s: float | None = None
+
+    def to_status(self) -> status_pb2.Status:
+        """The ``google.rpc.Status``: one ``ErrorInfo``, then ``RetryInfo`` if any."""
+        info = error_details_pb2.ErrorInfo(
+            reason=self.reason, domain=errors.ERROR_DOMAIN, metadata=dict(self.metadata)
+        )
+        status = status_pb2.Status(code=self.code.value[0], message=self.message)
+        status.details.add().Pack(info)
+        if self.retry_after_s is not None:
+            delay = duration_pb2.Duration()
+            delay.FromNanoseconds(int(self.retry_after_s * 1e9))
+            status.details.add().Pack(error_details_pb2.RetryInfo(retry_delay=delay))
+        return status
+
+
+def _code_for(error: BaseException) -> grpc.StatusCode | None:
+    for cls in type(error).__mro__:
+        if cls in STATUS_CODES:
+            return STATUS_CODES[cls]
+    return None
+
+
+def failure_of(error: Exception) -> RpcFailure:
+    """Map an exception to its ``RpcFailure`` using ``STATUS_CODES``.
+
+    ``PlannerError``: its reason, message, metadata, ``retry_after_s``.
+    ``StoreUnavailable``: UNAVAILABLE/DATABASE_UNAVAILABLE, retry after 1 s.
+    ``StoreConflict``: ABORTED/CONCURRENT_CHANGE. ``TokenError``: UNAUTHENTICATED with its
+    reason. Anything else: INTERNAL/INTERNAL with a fixed message (logged here).
+    """
+    if isinstance(error, errors.PlannerError):
+        code = _code_for(error) or grpc.StatusCode.INTERNAL
+        if isinstance(error, errors.Internal) or type(error) is errors.PlannerError:
+            log.error("internal error: %s", error.reason, exc_info=error)
+        return RpcFailure(code, error.message, error.reason, error.metadata, error.retry_after_s)
+    if isinstance(error, errors.StoreUnavailable):
+        return RpcFailure(
+            grpc.StatusCode.UNAVAILABLE,
+            "the database is unavailable; retry later",
+            "DATABASE_UNAVAILABLE",
+            {},
+            DATABASE_RETRY_AFTER_S,
+        )
+    if isinstance(error, errors.StoreConflict):
+        return RpcFailure(
+            grpc.StatusCode.ABORTED, "a concurrent change won; retry", "CONCURRENT_CHANGE", {}
+        )
+    if isinstance(error, TokenError):
+        return RpcFailure(grpc.StatusCode.UNAUTHENTICATED, error.message, error.reason, {})
+    log.error("unexpected error", exc_info=error)
+    return RpcFailure(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE, "INTERNAL", {})
+
+
+def status_of(error: Exception) -> status_pb2.Status:
+    """The ``google.rpc.Status`` of ``error``, e.g. for the Chat ``error`` event."""
+    return failure_of(error).to_status()
+
+
+async def abort(context: Any, error: Exception) -> NoReturn:
+    """End a call with ``error`` mapped by ``failure_of``; raises ``grpc.aio.AbortError``.
+
+    ``context`` is the call's ``grpc.aio.ServicerContext``. The code and message go in
+    the status line; the packed ``google.rpc.Status`` in ``grpc-status-details-bin``.
+    """
+    failure = failure_of(error)
+    await context.abort(
+        failure.code,
+        failure.message,
+        trailing_metadata=((STATUS_DETAILS_KEY, failure.to_status().SerializeToString()),),
+    )
+    raise AssertionError("context.abort returned")  # pragma: no cover
+
+
+class rpc_errors:  # lower case: used like a function, ``async with rpc_errors(ctx):``
+    """``async with rpc_errors(context):`` around a servicer method's body.
+
+    A domain error (or any other ``Exception``) raised inside ends the call through
+    ``abort``. ``asyncio.CancelledError`` (a ``BaseException``) and ``grpc.aio.AbortError``
+    pass through untouched.
+    """
+
+    def __init__(self, context: Any) -> None:
+        self._context = context
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if exc is None or not isinstance(exc, Exception):
+            return
+        if isinstance(exc, grpc.aio.AbortError):
+            return
+        await abort(self._context, exc)
+
+
+def status_from_trailers(metadata: Any) -> status_pb2.Status | None:
+    """The ``google.rpc.Status`` in a call's trailing metadata, or None.
+
+    ``metadata`` is e.g. ``AioRpcError.trailing_metadata()``: pairs of key and value.
+    """
+    for key, value in metadata or ():
+        if key == STATUS_DETAILS_KEY and isinstance(value, bytes):
+            return status_pb2.Status.FromString(value)
+    return None
+
+
+def error_info_of(status: status_pb2.Status) -> error_details_pb2.ErrorInfo | None:
+    """The (single) ``ErrorInfo`` packed in ``status``, or None."""
+    for detail in status.details:
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            return info
+    return None
