@@ -1,0 +1,569 @@
+"""Session rules: who may see and change which session, pagination, project checks.
+
+The unary session RPCs (SPEC section 3) and the Chat ``open`` call these; the transport
+converts requests and results, nothing more. No grpc, protobuf or SQLAlchemy here
+(STYLE rule 1).
+
+Authority (seed: Authority; SPEC section 4):
+
+- A session belongs to one project and to the human who created it. Only that human may
+  chat in it or change it (``SendMessage``, ``CancelTurn``, ``UpdateSession``,
+  ``DeleteSession``, Chat). Anyone else gets ``NotFound``/``SESSION_NOT_FOUND``, so
+  existence never leaks.
+- A service principal (a token with a ``scope`` claim) with ``planner.sessions.read`` may
+  ``Get*`` and ``List*`` every session of its token's organization; it never chats or
+  changes a session (``PermissionDenied``/``HUMAN_REQUIRED``). Without the scope it gets
+  ``PermissionDenied``/``MISSING_SCOPE``.
+- Creating a session asks the tracker, as the human, whether the project exists and the
+  human may read it; ``open``, ``send_message`` and ``ListMessages`` re-check it. Answers
+  are reused for at most ``auth.project_check_cache_s`` (<= 60 s) per (human, project).
+
+Pagination follows AIP-158: ``page_size`` 0 means the default, larger values are capped,
+negative ones are ``InvalidArgument``/``INVALID_PAGE_SIZE``; page tokens are opaque and
+tamper-evident (``PageTokens``; docs/decisions/0004-page-tokens.md).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from service.core.errors import InvalidArgument, NotFound, PermissionDenied
+from service.core.model import Message, Session, Turn
+from service.core.ports import (
+    Acting,
+    Clock,
+    NewSession,
+    ProjectInfo,
+    SessionCursor,
+    SessionQuery,
+    SessionStore,
+    ToolBackends,
+)
+
+#: The scope that lets a service principal read sessions of its organization (SPEC 4).
+READ_SCOPE = "planner.sessions.read"
+#: AIP-155 request ids are at most 64 characters (SPEC section 3).
+REQUEST_ID_MAX_CHARS = 64
+TITLE_MAX_CHARS = 256
+#: ListSessions: 0 means 50; at most 100 (proto ``ListSessionsRequest.page_size``).
+SESSIONS_PAGE_DEFAULT = 50
+SESSIONS_PAGE_MAX = 100
+#: ListMessages: 0 means 100; at most 1,000 (proto ``ListMessagesRequest.page_size``).
+MESSAGES_PAGE_DEFAULT = 100
+MESSAGES_PAGE_MAX = 1000
+#: Bytes a message adds to a ListMessages page beyond its text fields: ids, numbers,
+#: timestamps and protobuf framing (an over-estimate; the transport passes an exact
+#: sizer).
+MESSAGE_OVERHEAD_BYTES = 256
+PROJECT_CACHE_MAX_ENTRIES = 10_000
+
+
+@dataclass(frozen=True)
+class Caller:
+    """The verified caller of an RPC (SPEC section 4).
+
+    ``subject`` is the human id, or a service's name for a service principal;
+    ``scopes`` is non-empty only for service principals; ``token`` is the raw bearer
+    token, forwarded when acting for the human.
+    """
+
+    subject: str
+    organization_id: str
+    scopes: frozenset[str] = frozenset()
+    token: str = field(default="", repr=False)
+
+    @property
+    def is_service(self) -> bool:
+        """True for a service principal (its token has a ``scope`` claim)."""
+        return bool(self.scopes)
+
+    def acting(self, session_id: str = "") -> Acting:
+        """The human as backend calls act for them, recorded as ``planner:<session>``."""
+        return Acting(
+            human_id=self.subject,
+            organization_id=self.organization_id,
+            token=self.token,
+            session_id=session_id,
+        )
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    """What the session rules take from the settings.
+
+    ``page_max_bytes``: most bytes of one ListMessages page (``limits.page_max_bytes``);
+    ``project_cache_s``: reuse of a project check (``auth.project_check_cache_s``);
+    ``project_lookup_s``: deadline of one check (``dependencies.project_lookup_s``).
+    """
+
+    page_max_bytes: int = 1024 * 1024
+    project_cache_s: float = 60.0
+    project_lookup_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class SessionPage:
+    """One page of ``ListSessions``; ``next_page_token`` is empty on the last page."""
+
+    sessions: list[Session]
+    next_page_token: str
+
+
+@dataclass(frozen=True)
+class MessagePage:
+    """One page of ``ListMessages``; ``next_page_token`` is empty on the last page."""
+
+    messages: list[Message]
+    next_page_token: str
+
+
+# --------------------------------------------------------------------------- page tokens
+
+
+class PageTokens:
+    """Opaque, tamper-evident page tokens (AIP-158; docs/decisions/0004-page-tokens.md).
+
+    A token is base64url (no padding) of compact JSON ``{"v": 1, "p": position,
+    "f": fingerprint}``; ``position`` is where the next page starts and ``fingerprint``
+    is a SHA-256 digest over the list kind, the query the first page was asked with
+    (everything but ``page_size``), and the position. ``decode`` recomputes it from the
+    current request: a token edited by hand, cut short, or made for another list, caller
+    or query raises ``InvalidArgument``/``INVALID_PAGE_TOKEN``. Authorization never rests
+    on the token: every page re-applies the caller's filters.
+    """
+
+    VERSION = 1
+
+    @staticmethod
+    def _fingerprint(kind: str, query: Mapping[str, str], position: Mapping[str, Any]) -> str:
+        material = json.dumps([kind, query, position], sort_keys=True, separators=(",", ":"))
+        digest = hashlib.sha256(material.encode()).digest()[:16]
+        return base64.urlsafe_b64encode(digest).decode().rstrip("=")
+
+    @classmethod
+    def encode(cls, kind: str, query: Mapping[str, str], position: Mapping[str, Any]) -> str:
+        """The token for the page starting at ``position`` of list ``kind``."""
+        body = {"v": cls.VERSION, "p": dict(position), "f": cls._fingerprint(kind, query, position)}
+        text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+        return base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
+
+    @classmethod
+    def decode(cls, token: str, kind: str, query: Mapping[str, str]) -> dict[str, Any]:
+        """The position in ``token``; raises ``InvalidArgument``/``INVALID_PAGE_TOKEN``."""
+        try:
+            padded = token + "=" * (-len(token) % 4)
+            body = json.loads(base64.urlsafe_b64decode(padded.encode()).decode())
+        except (binascii.Error, UnicodeError, ValueError):
+            raise _bad_token() from None
+        if (
+            not isinstance(body, dict)
+            or body.get("v") != cls.VERSION
+            or not isinstance(body.get("p"), dict)
+            or body.get("f") != cls._fingerprint(kind, query, body["p"])
+        ):
+            raise _bad_token()
+        position: dict[str, Any] = body["p"]
+        return position
+
+
+def _bad_token() -> InvalidArgument:
+    return InvalidArgument(
+        "the page token is invalid, or belongs to another query", reason="INVALID_PAGE_TOKEN"
+    )
+
+
+def page_size_of(requested: int, default: int, maximum: int) -> int:
+    """AIP-158 page size: 0 -> ``default``, capped at ``maximum``; negative raises
+    ``InvalidArgument``/``INVALID_PAGE_SIZE``."""
+    if requested < 0:
+        raise InvalidArgument(
+            f"page_size must not be negative, got {requested}", reason="INVALID_PAGE_SIZE"
+        )
+    return default if requested == 0 else min(requested, maximum)
+
+
+def estimated_message_bytes(message: Message) -> int:
+    """An over-estimate of a message's encoded size: its text fields plus overhead."""
+    return (
+        message.size_bytes()
+        + len(message.session_id)
+        + len(message.turn_id)
+        + len(message.message_id)
+        + len(message.tool_call_id)
+        + len(message.human_id.encode())
+        + MESSAGE_OVERHEAD_BYTES
+    )
+
+
+# --------------------------------------------------------------------------- project checks
+
+
+class ProjectAccess:
+    """Whether a human may read a project, asked of the tracker as that human (SPEC 4).
+
+    Positive answers are reused for ``cache_s`` seconds (at most 60) per (human,
+    project); refusals are never cached, so a new permission works at once. At most
+    ``max_entries`` answers are kept (least recently used dropped first).
+    """
+
+    def __init__(
+        self,
+        backends: ToolBackends,
+        clock: Clock,
+        *,
+        cache_s: float = 60.0,
+        timeout_s: float = 5.0,
+        max_entries: int = PROJECT_CACHE_MAX_ENTRIES,
+    ) -> None:
+        self._backends = backends
+        self._clock = clock
+        self._cache_s = min(cache_s, 60.0)
+        self._timeout_s = timeout_s
+        self._max_entries = max_entries
+        self._cache: OrderedDict[tuple[str, str], tuple[float, ProjectInfo]] = OrderedDict()
+
+    async def check(self, caller: Caller, project_id: str, session_id: str = "") -> ProjectInfo:
+        """The project, if ``caller`` (a human) may read it in their organization.
+
+        Raises ``NotFound``/``PROJECT_NOT_FOUND`` (unknown, unreadable, or in another
+        organization), and passes on the backend's ``Unavailable`` and
+        ``Unauthenticated``.
+        """
+        key = (caller.subject, project_id)
+        now = self._clock.monotonic()
+        cached = self._cache.get(key)
+        if cached is not None and cached[0] > now:
+            self._cache.move_to_end(key)
+            return cached[1]
+        try:
+            project = await self._backends.get_project(
+                caller.acting(session_id), project_id, self._timeout_s
+            )
+        except NotFound:
+            self._cache.pop(key, None)
+            raise _project_not_found(project_id) from None
+        if project.organization_id and project.organization_id != caller.organization_id:
+            raise _project_not_found(project_id)
+        if self._cache_s > 0:
+            self._cache[key] = (now + self._cache_s, project)
+            self._cache.move_to_end(key)
+            while len(self._cache) > self._max_entries:
+                self._cache.popitem(last=False)
+        return project
+
+
+def _project_not_found(project_id: str) -> NotFound:
+    return NotFound(
+        f"project {project_id!r} does not exist or you may not read it",
+        reason="PROJECT_NOT_FOUND",
+        metadata={"project_id": project_id},
+    )
+
+
+# --------------------------------------------------------------------------- the rules
+
+
+def _session_not_found(session_id: str) -> NotFound:
+    return NotFound(
+        f"session {session_id!r} not found",
+        reason="SESSION_NOT_FOUND",
+        metadata={"session_id": session_id},
+    )
+
+
+def _require(value: str, name: str) -> None:
+    if not value:
+        raise InvalidArgument(f"{name} is required", reason=f"{name.upper()}_REQUIRED")
+
+
+def check_request_id(request_id: str, *, required: bool) -> None:
+    """AIP-155 request id: at most 64 characters; ``required`` on create and send.
+
+    Raises ``InvalidArgument``/``REQUEST_ID_REQUIRED`` or ``REQUEST_ID_TOO_LONG``.
+    """
+    if not request_id:
+        if required:
+            raise InvalidArgument("request_id is required", reason="REQUEST_ID_REQUIRED")
+        return
+    if len(request_id) > REQUEST_ID_MAX_CHARS:
+        raise InvalidArgument(
+            f"request_id is longer than {REQUEST_ID_MAX_CHARS} characters",
+            reason="REQUEST_ID_TOO_LONG",
+        )
+
+
+def _check_title(title: str) -> None:
+    if len(title) > TITLE_MAX_CHARS:
+        raise InvalidArgument(
+            f"title is longer than {TITLE_MAX_CHARS} characters", reason="TITLE_TOO_LONG"
+        )
+
+
+def _human_required() -> PermissionDenied:
+    return PermissionDenied(
+        "only the session's owner may do this; service principals may only read",
+        reason="HUMAN_REQUIRED",
+    )
+
+
+def _new_id() -> str:
+    return str(uuid.uuid4())
+
+
+class SessionRules:
+    """The session use cases behind the unary RPCs and Chat ``open``.
+
+    ``message_size`` measures a message for the ListMessages byte cap (default:
+    ``estimated_message_bytes``); ``new_id`` makes session ids. Every method raises
+    ``PlannerError`` subclasses (mapped by ``service/transport/errors.py``) and passes on
+    ``StoreUnavailable``.
+    """
+
+    def __init__(
+        self,
+        store: SessionStore,
+        projects: ProjectAccess,
+        clock: Clock,
+        limits: SessionLimits,
+        *,
+        message_size: Callable[[Message], int] = estimated_message_bytes,
+        new_id: Callable[[], str] = _new_id,
+    ) -> None:
+        self._store = store
+        self._projects = projects
+        self._clock = clock
+        self._limits = limits
+        self._message_size = message_size
+        self._new_id = new_id
+
+    # -- access ------------------------------------------------------------------
+
+    async def readable_session(self, caller: Caller, session_id: str) -> Session:
+        """The session if ``caller`` may read it: its owner, or a service principal with
+        ``planner.sessions.read`` in its organization. Raises ``NotFound``/
+        ``SESSION_NOT_FOUND`` or ``PermissionDenied``/``MISSING_SCOPE``."""
+        _require(session_id, "session_id")
+        if caller.is_service and READ_SCOPE not in caller.scopes:
+            raise PermissionDenied(
+                f"the token lacks the {READ_SCOPE} scope", reason="MISSING_SCOPE"
+            )
+        session = await self._store.get_session(session_id)
+        if session is None or session.organization_id != caller.organization_id:
+            raise _session_not_found(session_id)
+        if not caller.is_service and session.owner_id != caller.subject:
+            raise _session_not_found(session_id)
+        return session
+
+    async def owned_session(
+        self, caller: Caller, session_id: str, *, recheck_project: bool = False
+    ) -> Session:
+        """The session if ``caller`` is the human who owns it (chat and changes).
+
+        With ``recheck_project`` (Chat ``open`` and ``send_message``), also re-checks that
+        the human may still read the project. Raises ``PermissionDenied``/
+        ``HUMAN_REQUIRED`` for service principals, ``NotFound``/``SESSION_NOT_FOUND``,
+        ``NotFound``/``PROJECT_NOT_FOUND``.
+        """
+        _require(session_id, "session_id")
+        if caller.is_service:
+            raise _human_required()
+        session = await self._store.get_session(session_id)
+        if (
+            session is None
+            or session.owner_id != caller.subject
+            or session.organization_id != caller.organization_id
+        ):
+            raise _session_not_found(session_id)
+        if recheck_project:
+            await self.recheck_project(caller, session)
+        return session
+
+    async def recheck_project(self, caller: Caller, session: Session) -> ProjectInfo | None:
+        """Re-check that a human caller may still read the session's project (cached).
+
+        Service principals are not re-checked (their read scope covers the organization):
+        None. Raises ``NotFound``/``PROJECT_NOT_FOUND``.
+        """
+        if caller.is_service:
+            return None
+        return await self._projects.check(caller, session.project_id, session.session_id)
+
+    # -- use cases ---------------------------------------------------------------
+
+    async def create_session(
+        self, caller: Caller, *, request_id: str, project_id: str, title: str
+    ) -> Session:
+        """``CreateSession``: a session of ``caller`` in a project they may read.
+
+        Idempotent on (human, ``request_id``) (AIP-155): the same request returns the
+        session created first; the same id with another payload raises
+        ``InvalidArgument``/``REQUEST_ID_REUSED`` (from the store). Raises
+        ``InvalidArgument`` (``REQUEST_ID_REQUIRED``, ``REQUEST_ID_TOO_LONG``,
+        ``PROJECT_ID_REQUIRED``, ``TITLE_TOO_LONG``), ``PermissionDenied``/
+        ``HUMAN_REQUIRED``, ``NotFound``/``PROJECT_NOT_FOUND``, ``Unavailable``.
+        """
+        check_request_id(request_id, required=True)
+        _require(project_id, "project_id")
+        _check_title(title)
+        if caller.is_service:
+            raise _human_required()
+        session_id = self._new_id()
+        project = await self._projects.check(caller, project_id, session_id)
+        payload = json.dumps([project_id, title], separators=(",", ":"))
+        return await self._store.create_session(
+            NewSession(
+                session_id=session_id,
+                project_id=project_id,
+                organization_id=project.organization_id or caller.organization_id,
+                owner_id=caller.subject,
+                title=title,
+                request_id=request_id,
+                request_hash=hashlib.sha256(payload.encode()).hexdigest(),
+                now=self._clock.now(),
+            )
+        )
+
+    async def get_session(self, caller: Caller, session_id: str) -> Session:
+        """``GetSession``, with the summary and its ``up_to``."""
+        return await self.readable_session(caller, session_id)
+
+    async def list_sessions(
+        self, caller: Caller, *, project_id: str, page_size: int, page_token: str
+    ) -> SessionPage:
+        """``ListSessions`` of one project, newest first, ties by id (SPEC 3).
+
+        A human sees their own sessions; a service principal with the read scope sees
+        every session of the project in its organization. Raises ``InvalidArgument``
+        (``PROJECT_ID_REQUIRED``, ``INVALID_PAGE_SIZE``, ``INVALID_PAGE_TOKEN``) and
+        ``PermissionDenied``/``MISSING_SCOPE``.
+        """
+        _require(project_id, "project_id")
+        size = page_size_of(page_size, SESSIONS_PAGE_DEFAULT, SESSIONS_PAGE_MAX)
+        if caller.is_service and READ_SCOPE not in caller.scopes:
+            raise PermissionDenied(
+                f"the token lacks the {READ_SCOPE} scope", reason="MISSING_SCOPE"
+            )
+        owner = None if caller.is_service else caller.subject
+        query = {
+            "project_id": project_id,
+            "organization_id": caller.organization_id,
+            "owner_id": owner or "*",
+        }
+        after = None
+        if page_token:
+            position = PageTokens.decode(page_token, "sessions", query)
+            after = _cursor_of(position)
+        sessions, cursor = await self._store.list_sessions(
+            SessionQuery(
+                project_id=project_id,
+                organization_id=caller.organization_id,
+                owner_id=owner,
+                page_size=size,
+                after=after,
+            )
+        )
+        token = ""
+        if cursor is not None:
+            position = {"t": cursor.create_time.isoformat(), "id": cursor.session_id}
+            token = PageTokens.encode("sessions", query, position)
+        return SessionPage(sessions=sessions, next_page_token=token)
+
+    async def update_title(self, caller: Caller, session_id: str, title: str) -> Session:
+        """``UpdateSession`` of the title, by the owner. Raises ``InvalidArgument``/
+        ``TITLE_TOO_LONG``, ``NotFound``/``SESSION_NOT_FOUND``, ``PermissionDenied``."""
+        _check_title(title)
+        await self.owned_session(caller, session_id)
+        updated = await self._store.update_session_title(session_id, title, self._clock.now())
+        if updated is None:
+            raise _session_not_found(session_id)
+        return updated
+
+    async def delete_session(self, caller: Caller, session_id: str) -> None:
+        """``DeleteSession`` by the owner: cancel a running turn, then remove the session
+        with its messages, events, turns and idempotency keys in one transaction (SPEC 3).
+        What the planner wrote to the project stays. Raises ``NotFound``/
+        ``SESSION_NOT_FOUND``, ``PermissionDenied``/``HUMAN_REQUIRED``."""
+        session = await self.owned_session(caller, session_id)
+        if session.running_turn_id:
+            await self._store.request_cancel(session.running_turn_id)
+        if not await self._store.delete_session(session_id):
+            raise _session_not_found(session_id)
+
+    async def list_messages(
+        self,
+        caller: Caller,
+        *,
+        session_id: str,
+        after_sequence: int,
+        page_size: int,
+        page_token: str,
+    ) -> MessagePage:
+        """``ListMessages``: the transcript in sequence order after ``after_sequence``.
+
+        A page holds at most ``page_size`` messages (0: 100, at most 1,000) and at most
+        ``limits.page_max_bytes`` bytes, but always at least one message. A human's
+        access to the project is re-checked (cached). Raises ``InvalidArgument``
+        (``INVALID_AFTER_SEQUENCE``, ``INVALID_PAGE_SIZE``, ``INVALID_PAGE_TOKEN``),
+        ``NotFound``, ``PermissionDenied``.
+        """
+        if after_sequence < 0:
+            raise InvalidArgument(
+                f"after_sequence must not be negative, got {after_sequence}",
+                reason="INVALID_AFTER_SEQUENCE",
+            )
+        size = page_size_of(page_size, MESSAGES_PAGE_DEFAULT, MESSAGES_PAGE_MAX)
+        session = await self.readable_session(caller, session_id)
+        await self.recheck_project(caller, session)
+        query = {"session_id": session_id, "after_sequence": str(after_sequence)}
+        start = after_sequence
+        if page_token:
+            position = PageTokens.decode(page_token, "messages", query)
+            start = position.get("s", -1)
+            if not isinstance(start, int) or start < after_sequence:
+                raise _bad_token()
+        fetched = await self._store.list_messages(session_id, start, size + 1)
+        page: list[Message] = []
+        used = 0
+        for message in fetched[:size]:
+            cost = self._message_size(message)
+            if page and used + cost > self._limits.page_max_bytes:
+                break
+            page.append(message)
+            used += cost
+        more = len(page) < len(fetched)
+        token = PageTokens.encode("messages", query, {"s": page[-1].sequence}) if more else ""
+        return MessagePage(messages=page, next_page_token=token)
+
+    async def get_turn(self, caller: Caller, session_id: str, turn_id: str) -> Turn:
+        """``GetTurn``: a turn of a session the caller may read. Raises ``NotFound``/
+        ``TURN_NOT_FOUND`` (also for a turn of another session), ``InvalidArgument``/
+        ``TURN_ID_REQUIRED``."""
+        _require(turn_id, "turn_id")
+        session = await self.readable_session(caller, session_id)
+        turn = await self._store.get_turn(turn_id)
+        if turn is None or turn.session_id != session.session_id:
+            raise NotFound(
+                f"turn {turn_id!r} not found",
+                reason="TURN_NOT_FOUND",
+                metadata={"session_id": session_id, "turn_id": turn_id},
+            )
+        return turn
+
+
+def _cursor_of(position: Mapping[str, Any]) -> SessionCursor:
+    created, session_id = position.get("t"), position.get("id")
+    if not isinstance(created, str) or not isinstance(session_id, str):
+        raise _bad_token()
+    try:
+        return SessionCursor(create_time=datetime.fromisoformat(created), session_id=session_id)
+    except ValueError:
+        raise _bad_token() from None
