@@ -1,0 +1,197 @@
+"""The ``ballet.planner.v1.PlannerService`` servicer (SPEC section 3).
+
+Thin by rule (STYLE rule 2): authenticate, convert the request, call the session rules
+(``service.core.sessions``), convert the result. Errors leave through
+``service.transport.errors`` (one ``ErrorInfo``, domain ``planner.ballet``).
+
+``SendMessage``, ``CancelTurn`` and ``Chat`` belong to the turn machinery: they delegate
+to a ``TurnEndpoints`` object when one is given, and answer ``UNIMPLEMENTED`` otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+import grpc
+from ballet.planner.v1 import chat_pb2, planner_service_pb2, planner_service_pb2_grpc
+
+from service.core.errors import InvalidArgument
+from service.core.sessions import SessionRules
+from service.transport import convert
+from service.transport.auth import Authenticator
+from service.transport.errors import rpc_errors
+
+#: The only field ``UpdateSession`` changes (AIP-134: an empty mask means it too).
+UPDATABLE_FIELDS = frozenset({"title"})
+
+
+class TurnEndpoints(Protocol):
+    """The turn machinery's RPCs, served by the turn-loop side of the planner.
+
+    Each method authenticates the call itself (``Authenticator.authenticate``) and maps
+    its errors with ``service.transport.errors``.
+    """
+
+    async def send_message(
+        self, request: planner_service_pb2.SendMessageRequest, context: Any
+    ) -> planner_service_pb2.SendMessageResponse:
+        """``SendMessage``: run one whole turn and return its outcome and messages."""
+        ...
+
+    async def cancel_turn(
+        self, request: planner_service_pb2.CancelTurnRequest, context: Any
+    ) -> planner_service_pb2.CancelTurnResponse:
+        """``CancelTurn``: cancel a running turn on whichever replica runs it."""
+        ...
+
+    def chat(
+        self, requests: AsyncIterator[chat_pb2.ChatRequest], context: Any
+    ) -> AsyncIterator[chat_pb2.ChatResponse]:
+        """``Chat``: the bidirectional stream (an async generator)."""
+        ...
+
+
+class PlannerServicer(planner_service_pb2_grpc.PlannerServiceServicer):
+    """PlannerService over ``SessionRules``; turn RPCs go to ``turns`` when given."""
+
+    def __init__(
+        self,
+        rules: SessionRules,
+        authenticator: Authenticator,
+        turns: TurnEndpoints | None = None,
+    ) -> None:
+        self._rules = rules
+        self._auth = authenticator
+        self._turns = turns
+
+    # -- sessions ------------------------------------------------------------------
+
+    async def CreateSession(
+        self, request: planner_service_pb2.CreateSessionRequest, context: Any
+    ) -> planner_service_pb2.CreateSessionResponse:
+        """Create a session in a project the caller may read (idempotent, AIP-155)."""
+        async with rpc_errors(context):
+            session = await self._rules.create_session(
+                self._auth.caller(context),
+                request_id=request.request_id,
+                project_id=request.project_id,
+                title=request.title,
+            )
+            return planner_service_pb2.CreateSessionResponse(
+                session=convert.session_to_proto(session)
+            )
+
+    async def GetSession(
+        self, request: planner_service_pb2.GetSessionRequest, context: Any
+    ) -> planner_service_pb2.GetSessionResponse:
+        """Get a session with its summary and ``summary_up_to``."""
+        async with rpc_errors(context):
+            session = await self._rules.get_session(self._auth.caller(context), request.session_id)
+            return planner_service_pb2.GetSessionResponse(session=convert.session_to_proto(session))
+
+    async def ListSessions(
+        self, request: planner_service_pb2.ListSessionsRequest, context: Any
+    ) -> planner_service_pb2.ListSessionsResponse:
+        """List a project's sessions, newest first (AIP-158)."""
+        async with rpc_errors(context):
+            page = await self._rules.list_sessions(
+                self._auth.caller(context),
+                project_id=request.project_id,
+                page_size=request.page_size,
+                page_token=request.page_token,
+            )
+            return planner_service_pb2.ListSessionsResponse(
+                sessions=[convert.session_to_proto(session) for session in page.sessions],
+                next_page_token=page.next_page_token,
+            )
+
+    async def UpdateSession(
+        self, request: planner_service_pb2.UpdateSessionRequest, context: Any
+    ) -> planner_service_pb2.UpdateSessionResponse:
+        """Update a session's title; ``update_mask`` may name only ``title`` (AIP-134)."""
+        async with rpc_errors(context):
+            caller = self._auth.caller(context)
+            paths = set(request.update_mask.paths)
+            if not paths <= UPDATABLE_FIELDS:
+                raise InvalidArgument(
+                    f"update_mask may only name {', '.join(sorted(UPDATABLE_FIELDS))}, got "
+                    f"{', '.join(sorted(paths - UPDATABLE_FIELDS))}",
+                    reason="INVALID_UPDATE_MASK",
+                )
+            session = await self._rules.update_title(
+                caller, request.session.session_id, request.session.title
+            )
+            return planner_service_pb2.UpdateSessionResponse(
+                session=convert.session_to_proto(session)
+            )
+
+    async def DeleteSession(
+        self, request: planner_service_pb2.DeleteSessionRequest, context: Any
+    ) -> planner_service_pb2.DeleteSessionResponse:
+        """Delete a session and everything stored with it (its running turn cancelled)."""
+        async with rpc_errors(context):
+            await self._rules.delete_session(self._auth.caller(context), request.session_id)
+            return planner_service_pb2.DeleteSessionResponse()
+
+    async def ListMessages(
+        self, request: planner_service_pb2.ListMessagesRequest, context: Any
+    ) -> planner_service_pb2.ListMessagesResponse:
+        """List a session's transcript in sequence order, at most 1 MiB a page."""
+        async with rpc_errors(context):
+            page = await self._rules.list_messages(
+                self._auth.caller(context),
+                session_id=request.session_id,
+                after_sequence=request.after_sequence,
+                page_size=request.page_size,
+                page_token=request.page_token,
+            )
+            return planner_service_pb2.ListMessagesResponse(
+                messages=[convert.message_to_proto(message) for message in page.messages],
+                next_page_token=page.next_page_token,
+            )
+
+    async def GetTurn(
+        self, request: planner_service_pb2.GetTurnRequest, context: Any
+    ) -> planner_service_pb2.GetTurnResponse:
+        """Get a turn's state, end reason, rounds, usage and versions."""
+        async with rpc_errors(context):
+            turn = await self._rules.get_turn(
+                self._auth.caller(context), request.session_id, request.turn_id
+            )
+            return planner_service_pb2.GetTurnResponse(turn=convert.turn_to_proto(turn))
+
+    # -- turns: delegated to the turn machinery --------------------------------------
+
+    async def SendMessage(
+        self, request: planner_service_pb2.SendMessageRequest, context: Any
+    ) -> planner_service_pb2.SendMessageResponse:
+        """Run one whole turn (delegated to ``TurnEndpoints.send_message``)."""
+        if self._turns is None:
+            await self._unimplemented(context, "SendMessage")
+        assert self._turns is not None
+        return await self._turns.send_message(request, context)
+
+    async def CancelTurn(
+        self, request: planner_service_pb2.CancelTurnRequest, context: Any
+    ) -> planner_service_pb2.CancelTurnResponse:
+        """Cancel a running turn (delegated to ``TurnEndpoints.cancel_turn``)."""
+        if self._turns is None:
+            await self._unimplemented(context, "CancelTurn")
+        assert self._turns is not None
+        return await self._turns.cancel_turn(request, context)
+
+    async def Chat(
+        self, request_iterator: AsyncIterator[chat_pb2.ChatRequest], context: Any
+    ) -> AsyncIterator[chat_pb2.ChatResponse]:
+        """The Chat stream (delegated to ``TurnEndpoints.chat``)."""
+        if self._turns is None:
+            await self._unimplemented(context, "Chat")
+        assert self._turns is not None
+        async for response in self._turns.chat(request_iterator, context):
+            yield response
+
+    async def _unimplemented(self, context: Any, method: str) -> None:
+        async with rpc_errors(context):
+            self._auth.authenticate(context)
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{method} is not available yet")
