@@ -1,0 +1,286 @@
+"""Every Prometheus metric of the planner, in one place (SPEC section 8).
+
+``Metrics`` owns its own ``CollectorRegistry`` (nothing is registered globally, so tests
+and several planners in one process never collide); the composition root makes one and
+passes it to whoever records. Labels never carry session, turn, human or project ids:
+only bounded sets (tool names, outcomes, purposes, RPC method names, status codes).
+
+``MetricsInterceptor`` records gRPC server metrics for every RPC, and
+``start_metrics_server`` serves ``/metrics`` on ``server.metrics_address`` from
+prometheus_client's HTTP server in its own thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from service.config import split_address
+
+#: Latency buckets in seconds, from a fast tool call to a long model answer.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+#: A call cancelled by the client or the server (a stream closed while it yields).
+_CANCELLED: tuple[type[BaseException], ...] = (asyncio.CancelledError, GeneratorExit)
+RPC_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 60)
+
+
+class Metrics:
+    """The planner's metrics, registered in ``self.registry``.
+
+    Counters (``_total`` is added by prometheus_client):
+
+    - ``ballet_planner_compactions_total{outcome}``: ``ok`` or ``failed`` (seed: Context
+      compaction).
+    - ``ballet_planner_turns_total{reason}``: turns ended, by ``TurnEndReason`` value.
+    - ``ballet_planner_rounds_total``: tool rounds run.
+    - ``ballet_planner_tool_calls_total{tool,outcome}``: ``ok`` or an error reason.
+    - ``ballet_planner_tokens_total{kind,purpose}``: ``input``/``output`` x
+      ``turn``/``compaction``.
+    - ``ballet_planner_grpc_server_started_total{grpc_method}`` and
+      ``ballet_planner_grpc_server_handled_total{grpc_method,grpc_code}``.
+
+    Histograms (seconds): ``ballet_planner_model_first_delta_seconds{purpose}``,
+    ``ballet_planner_model_call_seconds{purpose,outcome}``,
+    ``ballet_planner_tool_call_seconds{tool}``, ``ballet_planner_turn_seconds{reason}``,
+    ``ballet_planner_grpc_server_handling_seconds{grpc_method}``; and
+    ``ballet_planner_turn_rounds`` (rounds per turn).
+
+    Gauges: ``ballet_planner_open_streams``, ``ballet_planner_running_turns`` (on this
+    replica), ``ballet_planner_dev_mode`` (1 in dev mode), ``ballet_planner_database_up``
+    (1 while the health monitor's ping answers).
+    """
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        registry = self.registry
+        self.compactions = Counter(
+            "ballet_planner_compactions",
+            "Context compactions, by outcome.",
+            ["outcome"],
+            registry=registry,
+        )
+        self.turns = Counter(
+            "ballet_planner_turns", "Turns ended, by end reason.", ["reason"], registry=registry
+        )
+        self.rounds = Counter("ballet_planner_rounds", "Tool rounds run.", registry=registry)
+        self.turn_rounds = Histogram(
+            "ballet_planner_turn_rounds",
+            "Tool rounds per ended turn.",
+            buckets=(0, 1, 2, 3, 5, 8, 13, 21, 34),
+            registry=registry,
+        )
+        self.turn_seconds = Histogram(
+            "ballet_planner_turn_seconds",
+            "Turn duration in seconds, by end reason.",
+            ["reason"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.tool_calls = Counter(
+            "ballet_planner_tool_calls",
+            "Tool calls, by tool and outcome (ok or an error reason).",
+            ["tool", "outcome"],
+            registry=registry,
+        )
+        self.tool_seconds = Histogram(
+            "ballet_planner_tool_call_seconds",
+            "Tool call latency in seconds, by tool.",
+            ["tool"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.model_first_delta_seconds = Histogram(
+            "ballet_planner_model_first_delta_seconds",
+            "Seconds from a model request to its first delta, by purpose.",
+            ["purpose"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.model_seconds = Histogram(
+            "ballet_planner_model_call_seconds",
+            "Model call duration in seconds, by purpose and outcome.",
+            ["purpose", "outcome"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.tokens = Counter(
+            "ballet_planner_tokens",
+            "Tokens reported by the model provider, by kind and purpose.",
+            ["kind", "purpose"],
+            registry=registry,
+        )
+        self.open_streams = Gauge(
+            "ballet_planner_open_streams", "Open Chat streams on this replica.", registry=registry
+        )
+        self.running_turns = Gauge(
+            "ballet_planner_running_turns", "Turns running on this replica.", registry=registry
+        )
+        self.dev_mode = Gauge(
+            "ballet_planner_dev_mode",
+            "1 when tokens are checked with the dev secret (no key set configured).",
+            registry=registry,
+        )
+        self.database_up = Gauge(
+            "ballet_planner_database_up",
+            "1 while the database answers the health monitor's ping.",
+            registry=registry,
+        )
+        self.grpc_started = Counter(
+            "ballet_planner_grpc_server_started",
+            "RPCs started, by method.",
+            ["grpc_method"],
+            registry=registry,
+        )
+        self.grpc_handled = Counter(
+            "ballet_planner_grpc_server_handled",
+            "RPCs completed, by method and status code.",
+            ["grpc_method", "grpc_code"],
+            registry=registry,
+        )
+        self.grpc_seconds = Histogram(
+            "ballet_planner_grpc_server_handling_seconds",
+            "RPC duration in seconds, by method.",
+            ["grpc_method"],
+            buckets=RPC_BUCKETS,
+            registry=registry,
+        )
+
+
+def _code_name(context: Any, default: grpc.StatusCode) -> str:
+    try:
+        code = context.code()
+    except Exception:  # the context may be gone with the call; the default stands
+        code = None
+    if isinstance(code, grpc.StatusCode):
+        return str(code.name)
+    if isinstance(code, int):
+        for candidate in grpc.StatusCode:
+            if candidate.value[0] == code:
+                return str(candidate.name)
+    return str(default.name)
+
+
+class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Counts and times every RPC: ``grpc_server_started``/``handled``/``handling``.
+
+    The status is ``OK`` when the handler returns, the code it aborted with, ``CANCELLED``
+    when the call was cancelled, ``UNKNOWN`` for an exception that escaped.
+    """
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[Any], Awaitable[Any]],
+        handler_call_details: Any,
+    ) -> Any:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = str(handler_call_details.method)
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                self._unary(method, handler.unary_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                self._streaming(method, handler.unary_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.stream_unary is not None:
+            return grpc.stream_unary_rpc_method_handler(
+                self._unary(method, handler.stream_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(
+                self._streaming(method, handler.stream_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler  # pragma: no cover - every handler has one behaviour
+
+    def _done(self, method: str, started: float, code: str) -> None:
+        self._metrics.grpc_handled.labels(method, code).inc()
+        self._metrics.grpc_seconds.labels(method).observe(time.perf_counter() - started)
+
+    def _unary(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
+        async def wrapper(request: Any, context: Any) -> Any:
+            self._metrics.grpc_started.labels(method).inc()
+            started = time.perf_counter()
+            code = "UNKNOWN"
+            try:
+                response = await behavior(request, context)
+                code = _code_name(context, grpc.StatusCode.OK)
+                return response
+            except grpc.aio.AbortError:
+                code = _code_name(context, grpc.StatusCode.UNKNOWN)
+                raise
+            except BaseException as error:
+                if isinstance(error, _CANCELLED):
+                    code = "CANCELLED"
+                raise
+            finally:
+                self._done(method, started, code)
+
+        return wrapper
+
+    def _streaming(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
+        if not inspect.isasyncgenfunction(behavior):
+            # A handler that writes with context.write() and returns: time the coroutine.
+            return self._unary(method, behavior)
+
+        async def wrapper(request: Any, context: Any) -> AsyncIterator[Any]:
+            self._metrics.grpc_started.labels(method).inc()
+            started = time.perf_counter()
+            code = "UNKNOWN"
+            try:
+                async for response in behavior(request, context):
+                    yield response
+                code = _code_name(context, grpc.StatusCode.OK)
+            except grpc.aio.AbortError:
+                code = _code_name(context, grpc.StatusCode.UNKNOWN)
+                raise
+            except BaseException as error:
+                if isinstance(error, _CANCELLED):
+                    code = "CANCELLED"
+                raise
+            finally:
+                self._done(method, started, code)
+
+        return wrapper
+
+
+@dataclass
+class MetricsServer:
+    """The running ``/metrics`` endpoint; ``address`` is ``host:port`` as bound."""
+
+    address: str
+    _server: Any
+
+    def stop(self) -> None:
+        """Stop serving and close the socket."""
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def start_metrics_server(metrics: Metrics, address: str) -> MetricsServer:
+    """Serve ``metrics.registry`` on ``address`` (``host:port``; port 0 picks one) in a
+    daemon thread. Raises ``OSError`` when the address cannot be bound."""
+    host, port = split_address(address, "server.metrics_address")
+    server, _thread = start_http_server(port, addr=host, registry=metrics.registry)
+    bound_port = server.server_address[1]
+    shown_host = f"[{host}]" if ":" in host else host
+    return MetricsServer(address=f"{shown_host}:{bound_port}", _server=server)
