@@ -1,0 +1,248 @@
+"""The ``ballet-planner`` command (SPEC section 9).
+
+Subcommands: ``serve`` (the production service), ``migrate`` (bring the database schema
+to this release), ``token`` (a dev JWT from the data directory's secret) and ``health``
+(readiness and liveness probe). ``dev`` and ``chat`` come later: each subcommand is one
+``_add_<name>`` function registering its parser and handler, so adding one touches
+nothing else.
+
+Exit codes: 0 success; 1 a failed check or command (``health`` not SERVING); 2 a usage or
+configuration error, with a message on stderr naming the problem.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from service.config import ConfigError, Settings, is_loopback, load_settings, split_address
+
+Handler = Callable[[argparse.Namespace], int]
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+DEFAULT_DATA_DIR = Path(".ballet-dev")
+DEFAULT_TOKEN_TTL_S = 12 * 3600.0
+
+
+def _settings(config: Path | None, **overrides: str) -> Settings:
+    environ = dict(os.environ)
+    for key, value in overrides.items():
+        environ[f"BALLET_PLANNER__{key}"] = value
+    return load_settings(config, environ)
+
+
+# --------------------------------------------------------------------------- serve
+
+
+def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser(
+        "serve", help="run the planner service", description="Run the planner gRPC service."
+    )
+    parser.add_argument("--config", type=Path, help="TOML configuration file")
+    parser.set_defaults(handler=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    settings = _settings(args.config)
+    from service.logs import configure_logging
+    from service.main import StartupError, serve
+
+    configure_logging(settings.logging)
+    try:
+        asyncio.run(serve(settings))
+    except StartupError as error:
+        print(f"ballet-planner: cannot start: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+# --------------------------------------------------------------------------- migrate
+
+
+def _add_migrate(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser(
+        "migrate",
+        help="upgrade the database schema",
+        description="Upgrade the database schema to this release (run as a job before "
+        "serving on PostgreSQL).",
+    )
+    parser.add_argument("--config", type=Path, help="TOML configuration file")
+    parser.add_argument("--database-url", help="SQLAlchemy URL (overrides database.url)")
+    parser.set_defaults(handler=_migrate)
+
+
+def _migrate(args: argparse.Namespace) -> int:
+    overrides = {"DATABASE__URL": args.database_url} if args.database_url else {}
+    settings = _settings(args.config, **overrides)
+    from service.adapters.store import migrate, schema_status
+    from service.core.errors import StoreUnavailable
+
+    if settings.database.is_sqlite:
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        asyncio.run(migrate(settings.database.url))
+        status = asyncio.run(schema_status(settings.database.url))
+    except StoreUnavailable as error:
+        print(f"ballet-planner migrate: the database is unreachable: {error}", file=sys.stderr)
+        return 1
+    print(f"database schema at {status.current} (head {status.head})")
+    return 0
+
+
+# --------------------------------------------------------------------------- token
+
+
+def _add_token(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser(
+        "token",
+        help="print a dev token",
+        description="Print a dev JWT for a user, signed with the data directory's dev "
+        "secret (generated if absent). Dev mode only.",
+    )
+    parser.add_argument("--user", required=True, help="the subject (human id)")
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        help="data directory (default: $BALLET_PLANNER__DATA_DIR or ./.ballet-dev)",
+    )
+    parser.add_argument(
+        "--ttl", type=float, default=DEFAULT_TOKEN_TTL_S, help="lifetime in seconds"
+    )
+    parser.add_argument(
+        "--scope",
+        action="append",
+        default=[],
+        help="a scope (repeatable); makes a service principal, e.g. planner.sessions.read",
+    )
+    parser.add_argument("--org", default="acme", help="organization id (default acme)")
+    parser.set_defaults(handler=_token)
+
+
+def _token(args: argparse.Namespace) -> int:
+    from service.tokens import dev_secret, mint_dev_token
+
+    data_dir = args.data_dir or Path(
+        os.environ.get("BALLET_PLANNER__DATA_DIR", "") or DEFAULT_DATA_DIR
+    )
+    scopes = [scope for value in args.scope for scope in value.split()]
+    token = mint_dev_token(
+        dev_secret(data_dir), args.user, organization_id=args.org, ttl_s=args.ttl, scopes=scopes
+    )
+    print(token)
+    return 0
+
+
+# --------------------------------------------------------------------------- health
+
+
+def _add_health(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser(
+        "health",
+        help="check the service's health",
+        description="Ask grpc.health.v1 Check. Exit 0 when SERVING (readiness); with "
+        "--alive, 0 on any answer (liveness); 1 otherwise.",
+    )
+    parser.add_argument(
+        "--address",
+        help="host:port (default: server.address from --config or the environment, else "
+        f"{DEFAULT_ADDRESS}; a wildcard host is asked on loopback)",
+    )
+    parser.add_argument("--config", type=Path, help="TOML configuration file")
+    parser.add_argument("--alive", action="store_true", help="exit 0 on any answer")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
+    parser.add_argument("--service", default="", help='service name (default "": overall)')
+    parser.add_argument(
+        "--tls-ca", type=Path, help="CA bundle of the server's certificate (enables TLS)"
+    )
+    parser.set_defaults(handler=_health)
+
+
+def _health(args: argparse.Namespace) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    settings = _settings(args.config) if args.config else None
+    address = args.address or (settings.server.address if settings else None)
+    address = address or os.environ.get("BALLET_PLANNER__SERVER__ADDRESS") or DEFAULT_ADDRESS
+    host, port = split_address(address, "--address")
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    ca_file = args.tls_ca
+    use_tls = ca_file is not None
+    if settings is not None and settings.server.tls_cert is not None:
+        use_tls = True
+        ca_file = ca_file or settings.server.tls_ca or settings.server.tls_cert
+    if use_tls:
+        roots = ca_file.read_bytes() if ca_file is not None else None
+        channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(roots))
+    else:
+        if not is_loopback(host):
+            print(f"ballet-planner health: asking {target} in plaintext", file=sys.stderr)
+        channel = grpc.insecure_channel(target)
+    with channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            response = stub.Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
+            )
+        except grpc.RpcError as error:
+            code = error.code()
+            answered = code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+            if args.alive and answered:
+                print(f"alive ({code.name})")
+                return 0
+            print(
+                f"ballet-planner health: {target}: {code.name}: {error.details()}", file=sys.stderr
+            )
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+    if response.status == health_pb2.HealthCheckResponse.SERVING or args.alive:
+        print(status)
+        return 0
+    print(f"ballet-planner health: {target}: {status}", file=sys.stderr)
+    return 1
+
+
+# --------------------------------------------------------------------------- main
+
+#: Subcommands in help order; ``dev`` and ``chat`` add themselves here later.
+SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None], ...] = (
+    _add_serve,
+    _add_migrate,
+    _add_token,
+    _add_health,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with every subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="ballet-planner", description="Ballet Planner: the conversational planning service."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in SUBCOMMANDS:
+        add(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``ballet-planner`` with ``argv`` (default: the process's); returns the exit
+    code. Configuration errors print ``configuration error: <key>: <problem>``, exit 2."""
+    args = build_parser().parse_args(argv)
+    handler: Handler = args.handler
+    try:
+        return handler(args)
+    except ConfigError as error:
+        print(f"ballet-planner: configuration error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,481 @@
+"""The composition root: settings in, a running planner out (STYLE rule 1).
+
+``start_planner(settings)`` wires everything and starts serving; ``serve(settings)``
+does that, then waits for SIGTERM or SIGINT and shuts down gracefully. Nothing else in
+the service builds engines, channels or servers, and nothing does I/O at import time.
+
+Start-up order: metrics; token verification (dev mode: the HS256 secret of the data
+dir, a WARNING, ``ballet_planner_dev_mode`` = 1); the database (SQLite: migrate here,
+with a WARNING, since SQLite means a single process; PostgreSQL: never migrate, and
+refuse to start while the schema is behind); the store; outbound channels and backend
+clients; the session rules; the turn machinery (``build_turn_machinery``); the gRPC
+server with PlannerService, health and reflection; the health monitor; the metrics
+endpoint.
+
+Shutdown (SPEC section 8): health NOT_SERVING first, then the server stops accepting
+calls and in-flight ones get the grace period while running turns end (or are closed
+``INTERRUPTED`` by the turn machinery); then channels, the metrics endpoint and the
+engine close. The whole takes at most the grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+import grpc
+from ballet.planner.v1 import planner_service_pb2, planner_service_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from service.adapters.backends import GrpcToolBackends
+from service.adapters.channels import ChannelTls, make_channel
+from service.adapters.store import SqlSessionStore, make_engine, migrate, schema_status
+from service.config import ChannelSettings, ConfigError, Settings, channels, split_address
+from service.core.errors import StoreUnavailable
+from service.core.ports import Clock, SessionStore, ToolBackends
+from service.core.sessions import ProjectAccess, SessionLimits, SessionRules
+from service.credentials import ServiceCredential
+from service.metrics import Metrics, MetricsInterceptor, MetricsServer, start_metrics_server
+from service.tokens import (
+    DEV_ISSUER,
+    PLANNER_AUDIENCE,
+    KeySet,
+    TokenVerifier,
+    dev_secret,
+)
+from service.transport import convert
+from service.transport.auth import Authenticator
+from service.transport.sessions import PlannerServicer, TurnEndpoints
+
+log = logging.getLogger(__name__)
+
+#: The service name health checking reports besides the overall ``""``.
+SERVICE_NAME = planner_service_pb2.DESCRIPTOR.services_by_name["PlannerService"].full_name
+#: A database ping slower than this counts as a failure (seconds).
+PING_TIMEOUT_S = 5.0
+
+
+class StartupError(RuntimeError):
+    """The planner cannot start; the message says why and what to do."""
+
+
+class SystemClock:
+    """``Clock`` on the machine's clocks: UTC wall time, monotonic seconds."""
+
+    def now(self) -> datetime:
+        """The current UTC time, timezone aware."""
+        return datetime.now(UTC)
+
+    def monotonic(self) -> float:
+        """Seconds of a monotonic clock, for deadlines and caches."""
+        return time.monotonic()
+
+
+# --------------------------------------------------------------------------- turn machinery
+
+
+class TurnMachinery(Protocol):
+    """What the composition root needs of the turn side of the planner: its RPCs
+    (``SendMessage``, ``CancelTurn``, ``Chat``) and its lifecycle."""
+
+    @property
+    def endpoints(self) -> TurnEndpoints:
+        """The servicer methods PlannerService delegates to."""
+        ...
+
+    async def start(self) -> None:
+        """Recover this replica's turns, start lease renewal, the sweeper, fan-out."""
+        ...
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop accepting turns; let running ones end within ``grace_s``; close the rest
+        ``INTERRUPTED``."""
+        ...
+
+
+@dataclass(frozen=True)
+class Wiring:
+    """Everything the turn machinery is built from; owned by the composition root."""
+
+    settings: Settings
+    store: SessionStore
+    backends: ToolBackends
+    gateway_channel: Any
+    service_credential: ServiceCredential
+    authenticator: Authenticator
+    rules: SessionRules
+    clock: Clock
+    metrics: Metrics
+
+
+def build_turn_machinery(wiring: Wiring) -> TurnMachinery | None:
+    """TURN MACHINERY PLUGS IN HERE: build the ``TurnService`` (store, backends, gateway
+    over ``wiring.gateway_channel``, fan-out hub, settings) and the Chat servicer, and
+    return them as a ``TurnMachinery``. Until then ``SendMessage``, ``CancelTurn`` and
+    ``Chat`` answer ``UNIMPLEMENTED``."""
+    return None
+
+
+# --------------------------------------------------------------------------- the app
+
+
+@dataclass
+class PlannerApp:
+    """A running planner. ``address`` and ``metrics_address`` are ``host:port`` as bound
+    (``metrics_address`` is empty when metrics are off)."""
+
+    settings: Settings
+    address: str
+    metrics_address: str
+    metrics: Metrics
+    health: HealthServicer
+    store: SessionStore
+    _server: Any
+    _engine: Any
+    _channels: Sequence[Any]
+    _metrics_server: MetricsServer | None
+    _turns: TurnMachinery | None
+    _stopping: asyncio.Event = field(default_factory=asyncio.Event)
+    _monitor: asyncio.Task[None] | None = None
+    _stopped: asyncio.Future[None] | None = None
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Shut down within ``grace`` seconds (default ``server.grace_s``): health
+        NOT_SERVING first, then stop the server and the turns, then close everything.
+        Idempotent; a second call waits for the first."""
+        if self._stopped is not None:
+            await asyncio.shield(self._stopped)
+            return
+        self._stopped = asyncio.get_running_loop().create_future()
+        try:
+            await self._shutdown(self.settings.server.grace_s if grace is None else grace)
+        finally:
+            self._stopped.set_result(None)
+
+    async def _shutdown(self, grace: float) -> None:
+        started = time.monotonic()
+        await self.health.enter_graceful_shutdown()
+        log.info("shutting down: health NOT_SERVING")
+        self._stopping.set()
+        if self._monitor is not None:
+            self._monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._monitor
+        # Keep a little of the grace period for closing turns, channels and the pool.
+        reserve = min(1.0, grace / 4)
+        budget = max(0.0, grace - reserve - (time.monotonic() - started))
+        stops = [self._server.stop(budget)]
+        if self._turns is not None:
+            stops.append(self._turns.stop(budget))
+        await asyncio.gather(*stops)
+        if self._metrics_server is not None:
+            self._metrics_server.stop()
+        for channel in self._channels:
+            await channel.close()
+        await self._engine.dispose()
+        log.info("stopped")
+
+    async def wait_for_termination(self) -> None:
+        """Wait until the gRPC server has stopped."""
+        await self._server.wait_for_termination()
+
+    async def _watch_database(self, interval_s: float) -> None:
+        serving = True
+        while not self._stopping.is_set():
+            try:
+                await asyncio.wait_for(self.store.ping(), PING_TIMEOUT_S)
+                healthy = True
+            except (StoreUnavailable, TimeoutError):
+                healthy = False
+            except Exception:
+                log.exception("database ping failed unexpectedly")
+                healthy = False
+            if healthy != serving:
+                serving = healthy
+                await self._set_health(serving)
+                if serving:
+                    log.warning("database reachable again: health SERVING")
+                else:
+                    log.warning("database unreachable: health NOT_SERVING")
+            self.metrics.database_up.set(1 if healthy else 0)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), interval_s)
+
+    async def _set_health(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, status)
+
+
+def server_options(settings: Settings) -> list[tuple[str, int]]:
+    """The grpc.aio server options of SPEC section 8: receive limit, keepalive (ping
+    every 60 s, 20 s timeout), client pings allowed every 30 s, no max connection idle,
+    HTTP/2 streams per connection."""
+    server = settings.server
+    return [
+        ("grpc.max_receive_message_length", server.max_receive_message_bytes),
+        ("grpc.keepalive_time_ms", int(server.keepalive_time_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(server.keepalive_timeout_s * 1000)),
+        ("grpc.http2.min_ping_interval_without_data_ms", int(server.min_ping_interval_s * 1000)),
+        (
+            "grpc.http2.min_recv_ping_interval_without_data_ms",
+            int(server.min_ping_interval_s * 1000),
+        ),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.max_concurrent_streams", server.max_concurrent_streams),
+    ]
+
+
+def _channel_tls(channel: ChannelSettings) -> ChannelTls | None:
+    if not channel.uses_tls:
+        return None
+    return ChannelTls(
+        ca_file=channel.tls_ca,
+        cert_file=channel.tls_cert,
+        key_file=channel.tls_key,
+        server_name=channel.tls_server_name or None,
+    )
+
+
+def _make_channels(settings: Settings) -> dict[str, Any]:
+    made: dict[str, Any] = {}
+    for name, channel in channels(settings.dependencies):
+        try:
+            made[name] = make_channel(
+                channel.address,
+                tls=_channel_tls(channel),
+                insecure=channel.insecure,
+                max_receive_bytes=channel.max_message_bytes,
+            )
+        except ValueError as error:
+            raise ConfigError(f"dependencies.{name}.address: {error}") from error
+        except OSError as error:
+            raise ConfigError(f"dependencies.{name}.tls_*: cannot read: {error}") from error
+    return made
+
+
+def _server_credentials(settings: Settings) -> Any | None:
+    server = settings.server
+    if server.tls_cert is None or server.tls_key is None:
+        return None
+    try:
+        pair = (server.tls_key.read_bytes(), server.tls_cert.read_bytes())
+        ca = server.tls_ca.read_bytes() if server.tls_ca is not None else None
+    except OSError as error:
+        raise ConfigError(f"server.tls_cert: cannot read: {error}") from error
+    return grpc.ssl_server_credentials(
+        [pair], root_certificates=ca, require_client_auth=server.tls_require_client_cert
+    )
+
+
+def _verifier(settings: Settings, metrics: Metrics) -> TokenVerifier:
+    auth = settings.auth
+    if auth.jwks_path is None:
+        keys = KeySet(dev_secret=dev_secret(settings.data_dir))
+        log.warning(
+            "dev mode: no auth.jwks_path, bearer tokens are checked with the HS256 dev "
+            "secret of the data directory; serving on loopback only"
+        )
+        metrics.dev_mode.set(1)
+        issuers: Sequence[str] = auth.issuers or (DEV_ISSUER,)
+    else:
+        if not auth.jwks_path.is_file():
+            raise ConfigError(f"auth.jwks_path: {auth.jwks_path} is not a readable file")
+        keys = KeySet(jwks_path=auth.jwks_path)
+        metrics.dev_mode.set(0)
+        issuers = auth.issuers
+    return TokenVerifier(keys, audience=PLANNER_AUDIENCE, issuers=issuers, leeway_s=auth.leeway_s)
+
+
+async def _open_database(settings: Settings) -> Any:
+    url = settings.database.url
+    try:
+        if settings.database.is_sqlite:
+            settings.data_dir.mkdir(parents=True, exist_ok=True)
+            await migrate(url)
+            log.warning(
+                "SQLite database: single process only; its schema was migrated at start "
+                "(use PostgreSQL and `ballet-planner migrate` in production)"
+            )
+        else:
+            status = await schema_status(url)
+            if status.behind:
+                raise StartupError(
+                    f"the database schema is behind (at {status.current or 'nothing'}, this "
+                    f"release needs {status.head}): run `ballet-planner migrate` first"
+                )
+    except StoreUnavailable as error:
+        raise StartupError(f"the database is unreachable: {error}") from error
+    return make_engine(url, pool_size=settings.database.pool_size)
+
+
+def _bind(server: Any, address: str, credentials: Any | None) -> int:
+    try:
+        if credentials is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, credentials)
+    except RuntimeError as error:
+        raise StartupError(f"server.address: cannot bind {address}: {error}") from error
+    if not port:
+        raise StartupError(f"server.address: cannot bind {address}")
+    return int(port)
+
+
+async def start_planner(
+    settings: Settings,
+    *,
+    backends: ToolBackends | None = None,
+    clock: Clock | None = None,
+    turn_machinery: Callable[[Wiring], TurnMachinery | None] = build_turn_machinery,
+) -> PlannerApp:
+    """Build and start a planner from ``settings``; returns once it serves.
+
+    ``backends`` replaces the gRPC backend clients (tests); ``turn_machinery`` builds the
+    turn side (default ``build_turn_machinery``). Binds ``server.address`` (port 0: a free
+    port, see ``PlannerApp.address``). Raises ``ConfigError`` (a setting that cannot be
+    used, e.g. an unreadable certificate) and ``StartupError`` (database unreachable or
+    behind, address in use).
+    """
+    metrics = Metrics()
+    verifier = _verifier(settings, metrics)
+    clock = clock or SystemClock()
+    credential = (
+        ServiceCredential(token_file=settings.dependencies.service_token_file)
+        if settings.dependencies.service_token_file is not None
+        else ServiceCredential(dev_secret=dev_secret(settings.data_dir))
+    )
+    engine = await _open_database(settings)
+    opened: list[Any] = []
+    try:
+        store = SqlSessionStore(engine, settings.server.replica_id)
+        outbound = _make_channels(settings)
+        opened.extend(outbound.values())
+        if backends is None:
+            backends = GrpcToolBackends(
+                tracker=outbound["tracker"],
+                skills=outbound["skills"],
+                knowledge=outbound["knowledge"],
+                service_token=credential.token,
+            )
+        authenticator = Authenticator(verifier)
+        projects = ProjectAccess(
+            backends,
+            clock,
+            cache_s=settings.auth.project_check_cache_s,
+            timeout_s=settings.dependencies.project_lookup_s,
+        )
+        rules = SessionRules(
+            store,
+            projects,
+            clock,
+            SessionLimits(page_max_bytes=settings.limits.page_max_bytes),
+            message_size=convert.encoded_message_bytes,
+        )
+        turns = turn_machinery(
+            Wiring(
+                settings=settings,
+                store=store,
+                backends=backends,
+                gateway_channel=outbound["gateway"],
+                service_credential=credential,
+                authenticator=authenticator,
+                rules=rules,
+                clock=clock,
+                metrics=metrics,
+            )
+        )
+
+        server = grpc.aio.server(
+            interceptors=[MetricsInterceptor(metrics)],
+            options=server_options(settings),
+            maximum_concurrent_rpcs=settings.server.maximum_concurrent_rpcs,
+        )
+        planner_service_pb2_grpc.add_PlannerServiceServicer_to_server(
+            PlannerServicer(rules, authenticator, turns.endpoints if turns else None), server
+        )
+        health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_name, reflection.SERVICE_NAME), server
+        )
+        host, _ = split_address(settings.server.address, "server.address")
+        port = _bind(server, settings.server.address, _server_credentials(settings))
+    except BaseException:
+        for channel in opened:
+            await channel.close()
+        await engine.dispose()
+        raise
+    shown_host = f"[{host}]" if ":" in host else host
+    app = PlannerApp(
+        settings=settings,
+        address=f"{shown_host}:{port}",
+        metrics_address="",
+        metrics=metrics,
+        health=health,
+        store=store,
+        _server=server,
+        _engine=engine,
+        _channels=list(outbound.values()),
+        _metrics_server=None,
+        _turns=turns,
+    )
+    try:
+        if turns is not None:
+            await turns.start()
+        await server.start()
+        await app._set_health(True)
+        metrics.database_up.set(1)
+        app._monitor = asyncio.get_running_loop().create_task(
+            app._watch_database(settings.server.health_check_interval_s), name="health-monitor"
+        )
+        if settings.server.metrics_address:
+            try:
+                app._metrics_server = start_metrics_server(metrics, settings.server.metrics_address)
+            except OSError as error:
+                raise StartupError(
+                    f"server.metrics_address: cannot bind {settings.server.metrics_address}: "
+                    f"{error.strerror}"
+                ) from error
+            app.metrics_address = app._metrics_server.address
+    except BaseException:
+        await app.stop(0)
+        raise
+    return app
+
+
+async def serve(settings: Settings) -> None:
+    """Run the planner until SIGTERM or SIGINT, then shut down within
+    ``server.grace_s`` (SPEC section 8)."""
+    app = await start_planner(settings)
+    log.info(
+        "ballet-planner serving on %s (metrics %s, replica %s)",
+        app.address,
+        app.metrics_address or "off",
+        settings.server.replica_id,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
+        await app.stop(settings.server.grace_s)
