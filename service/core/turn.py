@@ -158,7 +158,12 @@ class TurnObserver(Protocol):
     def tool_called(self, tool: str, outcome: str, seconds: float) -> None: ...
 
     def model_called(
-        self, purpose: str, outcome: str, seconds: float, usage: Usage | None
+        self,
+        purpose: str,
+        outcome: str,
+        seconds: float,
+        usage: Usage | None,
+        first_delta_s: float | None = None,
     ) -> None: ...
 
     def compacted(self) -> None: ...
@@ -179,7 +184,14 @@ class NullObserver:
     def tool_called(self, tool: str, outcome: str, seconds: float) -> None:
         pass
 
-    def model_called(self, purpose: str, outcome: str, seconds: float, usage: Usage | None) -> None:
+    def model_called(
+        self,
+        purpose: str,
+        outcome: str,
+        seconds: float,
+        usage: Usage | None,
+        first_delta_s: float | None = None,
+    ) -> None:
         pass
 
     def compacted(self) -> None:
@@ -840,9 +852,12 @@ class TurnService:
         """Stream one answer, stopping at once when the turn is asked to stop."""
         answer = _Answer(message_id=new_id("msg"))
         started = time.monotonic()
+        first_delta: list[float] = []
 
         async def consume() -> None:
             async for chunk in self._gateway.stream(request):
+                if not first_delta:
+                    first_delta.append(time.monotonic() - started)
                 if isinstance(chunk, TextChunk):
                     if relay and chunk.text:
                         self._hub.publish_delta(
@@ -884,7 +899,11 @@ class TurnService:
                 answer.failure = ModelFailure("MODEL_ERROR", f"model call failed: {error!r}")
                 outcome = "MODEL_ERROR"
         self._observer.model_called(
-            request.purpose.value, outcome, time.monotonic() - started, answer.usage
+            request.purpose.value,
+            outcome,
+            time.monotonic() - started,
+            answer.usage,
+            first_delta[0] if first_delta else None,
         )
         if request.purpose is Purpose.TURN and answer.usage is not None:
             run.usage = run.usage + answer.usage
