@@ -1,0 +1,316 @@
+"""``DevStack``: the tracker, skills and knowledge backends on one grpc.aio server.
+
+The composition root of the dependencies for development, tests and benchmarks (SPEC
+section 9). ``DevStack.start`` creates the schema, seeds the organizations and users,
+loads the demo project or imports a beads export, imports knowledge and skills, then
+serves the three backends with gRPC health and server reflection on one address. The
+LLM gateway (``devstack.gateway``) joins the same server through
+``DevStackConfig.extra_services``.
+
+Tests read ``calls`` (every RPC's human, actor and outcome) and ``writes`` (real writes
+per request id), and drive ``faults`` (delays and errors per RPC or service).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from ballet.knowledge.v1 import knowledge_pb2_grpc
+from ballet.skills.v1 import skills_pb2_grpc
+from ballet.tracker.v1 import tracker_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from devstack import knowledge, skills, tracker
+from devstack.auth import Authenticator
+from devstack.calls import CallLog, CallRecord
+from devstack.demo.project import load_demo, load_globex
+from devstack.faults import FaultInjector
+from devstack.importers.adr import AdrReport, import_adrs
+from devstack.importers.beads import BeadsReport, import_beads
+from devstack.importers.skills import SkillsReport, import_skills
+from devstack.pages import PageTokens
+from devstack.rpc import Backend
+from devstack.store import Store, sqlite_url
+from devstack.store.access import USERS, seed_identities
+from service.tokens import (
+    HUMAN_AUDIENCES,
+    KNOWLEDGE_AUDIENCE,
+    PLANNER_SERVICE_SUBJECT,
+    SKILLS_AUDIENCE,
+    TRACKER_AUDIENCE,
+    KeySet,
+    TokenVerifier,
+    dev_secret,
+    mint_dev_token,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ADDRESS = "127.0.0.1:50052"
+#: The services this module serves itself (reflection and health list them).
+SERVICE_NAMES = (tracker.SERVICE, skills.SERVICE, knowledge.SERVICE)
+
+
+@dataclass(frozen=True)
+class DevStackConfig:
+    """How to start a ``DevStack``.
+
+    - ``data_dir``: holds ``devstack.db`` (SQLite) and the ``dev-secret`` (generated on
+      first use, shared with the planner's ``dev`` mode).
+    - ``database_url``: a ``postgresql+psycopg://`` URL to use PostgreSQL instead of SQLite.
+    - ``address``: ``host:port`` to bind; port 0 picks a free one (see ``DevStack.address``).
+    - ``tracker_file``: a beads ``issues.jsonl`` to import as ``project_id``; without it the
+      built-in demo project ``demo`` is loaded.
+    - ``knowledge_dir``: a folder of ADR markdown files; ``skills_dir``: a folder of
+      ``<name>/SKILL.md``. Both optional.
+    - ``jwks_path``: verify tokens with this JWKS file instead of the dev secret.
+    - ``extra_services``: called with the server before it starts, to add services (the LLM
+      gateway); the service names it returns, plus ``extra_service_names``, are listed by
+      reflection and reported SERVING by health.
+    """
+
+    data_dir: Path
+    database_url: str | None = None
+    address: str = DEFAULT_ADDRESS
+    tracker_file: Path | None = None
+    project_id: str = "demo"
+    knowledge_dir: Path | None = None
+    skills_dir: Path | None = None
+    jwks_path: Path | None = None
+    extra_services: Callable[[grpc.aio.Server], Iterable[str] | None] | None = None
+    extra_service_names: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class StartupReport:
+    """What ``start`` loaded, and how long each step took (seconds)."""
+
+    beads: BeadsReport | None = None
+    adrs: AdrReport | None = None
+    skills: SkillsReport | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class DevStack:
+    """A running devstack. Create with ``await DevStack.start(config)``; ``await stop()``."""
+
+    def __init__(
+        self,
+        *,
+        config: DevStackConfig,
+        store: Store,
+        server: grpc.aio.Server,
+        health_servicer: health.aio.HealthServicer,
+        address: str,
+        calls: CallLog,
+        faults: FaultInjector,
+        secret: bytes | None,
+        report: StartupReport,
+        service_names: tuple[str, ...],
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.report = report
+        self.service_names = service_names
+        self._server = server
+        self._health = health_servicer
+        self._address = address
+        self._calls = calls
+        self._faults = faults
+        self._secret = secret
+
+    @classmethod
+    async def start(cls, config: DevStackConfig) -> DevStack:
+        """Create the schema, load the data, and serve on ``config.address``.
+
+        Raises ``ValueError`` for an unsupported database URL, ``OSError`` when the address
+        cannot be bound, and what the importers raise for malformed input files.
+        """
+        timings: dict[str, float] = {}
+        clock = time.perf_counter()
+
+        def lap(name: str) -> None:
+            nonlocal clock
+            now = time.perf_counter()
+            timings[name] = now - clock
+            clock = now
+
+        config.data_dir.mkdir(parents=True, exist_ok=True)
+        secret = dev_secret(config.data_dir) if config.jwks_path is None else None
+        store = await Store.open(config.database_url or sqlite_url(config.data_dir))
+        try:
+            await store.create_schema()
+            await store.run_write(seed_identities)
+            await load_globex(store)
+            lap("schema")
+            beads_report = None
+            if config.tracker_file is None:
+                await load_demo(store)
+                lap("demo")
+            else:
+                beads_report = await import_beads(
+                    store, config.tracker_file, project_id=config.project_id
+                )
+                lap("tracker")
+            adr_report = (
+                await import_adrs(store, config.knowledge_dir) if config.knowledge_dir else None
+            )
+            lap("knowledge")
+            skills_report = (
+                await import_skills(store, config.skills_dir) if config.skills_dir else None
+            )
+            lap("skills")
+            report = StartupReport(beads_report, adr_report, skills_report, timings)
+            return await cls._serve(config, store, secret, report)
+        except BaseException:
+            await store.close()
+            raise
+
+    @classmethod
+    async def _serve(
+        cls, config: DevStackConfig, store: Store, secret: bytes | None, report: StartupReport
+    ) -> DevStack:
+        keys = (
+            KeySet(dev_secret=secret) if secret is not None else KeySet(jwks_path=config.jwks_path)
+        )
+        # Page tokens are signed with a key derived from the dev secret (or a fixed label
+        # in JWKS mode): they only need to be tamper-evident, not secret.
+        pages = PageTokens(secret or b"devstack-jwks-mode")
+        calls = CallLog()
+        faults = FaultInjector()
+        server = grpc.aio.server()
+
+        def backend(service: str, domain: str, audience: str) -> Backend:
+            authenticator = Authenticator(TokenVerifier(keys, audience=audience))
+            return Backend(
+                service=service,
+                domain=domain,
+                authenticator=authenticator,
+                calls=calls,
+                faults=faults,
+            )
+
+        tracker_pb2_grpc.add_TrackerServiceServicer_to_server(
+            tracker.TrackerServicer(
+                store, backend(tracker.SERVICE, tracker.DOMAIN, TRACKER_AUDIENCE), pages
+            ),
+            server,
+        )
+        skills_pb2_grpc.add_SkillsServiceServicer_to_server(
+            skills.SkillsServicer(
+                store, backend(skills.SERVICE, skills.DOMAIN, SKILLS_AUDIENCE), pages
+            ),
+            server,
+        )
+        knowledge_pb2_grpc.add_KnowledgeServiceServicer_to_server(
+            knowledge.KnowledgeServicer(
+                store, backend(knowledge.SERVICE, knowledge.DOMAIN, KNOWLEDGE_AUDIENCE), pages
+            ),
+            server,
+        )
+        names = [*SERVICE_NAMES]
+        if config.extra_services is not None:
+            names.extend(config.extra_services(server) or ())
+        names.extend(config.extra_service_names)
+        service_names = tuple(dict.fromkeys(names))
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        reflection.enable_server_reflection(
+            (*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        port = server.add_insecure_port(config.address)
+        if port == 0:
+            raise OSError(f"cannot bind {config.address}")
+        host = config.address.rsplit(":", 1)[0]
+        await server.start()
+        for name in ("", *service_names):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        return cls(
+            config=config,
+            store=store,
+            server=server,
+            health_servicer=health_servicer,
+            address=f"{host}:{port}",
+            calls=calls,
+            faults=faults,
+            secret=secret,
+            report=report,
+            service_names=service_names,
+        )
+
+    async def stop(self, grace_s: float | None = 1.0) -> None:
+        """Report NOT_SERVING, stop the server (letting calls finish for ``grace_s``), close
+        the database. Safe to call twice."""
+        await self._health.enter_graceful_shutdown()
+        self._faults.clear()
+        await self._server.stop(grace_s)
+        await self.store.close()
+
+    @property
+    def address(self) -> str:
+        """The bound ``host:port`` (the real port when the config asked for port 0)."""
+        return self._address
+
+    @property
+    def calls(self) -> list[CallRecord]:
+        """Every finished backend call so far, oldest first (a copy)."""
+        return self._calls.records
+
+    @property
+    def call_log(self) -> CallLog:
+        """The live call log, to ``wait_for`` a condition or ``clear`` between tests."""
+        return self._calls
+
+    def calls_for(self, method: str) -> list[CallRecord]:
+        """The finished calls of one RPC name, e.g. ``"ProposeChangeset"``, oldest first."""
+        return self._calls.for_method(method)
+
+    @property
+    def writes(self) -> Mapping[str, int]:
+        """Real writes per ``request_id`` (an idempotent replay adds none)."""
+        return self._calls.writes
+
+    @property
+    def faults(self) -> FaultInjector:
+        """The fault injector: ``faults.set(method="GetItem", delay_s=5)``, ``.clear()``."""
+        return self._faults
+
+    @property
+    def dev_secret(self) -> bytes:
+        """The HS256 dev secret of the data directory; ``RuntimeError`` in JWKS mode."""
+        if self._secret is None:
+            raise RuntimeError("the devstack verifies tokens with a JWKS file, not a dev secret")
+        return self._secret
+
+    def token(
+        self,
+        user: str,
+        *,
+        organization_id: str | None = None,
+        audiences: Iterable[str] = HUMAN_AUDIENCES,
+        ttl_s: float = 3600.0,
+    ) -> str:
+        """A dev token for ``user`` (``alice``, ``bob``, ``carol``), by default in the user's
+        organization and for the planner and the three backends; ``ttl_s`` in seconds
+        (negative: already expired)."""
+        organization = organization_id or USERS.get(user, ("acme", ""))[0]
+        return mint_dev_token(
+            self.dev_secret, user, organization_id=organization, audiences=audiences, ttl_s=ttl_s
+        )
+
+    def planner_credential(
+        self,
+        *,
+        audiences: Iterable[str] = (TRACKER_AUDIENCE, SKILLS_AUDIENCE, KNOWLEDGE_AUDIENCE),
+        subject: str = PLANNER_SERVICE_SUBJECT,
+    ) -> str:
+        """The planner's service credential as the planner mints it in dev mode (``sub`` =
+        ``PLANNER_SERVICE_SUBJECT``), sent in ``x-ballet-service-authorization``; another
+        ``subject`` makes a credential the backends must not trust."""
+        return mint_dev_token(self.dev_secret, subject, audiences=audiences)
