@@ -1,0 +1,251 @@
+"""Configuration: defaults, the TOML file, environment overrides, errors naming the key."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from service.config import (
+    ConfigError,
+    Settings,
+    is_loopback,
+    iter_keys,
+    load_settings,
+)
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+
+
+def load(
+    env: dict[str, str] | None = None, toml: str | None = None, tmp: Path | None = None
+) -> Settings:
+    path = None
+    if toml is not None:
+        assert tmp is not None
+        path = tmp / "planner.toml"
+        path.write_text(toml)
+    return load_settings(path, env or {})
+
+
+def error_of(
+    env: dict[str, str] | None = None, toml: str | None = None, tmp: Path | None = None
+) -> str:
+    with pytest.raises(ConfigError) as caught:
+        load(env, toml, tmp)
+    return str(caught.value)
+
+
+def test_defaults_work_for_dev() -> None:
+    settings = load()
+    assert settings.dev_mode
+    assert settings.server.address == "127.0.0.1:50051"
+    assert settings.server.metrics_address == "127.0.0.1:9464"
+    assert settings.data_dir == Path(".ballet-dev")
+    assert settings.database.url.startswith("sqlite+aiosqlite:///")
+    assert settings.database.url.endswith("/.ballet-dev/planner.db")
+    assert settings.server.replica_id and " " not in settings.server.replica_id
+    assert settings.dependencies.tracker.address == "127.0.0.1:50052"
+    assert (
+        settings.dependencies.gateway.max_message_bytes
+        > settings.dependencies.tracker.max_message_bytes
+    )
+    assert settings.limits.message_max_bytes == 32 * 1024
+    assert (settings.limits.turns_per_human, settings.limits.streams_per_human) == (4, 16)
+    assert settings.planner.max_replay_events == 1000
+    assert settings.planner.max_writes_per_turn == 5
+    assert settings.planner.cancel_grace == 5.0
+    assert settings.planner.turn_timeout == 600.0
+    assert (settings.planner.tool_concurrency, settings.planner.max_tool_calls_per_answer) == (
+        4,
+        16,
+    )
+    assert settings.server.max_receive_message_bytes == 4 * 1024 * 1024
+    assert (settings.server.keepalive_time_s, settings.server.keepalive_timeout_s) == (60, 20)
+    assert settings.server.min_ping_interval_s == 30
+    assert not settings.logging.content_enabled
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.planner.max_rounds = 3  # type: ignore[misc]
+
+
+def test_two_replicas_get_different_ids() -> None:
+    assert load().server.replica_id != load().server.replica_id
+
+
+def test_environment_overrides_every_level(tmp_path: Path) -> None:
+    settings = load(
+        {
+            "BALLET_PLANNER__PLANNER__MAX_ROUNDS": "3",
+            "ballet_planner__server__insecure": "true",
+            "BALLET_PLANNER__SERVER__GRACE_S": "2.5",
+            "BALLET_PLANNER__DEPENDENCIES__TRACKER__ADDRESS": "tracker.internal:443",
+            "BALLET_PLANNER__DEPENDENCIES__TRACKER__TLS": "yes",
+            "BALLET_PLANNER__AUTH__ISSUERS": "core-a, core-b",
+            "BALLET_PLANNER__DATA_DIR": str(tmp_path),
+            "BALLET_PLANNER__DATABASE__URL": "postgresql+psycopg://db/planner",
+            "UNRELATED": "ignored",
+        }
+    )
+    assert settings.planner.max_rounds == 3
+    assert settings.server.insecure is True
+    assert settings.server.grace_s == 2.5
+    assert settings.dependencies.tracker.address == "tracker.internal:443"
+    assert settings.dependencies.tracker.uses_tls
+    assert settings.auth.issuers == ("core-a", "core-b")
+    assert settings.data_dir == tmp_path
+    assert settings.database.url == "postgresql+psycopg://db/planner"
+    assert not settings.database.is_sqlite
+
+
+def test_the_file_and_the_environment_combine(tmp_path: Path) -> None:
+    toml = """
+data_dir = "state"
+[planner]
+max_rounds = 4
+model = "my-model"
+[dependencies.gateway]
+address = "127.0.0.1:6000"
+[logging]
+level = "DEBUG"
+log_content = true
+"""
+    settings = load({"BALLET_PLANNER__PLANNER__MAX_ROUNDS": "2"}, toml, tmp_path)
+    assert settings.planner.max_rounds == 2  # the environment wins
+    assert settings.planner.model == "my-model"
+    assert settings.dependencies.gateway.address == "127.0.0.1:6000"
+    assert settings.data_dir == Path("state")
+    assert settings.logging.content_enabled
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"BALLET_PLANNER__PLANNER__MAX_ROUNDS": "0"}, "planner.max_rounds: must be >= 1, got 0"),
+        (
+            {"BALLET_PLANNER__PLANNER__MAX_ROUNDS": "many"},
+            "planner.max_rounds: expected an integer",
+        ),
+        ({"BALLET_PLANNER__PLANNER__MAX_ROUNDZ": "3"}, "planner.max_roundz: unknown key"),
+        ({"BALLET_PLANNER__PLANNERS__MAX_ROUNDS": "3"}, "planners.max_rounds: unknown key"),
+        ({"BALLET_PLANNER__PLANNER": "3"}, "planner: is a table"),
+        ({"BALLET_PLANNER__SERVER__INSECURE": "maybe"}, "server.insecure: expected true or false"),
+        ({"BALLET_PLANNER__AUTH__LEEWAY_S": "61"}, "auth.leeway_s: must be <= 60, got 61"),
+        (
+            {"BALLET_PLANNER__AUTH__PROJECT_CHECK_CACHE_S": "120"},
+            "auth.project_check_cache_s: must be <= 60",
+        ),
+        ({"BALLET_PLANNER__LOGGING__LEVEL": "LOUD"}, "logging.level: must be one of"),
+        ({"BALLET_PLANNER__SERVER__ADDRESS": "nowhere"}, "server.address: expected host:port"),
+        (
+            {"BALLET_PLANNER__SERVER__REPLICA_ID": "a b"},
+            "server.replica_id: must not contain spaces",
+        ),
+        (
+            {"BALLET_PLANNER__PLANNER__MAX_ROUNDS": "100"},
+            "planner.compact_at_tokens: 64000 plus planner.max_rounds (100)",
+        ),
+        ({"BALLET_PLANNER__PLANNER__COMPACT_AT_TOKENS": "127000"}, "planner.compact_at_tokens:"),
+        (
+            {"BALLET_PLANNER__PLANNER__SWEEP_INTERVAL_S": "30"},
+            "planner.sweep_interval_s: must be at most",
+        ),
+        (
+            {"BALLET_PLANNER__DEPENDENCIES__MODEL_FIRST_DELTA_S": "900"},
+            "dependencies.model_first_delta_s:",
+        ),
+        (
+            {"BALLET_PLANNER__SERVER__TLS_CERT": "cert.pem"},
+            "server.tls_key: tls_cert and tls_key go together",
+        ),
+        ({"BALLET_PLANNER__DEPENDENCIES__SKILLS__TLS_KEY": "k.pem"}, "dependencies.skills.tls_key"),
+        (
+            {"BALLET_PLANNER__SERVER__TLS_REQUIRE_CLIENT_CERT": "1"},
+            "server.tls_require_client_cert: needs",
+        ),
+    ],
+)
+def test_errors_name_the_key(env: dict[str, str], message: str) -> None:
+    assert message in error_of(env)
+
+
+def test_file_errors_name_the_key(tmp_path: Path) -> None:
+    assert "planner.max_rounds: must be >= 1, got 0" in error_of(
+        toml="[planner]\nmax_rounds = 0\n", tmp=tmp_path
+    )
+    assert "planner.colour: unknown key" in error_of(toml="[planner]\ncolour = 1\n", tmp=tmp_path)
+    assert "bogus: unknown key" in error_of(toml="[bogus]\nx = 1\n", tmp=tmp_path)
+    assert "server.grace_s: expected a number" in error_of(
+        toml='[server]\ngrace_s = "soon"\n', tmp=tmp_path
+    )
+    assert "auth.issuers: expected a list" in error_of(toml='[auth]\nissuers = "x"\n', tmp=tmp_path)
+    assert "planner: must be a table" in error_of(toml="planner = 3\n", tmp=tmp_path)
+    assert "not valid TOML" in error_of(toml="[planner\n", tmp=tmp_path)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_settings(tmp_path / "missing.toml", {})
+
+
+def test_dev_mode_refuses_a_non_loopback_address() -> None:
+    message = error_of({"BALLET_PLANNER__SERVER__ADDRESS": "0.0.0.0:50051"})
+    assert message.startswith("server.address: dev mode")
+
+
+def test_production_needs_tls_or_insecure_off_loopback(tmp_path: Path) -> None:
+    production = {
+        "BALLET_PLANNER__AUTH__JWKS_PATH": str(tmp_path / "jwks.json"),
+        "BALLET_PLANNER__AUTH__ISSUERS": "ballet-core",
+        "BALLET_PLANNER__DEPENDENCIES__SERVICE_TOKEN_FILE": str(tmp_path / "token"),
+        "BALLET_PLANNER__SERVER__ADDRESS": "0.0.0.0:50051",
+    }
+    assert "server.address: plaintext" in error_of(production)
+    settings = load({**production, "BALLET_PLANNER__SERVER__INSECURE": "true"})
+    assert not settings.dev_mode
+    tls = {
+        **production,
+        "BALLET_PLANNER__SERVER__TLS_CERT": "c.pem",
+        "BALLET_PLANNER__SERVER__TLS_KEY": "k.pem",
+    }
+    assert load(tls).server.tls_cert == Path("c.pem")
+    no_issuers = {
+        **production,
+        "BALLET_PLANNER__AUTH__ISSUERS": "",
+        "BALLET_PLANNER__SERVER__INSECURE": "1",
+    }
+    assert error_of(no_issuers).startswith("auth.issuers: required")
+    no_credential = {
+        **production,
+        "BALLET_PLANNER__DEPENDENCIES__SERVICE_TOKEN_FILE": "",
+        "BALLET_PLANNER__SERVER__INSECURE": "1",
+    }
+    assert error_of(no_credential).startswith("dependencies.service_token_file: required")
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("127.9.9.9", True),
+        ("localhost", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("0.0.0.0", False),
+        ("10.0.0.1", False),
+        ("planner.internal", False),
+    ],
+)
+def test_is_loopback(host: str, loopback: bool) -> None:
+    assert is_loopback(host) is loopback
+
+
+def test_every_key_is_documented() -> None:
+    text = DOCS.read_text()
+    channels = ("tracker", "skills", "knowledge", "gateway")
+
+    def documented_as(key: str) -> str:
+        parts = key.split(".")
+        if len(parts) == 3 and parts[0] == "dependencies" and parts[1] in channels:
+            parts[1] = "<name>"
+        return ".".join(parts)
+
+    missing = [key for key, _ in iter_keys() if f"`{documented_as(key)}`" not in text]
+    assert missing == []

@@ -1,0 +1,149 @@
+"""The one table from domain errors to gRPC statuses (AIP-193), pinned."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+
+from service.core import errors
+from service.tokens import TokenError
+from service.transport.errors import (
+    STATUS_DETAILS_KEY,
+    abort,
+    error_info_of,
+    failure_of,
+    rpc_errors,
+    status_from_trailers,
+    status_of,
+)
+
+Code = grpc.StatusCode
+
+
+@pytest.mark.parametrize(
+    ("error", "code", "reason"),
+    [
+        (
+            errors.InvalidArgument("x", reason="INVALID_PAGE_SIZE"),
+            Code.INVALID_ARGUMENT,
+            "INVALID_PAGE_SIZE",
+        ),
+        (errors.InvalidArgument("x"), Code.INVALID_ARGUMENT, "INVALID_ARGUMENT"),
+        (errors.NotFound("x", reason="SESSION_NOT_FOUND"), Code.NOT_FOUND, "SESSION_NOT_FOUND"),
+        (
+            errors.FailedPrecondition("x", reason="TURN_IN_PROGRESS"),
+            Code.FAILED_PRECONDITION,
+            "TURN_IN_PROGRESS",
+        ),
+        (errors.OutOfRange("x"), Code.OUT_OF_RANGE, "OUT_OF_RANGE"),
+        (
+            errors.ResourceExhausted("x", reason="TOO_MANY_TURNS"),
+            Code.RESOURCE_EXHAUSTED,
+            "TOO_MANY_TURNS",
+        ),
+        (
+            errors.Unauthenticated("x", reason="TOKEN_EXPIRED"),
+            Code.UNAUTHENTICATED,
+            "TOKEN_EXPIRED",
+        ),
+        (
+            errors.PermissionDenied("x", reason="HUMAN_REQUIRED"),
+            Code.PERMISSION_DENIED,
+            "HUMAN_REQUIRED",
+        ),
+        (
+            errors.Unavailable("x", reason="DEPENDENCY_UNAVAILABLE"),
+            Code.UNAVAILABLE,
+            "DEPENDENCY_UNAVAILABLE",
+        ),
+        (errors.DeadlineExceeded("x"), Code.DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED"),
+        (errors.Aborted("x"), Code.ABORTED, "ABORTED"),
+        (errors.Internal("x"), Code.INTERNAL, "INTERNAL"),
+        (errors.PlannerError("x"), Code.INTERNAL, "INTERNAL"),
+        (errors.StoreUnavailable("connection refused"), Code.UNAVAILABLE, "DATABASE_UNAVAILABLE"),
+        (errors.StoreConflict("changed"), Code.ABORTED, "CONCURRENT_CHANGE"),
+        (TokenError("WRONG_AUDIENCE", "x"), Code.UNAUTHENTICATED, "WRONG_AUDIENCE"),
+        (RuntimeError("secret detail"), Code.INTERNAL, "INTERNAL"),
+        (KeyError("k"), Code.INTERNAL, "INTERNAL"),
+    ],
+)
+def test_status_table(error: Exception, code: grpc.StatusCode, reason: str) -> None:
+    status = status_of(error)
+    assert status.code == code.value[0]
+    infos = [d for d in status.details if d.Is(error_details_pb2.ErrorInfo.DESCRIPTOR)]
+    assert len(infos) == 1
+    info = error_info_of(status)
+    assert info is not None
+    assert (info.domain, info.reason) == ("planner.ballet", reason)
+
+
+def test_subclasses_map_like_their_parent() -> None:
+    class SessionGone(errors.NotFound):
+        default_reason = "SESSION_GONE"
+
+    assert failure_of(SessionGone("x")).code == Code.NOT_FOUND
+
+
+def test_unexpected_errors_leak_no_text() -> None:
+    status = status_of(RuntimeError("password=hunter2"))
+    assert "hunter2" not in str(status)
+    assert status.message == "internal error"
+
+
+def test_metadata_and_retry_info() -> None:
+    error = errors.ResourceExhausted(
+        "too many", reason="TOO_MANY_TURNS", retry_after_s=2.5, metadata={"limit": "4"}
+    )
+    status = status_of(error)
+    info = error_info_of(status)
+    assert info is not None and dict(info.metadata) == {"limit": "4"}
+    retry = error_details_pb2.RetryInfo()
+    assert status.details[1].Unpack(retry)
+    assert retry.retry_delay.ToNanoseconds() == 2_500_000_000
+    assert len(status_of(errors.NotFound("x")).details) == 1
+    database = status_of(errors.StoreUnavailable("down"))
+    assert database.details[1].Is(error_details_pb2.RetryInfo.DESCRIPTOR)
+
+
+class RecordingContext:
+    """Records what a servicer aborts with, like a grpc.aio context would."""
+
+    def __init__(self) -> None:
+        self.aborted: tuple[Any, str, Any] | None = None
+
+    async def abort(self, code: Any, details: str, trailing_metadata: Any = ()) -> None:
+        self.aborted = (code, details, trailing_metadata)
+        raise grpc.aio.AbortError()
+
+
+async def test_abort_sends_the_status_in_the_trailers() -> None:
+    context = RecordingContext()
+    with pytest.raises(grpc.aio.AbortError):
+        await abort(context, errors.NotFound("gone", reason="SESSION_NOT_FOUND"))
+    assert context.aborted is not None
+    code, details, trailers = context.aborted
+    assert (code, details) == (Code.NOT_FOUND, "gone")
+    status = status_from_trailers(trailers)
+    assert status is not None and status.code == Code.NOT_FOUND.value[0]
+    assert trailers[0][0] == STATUS_DETAILS_KEY
+
+
+async def test_rpc_errors_maps_exceptions_and_never_swallows_cancellation() -> None:
+    context = RecordingContext()
+    with pytest.raises(grpc.aio.AbortError):
+        async with rpc_errors(context):
+            raise errors.InvalidArgument("bad", reason="INVALID_PAGE_TOKEN")
+    assert context.aborted is not None and context.aborted[0] == Code.INVALID_ARGUMENT
+
+    quiet = RecordingContext()
+    with pytest.raises(asyncio.CancelledError):
+        async with rpc_errors(quiet):
+            raise asyncio.CancelledError()
+    with pytest.raises(grpc.aio.AbortError):
+        async with rpc_errors(quiet):
+            raise grpc.aio.AbortError()
+    assert quiet.aborted is None
