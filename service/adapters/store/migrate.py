@@ -73,9 +73,7 @@ async def migrate(url: str) -> None:
 def _upgrade(connection: Connection) -> None:
     if connection.dialect.name == "postgresql":
         # Released when the transaction ends; DDL on PostgreSQL is transactional.
-        connection.execute(
-            text("SELECT pg_advisory_xact_lock(:key)"), {"key": _MIGRATION_LOCK_KEY}
-        )
+        connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _MIGRATION_LOCK_KEY})
     command.upgrade(alembic_config(connection), "head")
 
 
