@@ -294,9 +294,16 @@ class Notifier(Protocol):
         self,
         on_events: Callable[[str, int], Awaitable[None] | None],
         on_cancel: Callable[[str], Awaitable[None] | None],
+        on_resync: Callable[[], Awaitable[None] | None] | None = None,
     ) -> None:
         """Start delivering ``(session_id, last_sequence)`` of events committed by other
-        replicas, and turn ids whose cancel was requested."""
+        replicas (``last_sequence`` -1: the session was deleted), and turn ids whose
+        cancel was requested (on any replica, this one included).
+
+        ``on_resync`` is called after the notifier reconnected: notifications sent while
+        it was disconnected are lost, and it cannot know which sessions they named, so
+        the receiver re-reads every session it follows (e.g. ``Hub.resync``).
+        """
         ...
 
     async def stop(self) -> None: ...
