@@ -30,6 +30,10 @@ ALL_PERMISSIONS = (TRACKER_READ, TRACKER_WRITE, SKILL_READ, KNOWLEDGE_READ, KNOW
 ROLE_PERMISSIONS: dict[str, frozenset[str]] = {
     "maintainer": frozenset(ALL_PERMISSIONS),
     "viewer": frozenset({TRACKER_READ, SKILL_READ, KNOWLEDGE_READ}),
+    # Roles of the test users dave and erin: they see a project but may read nothing of
+    # it, or only its skills (so PERMISSION_DENIED and search's split can be tested).
+    "guest": frozenset(),
+    "skill-reader": frozenset({SKILL_READ}),
 }
 
 ACTOR_HEADER = "x-ballet-actor"

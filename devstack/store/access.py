@@ -29,9 +29,18 @@ USERS = {
     "bob": ("acme", "Bob"),
     # In another organization, with no role in acme: for isolation tests.
     "carol": ("globex", "Carol"),
+    # Test users: a role that grants nothing, and one that grants only skill.read.
+    "dave": ("acme", "Dave"),
+    "erin": ("acme", "Erin"),
 }
 #: The role each user gets on every project of their organization.
-DEFAULT_ROLES = {"alice": "maintainer", "bob": "viewer", "carol": "maintainer"}
+DEFAULT_ROLES = {
+    "alice": "maintainer",
+    "bob": "viewer",
+    "carol": "maintainer",
+    "dave": "guest",
+    "erin": "skill-reader",
+}
 
 
 async def seed_identities(session: AsyncSession) -> None:
