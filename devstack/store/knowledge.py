@@ -320,17 +320,12 @@ async def search_entries(
             )
         ]
         if kind:
-            kinds = dict(
-                (
-                    await session.execute(
-                        sa.select(knowledge_entries.c.entry_id, knowledge_entries.c.kind).where(
-                            knowledge_entries.c.entry_id.in_(ranked)
-                        )
-                    )
+            rows = await session.execute(
+                sa.select(knowledge_entries.c.entry_id, knowledge_entries.c.kind).where(
+                    knowledge_entries.c.entry_id.in_(ranked)
                 )
-                .tuples()
-                .all()
             )
+            kinds = {str(entry_id): str(entry_kind) for entry_id, entry_kind in rows.all()}
             ranked = [ref for ref in ranked if kinds.get(ref) == kind]
     else:
         where = [knowledge_entries.c.org_id == org_id]

@@ -94,14 +94,23 @@ def fuse(rankings: Sequence[Sequence[K]]) -> list[tuple[K, float]]:
 
 
 def snippet(text: str, words: Sequence[str], width: int = SNIPPET_CHARS) -> str:
-    """About ``width`` characters of ``text`` around the first query word it contains."""
+    """About ``width`` characters of ``text`` where most distinct query words appear
+    (the earliest such window on a tie; the start of ``text`` when none appears)."""
     flat = " ".join(text.split())
     if len(flat) <= width:
         return flat
     lower = flat.lower()
-    hits = [lower.find(word) for word in words if len(word) > 1]
-    found = [position for position in hits if position >= 0]
-    start = max(0, min(found) - width // 4) if found else 0
+    wanted = [word for word in words if len(word) > 1]
+    positions = sorted(
+        match.start() for word in wanted for match in re.finditer(re.escape(word), lower)
+    )
+    best, start = 0, 0
+    for position in positions[:200]:
+        begin = max(0, position - width // 4)
+        window = lower[begin : begin + width]
+        count = sum(1 for word in wanted if word in window)
+        if count > best:
+            best, start = count, begin
     end = min(len(flat), start + width)
     start = max(0, end - width)
     return ("…" if start else "") + flat[start:end] + ("…" if end < len(flat) else "")
