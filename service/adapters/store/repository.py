@@ -381,18 +381,8 @@ class SqlSessionStore:
         """Up to ``limit`` session events with a sequence above ``after_sequence``, in
         order (SPEC 3, replay), each as it was stored: message events with their message
         (joined from ``messages`` on the same sequence), the others with their payload."""
-        prefix = "m_"
         stmt = (
-            select(session_events, *(column.label(prefix + column.name) for column in messages.c))
-            .select_from(
-                session_events.outerjoin(
-                    messages,
-                    and_(
-                        messages.c.session_id == session_events.c.session_id,
-                        messages.c.sequence == session_events.c.sequence,
-                    ),
-                )
-            )
+            _select_events()
             .where(
                 session_events.c.session_id == session_id,
                 session_events.c.sequence > after_sequence,
@@ -402,7 +392,7 @@ class SqlSessionStore:
         )
         async with self._read() as conn:
             rows = (await conn.execute(stmt)).mappings().all()
-        return [codec.event_from_row(row, prefix) for row in rows]
+        return [codec.event_from_row(row, _MESSAGE_PREFIX) for row in rows]
 
     async def turn_messages(self, turn_id: str) -> list[Message]:
         """The messages of one turn, in sequence order."""
@@ -750,33 +740,33 @@ async def _session(conn: AsyncConnection, session_id: str) -> Session | None:
     return None if row is None else codec.session_from_row(row)
 
 
-async def _event_at(conn: AsyncConnection, session_id: str, sequence: int) -> SessionEvent | None:
-    prefix = "m_"
-    row = (
-        (
-            await conn.execute(
-                select(
-                    session_events, *(column.label(prefix + column.name) for column in messages.c)
-                )
-                .select_from(
-                    session_events.outerjoin(
-                        messages,
-                        and_(
-                            messages.c.session_id == session_events.c.session_id,
-                            messages.c.sequence == session_events.c.sequence,
-                        ),
-                    )
-                )
-                .where(
-                    session_events.c.session_id == session_id,
-                    session_events.c.sequence == sequence,
-                )
-            )
+# Message columns of an event row carry this prefix (``codec.event_from_row``).
+_MESSAGE_PREFIX = "m_"
+
+
+def _select_events() -> Select[Any]:
+    """Session events, each joined with the message it stored (outer: most events
+    store none)."""
+    return select(
+        session_events,
+        *(column.label(_MESSAGE_PREFIX + column.name) for column in messages.c),
+    ).select_from(
+        session_events.outerjoin(
+            messages,
+            and_(
+                messages.c.session_id == session_events.c.session_id,
+                messages.c.sequence == session_events.c.sequence,
+            ),
         )
-        .mappings()
-        .first()
     )
-    return None if row is None else codec.event_from_row(row, prefix)
+
+
+async def _event_at(conn: AsyncConnection, session_id: str, sequence: int) -> SessionEvent | None:
+    stmt = _select_events().where(
+        session_events.c.session_id == session_id, session_events.c.sequence == sequence
+    )
+    row = (await conn.execute(stmt)).mappings().first()
+    return None if row is None else codec.event_from_row(row, _MESSAGE_PREFIX)
 
 
 def _lease_expired(before: datetime) -> ColumnElement[bool]:
