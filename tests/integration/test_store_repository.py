@@ -612,6 +612,9 @@ async def test_stored_times_are_aware_utc(store: SqlSessionStore) -> None:
     [accepted, _] = await store.events_after("s1", 0, 10)
     assert accepted.create_time == T0
     assert accepted.message is not None and accepted.message.create_time == T0
+    # A naive time is a bug: the store refuses to guess its zone.
+    with pytest.raises(ValueError):
+        await store.commit(TurnCommit("s1", "t1", T0.replace(tzinfo=None)))
 
 
 async def test_human_message_of_another_turn_is_refused(store: SqlSessionStore) -> None:

@@ -192,7 +192,7 @@ class SqlSessionStore:
         (``REQUEST_ID_REUSED``). An empty ``request_id`` is no key: each such call
         creates a session.
         """
-        now = new.now.astimezone(UTC)
+        now = _utc(new.now)
         row = {
             "session_id": new.session_id,
             "project_id": new.project_id,
@@ -469,7 +469,8 @@ class SqlSessionStore:
 
         ``start.events`` must include the event carrying ``start.message``; the stored
         turn's ``human_sequence`` is that event's sequence. Raises ``ValueError`` for
-        malformed input (no request id, events of another session or turn).
+        malformed input (no request id, events of another session or turn, a naive
+        ``now``).
         """
         try:
             return await self._start_turn(start)
@@ -480,6 +481,7 @@ class SqlSessionStore:
 
     async def _start_turn(self, start: TurnStart) -> TurnStartOutcome:
         turn = start.turn
+        _utc(start.now)
         if not turn.request_id:
             raise ValueError("a turn needs its request_id (SPEC 3: required on send_message)")
         if turn.state is not TurnState.RUNNING:
@@ -596,8 +598,9 @@ class SqlSessionStore:
         context estimate (``context``, or when None the stored messages' UTF-8 bytes
         added to ``pending_bytes``). A ``turn_patch`` with ``end_reason`` ends the turn
         (state ENDED, ``end_time`` = ``commit.now``), which frees the session for the next.
-        Raises ``ValueError`` for events of another session or turn.
+        Raises ``ValueError`` for events of another session or turn, or a naive ``now``.
         """
+        _utc(commit.now)
         _check_events(commit.session_id, commit.turn_id, commit.events)
         added = _message_bytes(commit.events)
         touches_session = (
@@ -848,6 +851,14 @@ def _check_events(session_id: str, turn_id: str, events: Iterable[SessionEvent])
             raise ValueError(f"a {event.kind.value} event must carry a message iff it stores one")
         if message is not None and (message.session_id != session_id or message.turn_id != turn_id):
             raise ValueError(f"the message of a {event.kind.value} event belongs elsewhere")
+
+
+def _utc(moment: datetime) -> datetime:
+    """``moment`` in UTC; a naive datetime is refused (``ValueError``), since its zone
+    would be a guess and leases compare these times across replicas."""
+    if moment.tzinfo is None:
+        raise ValueError(f"naive datetime {moment!r}: the store needs aware times")
+    return moment.astimezone(UTC)
 
 
 def _message_bytes(events: Iterable[SessionEvent]) -> int:
