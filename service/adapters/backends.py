@@ -154,7 +154,8 @@ class GrpcToolBackends:
     ``tracker``, ``skills`` and ``knowledge`` are ``grpc.aio`` channels (made by
     ``service.adapters.channels.make_channel``; the caller owns and closes them).
     ``service_token`` returns the planner's current service credential; it is called for
-    every RPC, so a rotated credential is picked up without a restart.
+    every RPC, so a rotated credential is picked up without a restart, and an empty one
+    sends no ``x-ballet-service-authorization`` (the mTLS identity proves the planner).
     """
 
     def __init__(
@@ -194,11 +195,16 @@ class GrpcToolBackends:
         }
 
     def _metadata(self, acting: Acting) -> tuple[tuple[str, str], ...]:
-        return (
+        metadata = (
             ("authorization", f"Bearer {acting.token}"),
             (ACTOR_HEADER, acting.actor),
-            (SERVICE_AUTHORIZATION_HEADER, f"Bearer {self._service_token()}"),
         )
+        service_token = self._service_token()
+        if not service_token:
+            # In production the planner may prove itself by its mTLS identity instead
+            # (SPEC section 4); an empty bearer header would only be a malformed one.
+            return metadata
+        return (*metadata, (SERVICE_AUTHORIZATION_HEADER, f"Bearer {service_token}"))
 
     async def get_project(self, acting: Acting, project_id: str, timeout_s: float) -> ProjectInfo:
         """``TrackerService.GetProject`` as the human, within ``timeout_s`` seconds.

@@ -440,3 +440,19 @@ async def test_read_skill_applies_the_pin(planner: Planner) -> None:
     with pytest.raises(NotFound):
         await planner.backends.read_skill(planner.acting(), "demo", "missing", TOOL_TIMEOUT_S)
     assert_acted_for(planner.stack, "alice")
+
+
+async def test_without_the_planner_credential_the_actor_is_not_honoured(stack: DevStack) -> None:
+    # The service credential is what makes a backend believe x-ballet-actor (SPEC 4);
+    # an empty one sends no header, as with an mTLS identity the devstack does not check.
+    channel = make_channel(stack.address, tls=None, insecure=False)
+    try:
+        backends = GrpcToolBackends(
+            tracker=channel, skills=channel, knowledge=channel, service_token=lambda: ""
+        )
+        planner = Planner(stack, channel, backends)
+        assert not (await planner.run("list_skills", {})).is_error
+    finally:
+        await channel.close()
+    (record,) = stack.calls_for("ListSkills")
+    assert (record.human, record.actor, record.actor_header) == ("alice", "", ACTOR)
