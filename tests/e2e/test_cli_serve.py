@@ -1,0 +1,207 @@
+"""The ``ballet-planner`` command as a user runs it: serve, health, token, migrate.
+
+``serve`` starts with no configuration file, from a fresh working directory (so the
+default data directory ``./.ballet-dev`` and its SQLite database are created there); only
+the ports come from the environment, to stay clear of other runs. Waits poll health with a
+bounded loop or read the health ``Watch`` stream; nothing sleeps.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import jwt
+import pytest
+from google.protobuf.descriptor_pool import DescriptorPool
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
+
+GRACE_S = 3.0
+RPCS = {
+    "CreateSession",
+    "GetSession",
+    "ListSessions",
+    "UpdateSession",
+    "DeleteSession",
+    "ListMessages",
+    "GetTurn",
+    "CancelTurn",
+    "SendMessage",
+    "Chat",
+}
+
+
+def command() -> list[str]:
+    script = Path(sys.executable).with_name("ballet-planner")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "service.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("BALLET_PLANNER__")}
+    env.update(extra)
+    return env
+
+
+def run(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*command(), *args],
+        cwd=cwd,
+        env=clean_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@dataclass
+class Served:
+    process: subprocess.Popen[str]
+    address: str
+    cwd: Path
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[Served]:
+    address = f"127.0.0.1:{free_port()}"
+    env = clean_env(
+        BALLET_PLANNER__SERVER__ADDRESS=address,
+        BALLET_PLANNER__SERVER__METRICS_ADDRESS=f"127.0.0.1:{free_port()}",
+        BALLET_PLANNER__SERVER__GRACE_S=str(GRACE_S),
+    )
+    log = (tmp_path / "serve.log").open("w")
+    process = subprocess.Popen(
+        [*command(), "serve"],
+        cwd=tmp_path,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        wait_serving(address, process, tmp_path)
+        yield Served(process, address, tmp_path)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+        log.close()
+
+
+def wait_serving(
+    address: str, process: subprocess.Popen[str], cwd: Path, limit_s: float = 30
+) -> None:
+    deadline = time.monotonic() + limit_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                pytest.fail(
+                    f"serve exited with {process.returncode}:\n{(cwd / 'serve.log').read_text()}"
+                )
+            try:
+                response = stub.Check(
+                    health_pb2.HealthCheckRequest(), timeout=1, wait_for_ready=True
+                )
+            except grpc.RpcError:
+                continue
+            if response.status == health_pb2.HealthCheckResponse.SERVING:
+                return
+    pytest.fail(f"not SERVING within {limit_s} s:\n{(cwd / 'serve.log').read_text()}")
+
+
+def test_serve_without_configuration(served: Served) -> None:
+    data_dir = served.cwd / ".ballet-dev"
+    assert (data_dir / "planner.db").exists()
+    assert (data_dir / "dev-secret").exists()
+    health = run(["health", "--address", served.address], served.cwd)
+    assert (health.returncode, health.stdout.strip()) == (0, "SERVING")
+    with grpc.insecure_channel(served.address) as channel:
+        pool = DescriptorPool(ProtoReflectionDescriptorDatabase(channel))
+        service = pool.FindServiceByName("ballet.planner.v1.PlannerService")
+        assert {method.name for method in service.methods} == RPCS
+        assert pool.FindServiceByName("grpc.health.v1.Health")
+    log = (served.cwd / "serve.log").read_text()
+    assert "dev mode" in log and "SQLite" in log
+
+
+def test_sigterm_turns_health_not_serving_then_exits_within_grace(served: Served) -> None:
+    with grpc.insecure_channel(served.address) as channel:
+        watch = health_pb2_grpc.HealthStub(channel).Watch(
+            health_pb2.HealthCheckRequest(), timeout=30
+        )
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        started = time.monotonic()
+        served.process.send_signal(signal.SIGTERM)
+        assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        # The open Watch stream keeps the server busy: shutdown cancels it at the grace.
+        code = served.process.wait(timeout=GRACE_S + 5)
+        elapsed = time.monotonic() - started
+    assert code == 0
+    assert elapsed < GRACE_S + 0.5, f"exited after {elapsed:.2f} s"
+
+
+def test_health_without_a_server(tmp_path: Path) -> None:
+    address = f"127.0.0.1:{free_port()}"
+    for args in (["health", "--address", address], ["health", "--alive", "--address", address]):
+        result = run([*args, "--timeout", "1"], tmp_path)
+        assert result.returncode == 1
+        assert "UNAVAILABLE" in result.stderr or "DEADLINE_EXCEEDED" in result.stderr
+
+
+def test_token_is_signed_with_the_data_dirs_secret(tmp_path: Path) -> None:
+    result = run(["token", "--user", "alice", "--data-dir", "state", "--ttl", "60"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    secret = (tmp_path / "state" / "dev-secret").read_text().strip().encode()
+    claims = jwt.decode(
+        result.stdout.strip(), secret, algorithms=["HS256"], audience="ballet-planner"
+    )
+    assert (claims["sub"], claims["org"]) == ("alice", "acme")
+    assert claims["exp"] - claims["iat"] == 60
+    scoped = run(
+        ["token", "--user", "svc", "--data-dir", "state", "--scope", "planner.sessions.read"],
+        tmp_path,
+    )
+    decoded = jwt.decode(
+        scoped.stdout.strip(), secret, algorithms=["HS256"], audience="ballet-planner"
+    )
+    assert decoded["scope"] == "planner.sessions.read"
+
+
+def test_configuration_errors_name_the_key(tmp_path: Path) -> None:
+    result = run(["serve"], tmp_path, BALLET_PLANNER__PLANNER__MAX_ROUNDS="0")
+    assert result.returncode == 2
+    assert "planner.max_rounds: must be >= 1, got 0" in result.stderr
+    config = tmp_path / "planner.toml"
+    config.write_text("[server]\nadress = '127.0.0.1:1'\n")
+    result = run(["serve", "--config", str(config)], tmp_path)
+    assert (result.returncode, "server.adress: unknown key" in result.stderr) == (2, True)
+    result = run(["serve"], tmp_path, BALLET_PLANNER__SERVER__ADDRESS="0.0.0.0:50051")
+    assert result.returncode == 2 and "dev mode" in result.stderr
+
+
+def test_migrate_sqlite(tmp_path: Path) -> None:
+    result = run(
+        ["migrate", "--database-url", f"sqlite+aiosqlite:///{tmp_path / 'm.db'}"], tmp_path
+    )
+    assert result.returncode == 0, result.stderr
+    assert "database schema at" in result.stdout
+    again = run(["migrate", "--database-url", f"sqlite+aiosqlite:///{tmp_path / 'm.db'}"], tmp_path)
+    assert again.returncode == 0

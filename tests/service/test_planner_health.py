@@ -1,0 +1,107 @@
+"""Health follows the database, and start-up refuses a PostgreSQL schema that is behind.
+
+Waits are on the health ``Watch`` stream (an event), bounded by a timeout; nothing
+sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from service.adapters.store import migrate
+from service.main import StartupError, start_planner
+from tests.pg import PgCluster
+from tests.service.planner_support import FakeTracker, planner_settings
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@pytest.fixture
+async def tracker() -> AsyncIterator[FakeTracker]:
+    fake = FakeTracker(projects={"demo": ("acme", {"alice"})})
+    await fake.start()
+    try:
+        yield fake
+    finally:
+        await fake.stop()
+
+
+async def wait_for_status(watch: grpc.aio.UnaryStreamCall, wanted: int, timeout_s: float) -> None:
+    async def read() -> None:
+        async for response in watch:
+            if response.status == wanted:
+                return
+        raise AssertionError("the health stream ended")
+
+    await asyncio.wait_for(read(), timeout_s)
+
+
+@pytest.mark.postgres
+async def test_health_follows_the_database_without_a_restart(
+    own_pg_cluster: PgCluster, tracker: FakeTracker, tmp_path: Path
+) -> None:
+    name = f"planner_{uuid.uuid4().hex[:12]}"
+    own_pg_cluster.create_database(name)
+    url = own_pg_cluster.url(name)
+    await migrate(url)
+    settings = planner_settings(
+        tmp_path, tracker.address, url, server__health_check_interval_s="0.2"
+    )
+    app = await start_planner(settings)
+    channel = grpc.aio.insecure_channel(app.address)
+    try:
+        health = health_pb2_grpc.HealthStub(channel)
+        watch = health.Watch(
+            health_pb2.HealthCheckRequest(service="ballet.planner.v1.PlannerService")
+        )
+        await wait_for_status(watch, SERVING, 10)
+        await asyncio.to_thread(own_pg_cluster.stop, "fast")
+        await wait_for_status(watch, NOT_SERVING, 20)
+        overall = await health.Check(health_pb2.HealthCheckRequest(service=""))
+        assert overall.status == NOT_SERVING
+        await asyncio.to_thread(own_pg_cluster.start)
+        await wait_for_status(watch, SERVING, 30)
+        overall = await health.Check(health_pb2.HealthCheckRequest(service=""))
+        assert overall.status == SERVING
+        watch.cancel()
+    finally:
+        await channel.close()
+        await app.stop(0)
+
+
+@pytest.mark.postgres
+async def test_start_refuses_a_postgresql_schema_that_is_behind(
+    pg_url: str, tracker: FakeTracker, tmp_path: Path
+) -> None:
+    settings = planner_settings(tmp_path, tracker.address, pg_url)
+    with pytest.raises(StartupError, match="ballet-planner migrate"):
+        await start_planner(settings)
+    await migrate(pg_url)
+    app = await start_planner(settings)
+    await app.stop(0)
+
+
+async def test_shutdown_turns_health_not_serving_first(
+    tracker: FakeTracker, tmp_path: Path
+) -> None:
+    app = await start_planner(planner_settings(tmp_path, tracker.address))
+    channel = grpc.aio.insecure_channel(app.address)
+    try:
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""))
+        await wait_for_status(watch, SERVING, 10)
+        stopping = asyncio.ensure_future(app.stop(1.0))
+        await wait_for_status(watch, NOT_SERVING, 5)
+        started = asyncio.get_running_loop().time()
+        await stopping
+        assert asyncio.get_running_loop().time() - started < 1.0
+    finally:
+        await channel.close()
+        await app.stop(0)
