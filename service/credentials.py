@@ -5,7 +5,8 @@ backend honours ``x-ballet-actor: planner:<session>`` only from the planner. In
 production the token comes from ``dependencies.service_token_file`` (a file an operator
 or the platform rotates; it is re-read when its modification time changes). In dev mode
 it is minted from the dev secret with subject ``service:ballet-planner`` and re-minted
-before it expires.
+before it expires. With neither, the planner proves itself by its mTLS client certificate
+and ``token()`` is empty (the backend clients then send no header).
 """
 
 from __future__ import annotations
@@ -31,11 +32,15 @@ DEV_TOKEN_RENEW_S = 600.0
 
 
 class ServiceCredential:
-    """``token()`` returns the current credential; cheap enough to call per RPC."""
+    """``token()`` returns the current credential; cheap enough to call per RPC.
+
+    Give ``token_file`` (production), ``dev_secret`` (dev mode), or neither (the mTLS
+    identity of the channels is the credential).
+    """
 
     def __init__(self, *, token_file: Path | None = None, dev_secret: bytes | None = None):
-        if (token_file is None) == (dev_secret is None):
-            raise ValueError("give exactly one of token_file and dev_secret")
+        if token_file is not None and dev_secret is not None:
+            raise ValueError("give at most one of token_file and dev_secret")
         self._file = token_file
         self._secret = dev_secret
         self._token = ""
@@ -44,14 +49,15 @@ class ServiceCredential:
         self._lock = threading.Lock()
 
     def token(self) -> str:
-        """The credential, without the ``Bearer`` prefix.
+        """The credential, without the ``Bearer`` prefix; empty for an mTLS identity.
 
         Raises ``OSError`` when the token file cannot be read, ``ValueError`` when it is
         empty.
         """
         if self._secret is not None:
             return self._dev_token(self._secret)
-        assert self._file is not None
+        if self._file is None:
+            return ""
         mtime = self._file.stat().st_mtime
         if mtime != self._mtime:
             with self._lock:

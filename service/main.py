@@ -301,6 +301,19 @@ def _verifier(settings: Settings, metrics: Metrics) -> TokenVerifier:
     return TokenVerifier(keys, audience=PLANNER_AUDIENCE, issuers=issuers, leeway_s=auth.leeway_s)
 
 
+def _service_credential(settings: Settings) -> ServiceCredential:
+    token_file = settings.dependencies.service_token_file
+    if token_file is not None:
+        if not token_file.is_file():
+            raise ConfigError(f"dependencies.service_token_file: {token_file} is not a file")
+        return ServiceCredential(token_file=token_file)
+    if settings.dev_mode:
+        return ServiceCredential(dev_secret=dev_secret(settings.data_dir))
+    # Production without a token file: config validation made sure every backend channel
+    # has a client certificate, the planner's mTLS identity.
+    return ServiceCredential()
+
+
 async def _open_database(settings: Settings) -> Any:
     url = settings.database.url
     try:
@@ -354,11 +367,7 @@ async def start_planner(
     metrics = Metrics()
     verifier = _verifier(settings, metrics)
     clock = clock or SystemClock()
-    credential = (
-        ServiceCredential(token_file=settings.dependencies.service_token_file)
-        if settings.dependencies.service_token_file is not None
-        else ServiceCredential(dev_secret=dev_secret(settings.data_dir))
-    )
+    credential = _service_credential(settings)
     engine = await _open_database(settings)
     opened: list[Any] = []
     try:
