@@ -382,12 +382,20 @@ async def test_page_size_and_page_token_errors(planner: Running) -> None:
 
 async def test_metrics_endpoint(planner: Running) -> None:
     await planner.create()
+    await expect_error(
+        planner.stub.GetSession(pb.GetSessionRequest(session_id="x")),
+        grpc.StatusCode.UNAUTHENTICATED,
+    )
     url = f"http://{planner.app.metrics_address}/metrics"
     body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
     assert "ballet_planner_dev_mode 1.0" in body
     assert (
         'ballet_planner_grpc_server_handled_total{grpc_code="OK",'
         'grpc_method="/ballet.planner.v1.PlannerService/CreateSession"} 1.0'
+    ) in body
+    assert (
+        'ballet_planner_grpc_server_handled_total{grpc_code="UNAUTHENTICATED",'
+        'grpc_method="/ballet.planner.v1.PlannerService/GetSession"} 1.0'
     ) in body
     for name in (
         "ballet_planner_compactions_total",
