@@ -64,6 +64,12 @@ class FailedPrecondition(BackendError):
     code = "FAILED_PRECONDITION"
 
 
+class Internal(BackendError):
+    """A bug or an unexpected failure inside the backend."""
+
+    code = "INTERNAL"
+
+
 class Injected(BackendError):
     """An error the fault injector was told to produce; ``code`` is set per instance."""
 

@@ -21,7 +21,7 @@ from grpc_status import rpc_status
 
 from devstack.auth import Authenticator, Caller
 from devstack.calls import CallLog, CallRecord
-from devstack.errors import BackendError
+from devstack.errors import BackendError, Internal
 from devstack.faults import FaultInjector
 
 R = TypeVar("R")
@@ -117,8 +117,7 @@ class Backend:
         except Exception as error:
             log.exception("%s/%s failed", self.service, method)
             record(grpc.StatusCode.INTERNAL, "INTERNAL")
-            internal = BackendError("INTERNAL", f"internal error: {type(error).__name__}")
-            internal.code = "INTERNAL"
+            internal = Internal("INTERNAL", f"internal error: {type(error).__name__}")
             await context.abort_with_status(rich_status(internal, self.domain))
             raise AssertionError("abort_with_status returned") from error
         record(grpc.StatusCode.OK)

@@ -70,9 +70,11 @@ class DevStackConfig:
     - ``knowledge_dir``: a folder of ADR markdown files; ``skills_dir``: a folder of
       ``<name>/SKILL.md``. Both optional.
     - ``jwks_path``: verify tokens with this JWKS file instead of the dev secret.
-    - ``extra_services``: called with the server before it starts, to add services (the LLM
-      gateway); the service names it returns, plus ``extra_service_names``, are listed by
-      reflection and reported SERVING by health.
+    - ``extra_services``: called with the server before it starts, to add services, e.g.
+      ``lambda server: add_gateway_service(server, provider)`` for the LLM gateway. The
+      services it registers (seen through ``add_generic_rpc_handlers``), plus
+      ``extra_service_names``, are listed by reflection and reported SERVING by health;
+      its return value is ignored.
     """
 
     data_dir: Path
@@ -83,7 +85,7 @@ class DevStackConfig:
     knowledge_dir: Path | None = None
     skills_dir: Path | None = None
     jwks_path: Path | None = None
-    extra_services: Callable[[grpc.aio.Server], Iterable[str] | None] | None = None
+    extra_services: Callable[[grpc.aio.Server], object] | None = None
     extra_service_names: tuple[str, ...] = ()
 
 
@@ -216,7 +218,9 @@ class DevStack:
         )
         names = [*SERVICE_NAMES]
         if config.extra_services is not None:
-            names.extend(config.extra_services(server) or ())
+            recording = _RecordingServer(server)
+            config.extra_services(recording)
+            names.extend(recording.service_names)
         names.extend(config.extra_service_names)
         service_names = tuple(dict.fromkeys(names))
         health_servicer = health.aio.HealthServicer()
@@ -314,3 +318,25 @@ class DevStack:
         ``PLANNER_SERVICE_SUBJECT``), sent in ``x-ballet-service-authorization``; another
         ``subject`` makes a credential the backends must not trust."""
         return mint_dev_token(self.dev_secret, subject, audiences=audiences)
+
+
+class _RecordingServer:
+    """The server as ``extra_services`` sees it: everything is passed through, and the
+    names of the services registered are noted for reflection and health."""
+
+    def __init__(self, server: grpc.aio.Server) -> None:
+        self._server = server
+        self.service_names: list[str] = []
+
+    def add_generic_rpc_handlers(self, handlers: Iterable[object]) -> None:
+        handlers = tuple(handlers)
+        for handler in handlers:
+            # Generated ``add_*_to_server`` functions register handlers that know their
+            # service's name; a bare generic handler may not.
+            service_name = getattr(handler, "service_name", None)
+            if callable(service_name):
+                self.service_names.append(str(service_name()))
+        self._server.add_generic_rpc_handlers(handlers)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._server, name)

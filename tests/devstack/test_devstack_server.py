@@ -155,12 +155,11 @@ async def test_extra_services_join_the_server(tmp_path: Path) -> None:
     def hello(request: bytes, context: object) -> bytes:
         return b"hello " + request
 
-    def add(server: grpc.aio.Server) -> list[str]:
+    def add(server: grpc.aio.Server) -> None:
         handler = grpc.unary_unary_rpc_method_handler(hello)
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler("test.v1.Echo", {"Say": handler}),)
         )
-        return ["test.v1.Echo"]
 
     stack = await start_stack(tmp_path, extra_services=add)
     try:
