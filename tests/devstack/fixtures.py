@@ -85,7 +85,7 @@ class Refusal:
     @property
     def reason(self) -> str:
         """The ErrorInfo reason."""
-        return self.info.reason
+        return str(self.info.reason)
 
 
 async def rpc_error(call: Awaitable[Any]) -> Refusal:

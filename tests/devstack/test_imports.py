@@ -262,8 +262,10 @@ async def test_adrs_are_decisions_with_status_and_supersession(
         assert seen[f"adr-{path.name[:4]}"].status == _adr_status(path), path.name
 
     async def get(entry_id: str) -> knowledge_pb2.KnowledgeEntry:
-        response = await beads_clients.knowledge.GetKnowledgeEntry(
-            knowledge_pb2.GetKnowledgeEntryRequest(entry_id=entry_id), metadata=bob
+        response: knowledge_pb2.GetKnowledgeEntryResponse = (
+            await beads_clients.knowledge.GetKnowledgeEntry(
+                knowledge_pb2.GetKnowledgeEntryRequest(entry_id=entry_id), metadata=bob
+            )
         )
         return response.entry
 

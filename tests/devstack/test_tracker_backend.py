@@ -189,10 +189,11 @@ async def test_search_fuses_keywords_and_trigrams(demo_stack: DevStack, clients:
     alice = metadata(demo_stack, "alice")
 
     async def top(query: str, **extra: object) -> T.SearchProjectResponse:
-        return await clients.tracker.SearchProject(
+        response: T.SearchProjectResponse = await clients.tracker.SearchProject(
             T.SearchProjectRequest(project_id="demo", query=query, **extra),  # type: ignore[arg-type]
             metadata=alice,
         )
+        return response
 
     found = await top("barcode")
     assert found.results[0].item.item_id == "PAN-12"
@@ -346,7 +347,10 @@ async def test_changeset_references_are_checked(demo_stack: DevStack, clients: C
             title="Refs",
             operations=list(operations),
         )
-        return (await clients.tracker.ProposeChangeset(request, metadata=alice)).changeset
+        response: T.ProposeChangesetResponse = await clients.tracker.ProposeChangeset(
+            request, metadata=alice
+        )
+        return response.changeset
 
     created = await propose(
         T.ChangesetOperation(
