@@ -224,7 +224,11 @@ class KnowledgeServicer(knowledge_pb2_grpc.KnowledgeServiceServicer):
             return knowledge_pb2.CreateKnowledgeEntryResponse(entry=entry_message(entry))
 
         return await self._rpc.run(
-            context, "CreateKnowledgeEntry", work, request_id=request.request_id
+            context,
+            "CreateKnowledgeEntry",
+            work,
+            project_id=request.project_id,
+            request_id=request.request_id,
         )
 
     async def UpdateKnowledgeEntry(

@@ -7,6 +7,7 @@ import and search run on SQLite and on PostgreSQL.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 from collections import Counter
@@ -356,6 +357,20 @@ async def test_beads_import_and_search_on_postgresql(
             metadata=metadata(stack, "bob"),
         )
         assert {"adr-0004", "adr-0019"} <= {hit.entry.entry_id for hit in found.hits[:3]}
+        # Concurrent repeats of one write race on the idempotency key: one write wins.
+        request = knowledge_pb2.CreateKnowledgeEntryRequest(
+            request_id="pg-race",
+            kind=knowledge_pb2.KNOWLEDGE_KIND_NOTE,
+            title="Racing",
+            project_id="beads",
+            item_ids=["bd-44d0"],
+        )
+        alice = metadata(stack, "alice")
+        answers = await asyncio.gather(
+            *(clients.knowledge.CreateKnowledgeEntry(request, metadata=alice) for _ in range(8))
+        )
+        assert len({answer.entry.entry_id for answer in answers}) == 1
+        assert stack.writes["pg-race"] == 1
     finally:
         await clients.channel.close()
         await stack.stop()

@@ -3,6 +3,7 @@ changesets (idempotency, validation, attribution). SPEC sections 4 and 9."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import grpc
@@ -304,6 +305,21 @@ async def test_propose_changeset_is_idempotent_and_stays_proposed(
         T.GetItemRequest(project_id="demo", item_id="PAN-12"), metadata=alice
     )
     assert list(item.item.blocked_by_ids) == ["PAN-11"]
+
+
+async def test_concurrent_repeats_write_once(demo_stack: DevStack, clients: Clients) -> None:
+    request = T.ProposeChangesetRequest(
+        request_id=f"race-{uuid.uuid4().hex}",
+        project_id="demo",
+        title="Racing retries",
+        operations=[_dependency("PAN-19", "PAN-13")],
+    )
+    alice = metadata(demo_stack, "alice")
+    answers = await asyncio.gather(
+        *(clients.tracker.ProposeChangeset(request, metadata=alice) for _ in range(8))
+    )
+    assert len({answer.changeset.changeset_id for answer in answers}) == 1
+    assert demo_stack.writes[request.request_id] == 1
 
 
 async def test_changesets_are_listed_newest_first_in_pages(
