@@ -31,6 +31,11 @@ def parse_args(argv: list[str] | None = None) -> DevStackConfig:
     parser.add_argument("--project", default="demo", help="the imported project's id")
     parser.add_argument("--knowledge", type=Path, default=None, help="a folder of ADR files")
     parser.add_argument("--skills", type=Path, default=None, help="a folder of <name>/SKILL.md")
+    parser.add_argument(
+        "--allow-non-loopback",
+        action="store_true",
+        help="bind a non-loopback address (plaintext, dev tokens: only on a trusted network)",
+    )
     args = parser.parse_args(argv)
     for name in ("tracker", "knowledge", "skills"):
         path = getattr(args, name)
@@ -44,6 +49,7 @@ def parse_args(argv: list[str] | None = None) -> DevStackConfig:
         project_id=args.project,
         knowledge_dir=args.knowledge,
         skills_dir=args.skills,
+        allow_non_loopback=args.allow_non_loopback,
     )
 
 
@@ -76,7 +82,7 @@ async def serve(config: DevStackConfig) -> None:
     timings = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in report.timings.items())
     lines.append(f"  loaded in {sum(report.timings.values()):.2f} s ({timings})")
     lines.append(
-        "  token: python -c \"from pathlib import Path; from service.tokens import dev_secret, "
+        '  token: python -c "from pathlib import Path; from service.tokens import dev_secret, '
         f"mint_dev_token; print(mint_dev_token(dev_secret(Path('{config.data_dir}')), 'alice'))\""
     )
     print("\n".join(lines), flush=True)

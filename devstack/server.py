@@ -13,6 +13,7 @@ per request id), and drive ``faults`` (delays and errors per RPC or service).
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -70,6 +71,9 @@ class DevStackConfig:
     - ``knowledge_dir``: a folder of ADR markdown files; ``skills_dir``: a folder of
       ``<name>/SKILL.md``. Both optional.
     - ``jwks_path``: verify tokens with this JWKS file instead of the dev secret.
+    - ``allow_non_loopback``: the devstack serves plaintext and, in dev mode, accepts
+      tokens signed with a secret on disk, so it binds only loopback addresses unless this
+      is set (as SPEC section 4 asks of the planner's dev mode).
     - ``extra_services``: called with the server before it starts, to add services, e.g.
       ``lambda server: add_gateway_service(server, provider)`` for the LLM gateway. The
       services it registers (seen through ``add_generic_rpc_handlers``), plus
@@ -85,6 +89,7 @@ class DevStackConfig:
     knowledge_dir: Path | None = None
     skills_dir: Path | None = None
     jwks_path: Path | None = None
+    allow_non_loopback: bool = False
     extra_services: Callable[[grpc.aio.Server], object] | None = None
     extra_service_names: tuple[str, ...] = ()
 
@@ -134,6 +139,11 @@ class DevStack:
         Raises ``ValueError`` for an unsupported database URL, ``OSError`` when the address
         cannot be bound, and what the importers raise for malformed input files.
         """
+        if not config.allow_non_loopback and not _is_loopback(config.address):
+            raise ValueError(
+                f"{config.address} is not a loopback address; the devstack serves plaintext "
+                "(set allow_non_loopback to bind it anyway)"
+            )
         timings: dict[str, float] = {}
         clock = time.perf_counter()
 
@@ -228,7 +238,11 @@ class DevStack:
         reflection.enable_server_reflection(
             (*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
-        port = server.add_insecure_port(config.address)
+        try:
+            port = server.add_insecure_port(config.address)
+        except RuntimeError as error:
+            # grpcio reports a port in use as a bare RuntimeError; name the address.
+            raise OSError(f"cannot bind {config.address} (is it in use?)") from error
         if port == 0:
             raise OSError(f"cannot bind {config.address}")
         host = config.address.rsplit(":", 1)[0]
@@ -318,6 +332,16 @@ class DevStack:
         ``PLANNER_SERVICE_SUBJECT``), sent in ``x-ballet-service-authorization``; another
         ``subject`` makes a credential the backends must not trust."""
         return mint_dev_token(self.dev_secret, subject, audiences=audiences)
+
+
+def _is_loopback(address: str) -> bool:
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class _RecordingServer:

@@ -17,7 +17,7 @@ from ballet.tracker.v1 import tracker_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from devstack.server import DevStack
+from devstack.server import DevStack, DevStackConfig
 from service.tokens import dev_secret, mint_dev_token
 from tests.devstack.fixtures import (
     Clients,
@@ -172,6 +172,17 @@ async def test_extra_services_join_the_server(tmp_path: Path) -> None:
         assert status.status == health_pb2.HealthCheckResponse.SERVING
         await channel.close()
     finally:
+        await stack.stop()
+
+
+async def test_only_loopback_addresses_unless_allowed(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="loopback"):
+        await DevStack.start(DevStackConfig(data_dir=tmp_path, address="0.0.0.0:0"))
+    for address in ("localhost:0", "[::1]:0"):
+        try:
+            stack = await DevStack.start(DevStackConfig(data_dir=tmp_path, address=address))
+        except OSError:
+            continue  # no IPv6 loopback on this machine
         await stack.stop()
 
 
