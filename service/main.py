@@ -37,14 +37,20 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from service.adapters.backends import GrpcToolBackends
+from service.adapters.bus import NullNotifier, PgNotifier
 from service.adapters.channels import ChannelTls, make_channel
+from service.adapters.gateway import GrpcModelGateway
 from service.adapters.store import SqlSessionStore, make_engine, migrate, schema_status
 from service.config import ChannelSettings, ConfigError, Settings, channels, split_address
 from service.core.errors import StoreUnavailable
-from service.core.ports import Clock, SessionStore, ToolBackends
+from service.core.fanout import Hub
+from service.core.ports import Clock, Notifier, RunningLimits, SessionStore, ToolBackends
 from service.core.sessions import ProjectAccess, SessionLimits, SessionRules
+from service.core.tools import ToolRunner, declarations
+from service.core.turn import TurnService, TurnSettings
 from service.credentials import ServiceCredential
 from service.metrics import Metrics, MetricsInterceptor, MetricsServer, start_metrics_server
+from service.observer import PrometheusTurnObserver
 from service.tokens import (
     DEV_ISSUER,
     PLANNER_AUDIENCE,
@@ -54,6 +60,7 @@ from service.tokens import (
 )
 from service.transport import convert
 from service.transport.auth import Authenticator
+from service.transport.chat import ChatLimits, TurnRpcs
 from service.transport.sessions import PlannerServicer, TurnEndpoints
 
 log = logging.getLogger(__name__)
@@ -118,11 +125,114 @@ class Wiring:
 
 
 def build_turn_machinery(wiring: Wiring) -> TurnMachinery | None:
-    """TURN MACHINERY PLUGS IN HERE: build the ``TurnService`` (store, backends, gateway
-    over ``wiring.gateway_channel``, fan-out hub, settings) and the Chat servicer, and
-    return them as a ``TurnMachinery``. Until then ``SendMessage``, ``CancelTurn`` and
-    ``Chat`` answer ``UNIMPLEMENTED``."""
-    return None
+    """Build the turn side: the fan-out hub, the cross-replica notifier (PostgreSQL
+    LISTEN/NOTIFY; nothing on SQLite, a single process), the gateway client, the tool
+    runner, the ``TurnService`` and the Chat/SendMessage/CancelTurn RPCs."""
+    settings = wiring.settings
+    planner, limits, deps = settings.planner, settings.limits, settings.dependencies
+    store = wiring.store
+    hub = Hub(
+        store.events_after,
+        max_events=limits.stream_queue_events,
+        max_bytes=limits.stream_queue_bytes,
+    )
+    credential = wiring.service_credential
+
+    def gateway_metadata() -> list[tuple[str, str]]:
+        token = credential.token()
+        return [("x-ballet-service-authorization", f"Bearer {token}")] if token else []
+
+    gateway = GrpcModelGateway(wiring.gateway_channel, metadata=gateway_metadata)
+    tools = ToolRunner(
+        wiring.backends,
+        max_result_bytes=planner.tool_result_max_bytes,
+        timeout_s=deps.tool_call_s,
+    )
+    turns = TurnService(
+        store=store,
+        gateway=gateway,
+        backends=wiring.backends,
+        hub=hub,
+        clock=wiring.clock,
+        settings=TurnSettings(
+            model=planner.model,
+            max_rounds=planner.max_rounds,
+            compact_at_tokens=planner.compact_at_tokens,
+            compaction_input_max_tokens=planner.compaction_input_max_tokens,
+            summary_instructions=planner.summary_instructions,
+            turn_timeout_s=planner.turn_timeout,
+            cancel_grace_s=planner.cancel_grace,
+            max_writes_per_turn=planner.max_writes_per_turn,
+            max_tool_calls_per_answer=planner.max_tool_calls_per_answer,
+            tool_concurrency=planner.tool_concurrency,
+            tool_call_timeout_s=deps.tool_call_s,
+            dependency_timeout_s=deps.project_lookup_s,
+            model_first_delta_s=deps.model_first_delta_s,
+            model_idle_s=deps.model_idle_s,
+            model_total_s=deps.model_total_s,
+            lease_s=planner.lease_s,
+            sweep_interval_s=planner.sweep_interval_s,
+            prompt_cache_s=settings.auth.project_check_cache_s,
+            message_max_bytes=limits.message_max_bytes,
+            running_limits=RunningLimits(
+                per_human=limits.turns_per_human, per_project=limits.turns_per_project
+            ),
+        ),
+        replica_id=settings.server.replica_id,
+        tools=tools,
+        declarations=declarations(),
+        observer=PrometheusTurnObserver(wiring.metrics),
+    )
+    metrics = wiring.metrics
+    metrics.running_turns.set_function(lambda: turns.running)
+    rpcs = TurnRpcs(
+        rules=wiring.rules,
+        authenticator=wiring.authenticator,
+        turns=turns,
+        hub=hub,
+        store=store,
+        limits=ChatLimits(
+            open_timeout_s=limits.open_timeout_s,
+            max_replay_events=planner.max_replay_events,
+            streams_per_human=limits.streams_per_human,
+        ),
+        on_stream_change=metrics.open_streams.inc,
+    )
+    url = settings.database.url
+    notifier: Notifier = (
+        PgNotifier(url, settings.server.replica_id)
+        if url.startswith("postgresql")
+        else NullNotifier()
+    )
+    return PlannerTurns(turns, hub, notifier, rpcs)
+
+
+@dataclass
+class PlannerTurns:
+    """The turn side as the composition root runs it (a ``TurnMachinery``)."""
+
+    turns: TurnService
+    hub: Hub
+    notifier: Notifier
+    rpcs: TurnRpcs
+
+    @property
+    def endpoints(self) -> TurnEndpoints:
+        """``SendMessage``, ``CancelTurn`` and ``Chat``."""
+        return self.rpcs
+
+    async def start(self) -> None:
+        """Start the notifier (other replicas' events and cancels), then the turns."""
+        await self.notifier.start(
+            self.hub.on_remote_events, self.turns.on_remote_cancel, self.hub.resync
+        )
+        await self.turns.start()
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop the turns within ``grace_s``, end every stream, stop the notifier."""
+        await self.turns.stop(grace_s)
+        self.hub.close_all(None)
+        await self.notifier.stop()
 
 
 # --------------------------------------------------------------------------- the app
@@ -176,9 +286,9 @@ class PlannerApp:
         stops = [self._server.stop(budget)]
         if self._turns is not None:
             stops.append(self._turns.stop(budget))
-        await asyncio.gather(*stops)
         if self._metrics_server is not None:
-            self._metrics_server.stop()
+            stops.append(self._metrics_server.stop())
+        await asyncio.gather(*stops)
         for channel in self._channels:
             await channel.close()
         await self._engine.dispose()

@@ -270,9 +270,13 @@ class MetricsServer:
     address: str
     _server: Any
 
-    def stop(self) -> None:
-        """Stop serving and close the socket."""
-        self._server.shutdown()
+    async def stop(self) -> None:
+        """Stop serving and close the socket.
+
+        ``shutdown`` waits for the serving thread's next poll (up to 0.5 s), so it runs
+        in a worker thread, never blocking the event loop.
+        """
+        await asyncio.to_thread(self._server.shutdown)
         self._server.server_close()
 
 
