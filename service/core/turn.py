@@ -34,7 +34,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Protocol, TypeVar
 
 from service.core import prompts
@@ -102,6 +102,7 @@ from service.core.ports import (
     TurnPatch,
     TurnStart,
 )
+from service.core.sessions import check_request_id
 from service.core.tools import (
     TOOL_SCHEMA_VERSION,
     TOOLS_BY_NAME,
@@ -113,7 +114,6 @@ from service.core.tools import (
 
 log = logging.getLogger(__name__)
 
-MAX_REQUEST_ID_CHARS = 64
 T = TypeVar("T")
 
 
@@ -210,19 +210,6 @@ def request_hash(*parts: str) -> str:
         digest.update(part.encode())
         digest.update(b"\0")
     return digest.hexdigest()
-
-
-def check_request_id(request_id: str, *, required: bool) -> None:
-    """AIP-155: at most 64 characters; required where SPEC section 3 says so."""
-    if not request_id:
-        if required:
-            raise InvalidArgument("request_id is required", reason="REQUEST_ID_REQUIRED")
-        return
-    if len(request_id) > MAX_REQUEST_ID_CHARS:
-        raise InvalidArgument(
-            f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters",
-            reason="REQUEST_ID_TOO_LONG",
-        )
 
 
 @dataclass(frozen=True)
@@ -1234,7 +1221,7 @@ class TurnService:
         turn: Turn,
         *,
         owner: str | None = None,
-        lease_expired_before: object = None,
+        lease_expired_before: datetime | None = None,
     ) -> None:
         """Close a turn no run of this process holds ``INTERRUPTED``, like a cancel."""
         messages = await self._store.turn_messages(turn.turn_id)
@@ -1293,7 +1280,7 @@ class TurnService:
                         error_message="the replica running the turn stopped",
                     ),
                     owner=owner,
-                    lease_expired_before=lease_expired_before,  # type: ignore[arg-type]
+                    lease_expired_before=lease_expired_before,
                 )
             )
         except StoreConflict:

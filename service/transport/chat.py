@@ -40,8 +40,8 @@ from service.core.errors import (
 from service.core.fanout import Hub, StreamEnd, StreamQueue
 from service.core.model import EventKind, Session, SessionEvent, TextDelta
 from service.core.ports import SessionStore
-from service.core.sessions import Caller, SessionRules
-from service.core.turn import SendRequest, TurnService, check_request_id
+from service.core.sessions import Caller, SessionRules, check_request_id
+from service.core.turn import SendRequest, TurnService
 from service.tokens import Claims
 from service.transport import convert
 from service.transport.auth import Authenticator, caller_from_claims
