@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import random
 import time
 import uuid
 from collections.abc import Awaitable, Sequence
@@ -291,8 +292,10 @@ class _Run:
 
 
 class _Abandon(Exception):
-    """The run cannot store its state any more (database gone, or the lease lost);
-    the sweeper closes the turn once its lease expires."""
+    """The run cannot store its state any more: the database is gone (the cause is
+    ``StoreUnavailable``: the run closes the turn ``FAILED`` once it answers again), or
+    the turn is no longer this run's to store (``StoreConflict``: another replica closed
+    it, or the session was deleted)."""
 
 
 class TurnService:
@@ -556,7 +559,15 @@ class TurnService:
             await self._drive(run)
         except _Abandon as reason:
             run.abandoned = True
-            log.warning("turn abandoned; the sweeper will close it: %s", reason, extra=_fields(run))
+            if isinstance(reason.__cause__, StoreUnavailable):
+                log.warning(
+                    "the database failed mid-turn; the turn ends FAILED once it answers: %s",
+                    reason,
+                    extra=_fields(run),
+                )
+                await self._close_unstorable(run)
+            else:
+                log.warning("turn abandoned: %s", reason, extra=_fields(run))
         except Exception:
             log.exception("turn failed unexpectedly", extra=_fields(run))
             with contextlib.suppress(Exception):
@@ -1004,7 +1015,27 @@ class TurnService:
         pending: dict[asyncio.Task[tuple[ToolOutcome, float]], ToolCall] = {
             loop.create_task(one(call)): call for call in calls
         }
-        stopper = loop.create_task(run.stop_event.wait())
+        try:
+            await self._await_tools(run, pending, started)
+        except _Abandon:
+            # Nothing more of this run can be stored: stop the calls still running, so no
+            # write lands after the turn was closed with "the outcome is unknown".
+            left = [task for task in pending if not task.done()]
+            for task in left:
+                task.cancel()
+            if left:
+                await asyncio.wait(left)
+            raise
+
+    async def _await_tools(
+        self,
+        run: _Run,
+        pending: dict[asyncio.Task[tuple[ToolOutcome, float]], ToolCall],
+        started: set[str],
+    ) -> None:
+        """Store each call's result as it completes; on a stop, abandon reads and give
+        started writes ``cancel_grace`` seconds. ``pending`` loses the calls stored."""
+        stopper = asyncio.get_running_loop().create_task(run.stop_event.wait())
         try:
             while pending:
                 done, _ = await asyncio.wait(
@@ -1222,15 +1253,25 @@ class TurnService:
         *,
         owner: str | None = None,
         lease_expired_before: datetime | None = None,
+        reason: TurnEndReason = TurnEndReason.INTERRUPTED,
+        error_reason: str = "INTERRUPTED",
+        error_message: str = "the replica running the turn stopped",
     ) -> None:
-        """Close a turn no run of this process holds ``INTERRUPTED``, like a cancel."""
+        """Close a turn no run of this process holds ``INTERRUPTED``, like a cancel, from
+        its stored messages: every call without a stored result gets a synthetic one.
+
+        ``reason``, ``error_reason`` and ``error_message`` override the ending (a run
+        that lost its database closes its own turn ``FAILED``). ``turn``'s rounds and
+        usage are stored with the ending. A turn that ended meanwhile, or whose commit
+        conditions fail, is left alone; raises ``StoreUnavailable``.
+        """
         messages = await self._store.turn_messages(turn.turn_id)
         answered = {m.tool_call_id for m in messages if m.kind is MessageKind.TOOL_RESULT}
         now = self._clock.now()
         events: list[SessionEvent] = []
         for message in messages:
             if message.kind is MessageKind.TOOL_CALL and message.tool_call_id not in answered:
-                outcome = synthetic_outcome(TurnEndReason.INTERRUPTED, _is_write(message.tool_name))
+                outcome = synthetic_outcome(reason, _is_write(message.tool_name))
                 events.append(
                     SessionEvent(
                         turn.session_id,
@@ -1258,12 +1299,12 @@ class TurnService:
                 EventKind.TURN_ENDED,
                 now,
                 data=TurnEndedData(
-                    reason=TurnEndReason.INTERRUPTED,
+                    reason=reason,
                     usage=turn.usage,
                     compaction_usage=turn.compaction_usage,
                     rounds=turn.rounds,
-                    error_reason="INTERRUPTED",
-                    error_message="the replica running the turn stopped",
+                    error_reason=error_reason,
+                    error_message=error_message,
                 ),
             )
         )
@@ -1275,9 +1316,12 @@ class TurnService:
                     now=now,
                     events=events,
                     turn_patch=TurnPatch(
-                        end_reason=TurnEndReason.INTERRUPTED,
-                        error_reason="INTERRUPTED",
-                        error_message="the replica running the turn stopped",
+                        rounds=turn.rounds,
+                        usage=turn.usage,
+                        compaction_usage=turn.compaction_usage,
+                        end_reason=reason,
+                        error_reason=error_reason,
+                        error_message=error_message,
                     ),
                     owner=owner,
                     lease_expired_before=lease_expired_before,
@@ -1285,12 +1329,47 @@ class TurnService:
             )
         except StoreConflict:
             return
-        self._observer.turn_ended(TurnEndReason.INTERRUPTED, "INTERRUPTED")
+        self._observer.turn_ended(reason, error_reason)
         log.info(
-            "closed turn interrupted",
+            "closed turn %s",
+            reason.value,
             extra={"session_id": turn.session_id, "turn_id": turn.turn_id},
         )
         self._hub.publish(stored)
+
+    async def _close_unstorable(self, run: _Run) -> None:
+        """Close the turn of a run whose commit failed because the database is
+        unavailable: ``FAILED``/``DATABASE_UNAVAILABLE``, with a synthetic result for
+        every call without a stored one, retried with backoff until the database answers
+        (SPEC 5 and 8; decision 0070).
+
+        The closing commit is built from what is stored, not from the run's memory: the
+        failed commit may have landed before the connection broke. It is conditional on
+        this replica still owning the turn, so a sweeper that closed it first wins, and it
+        stops when the service shuts down (the task is cancelled; the sweeper recovers).
+        """
+        turn = replace(
+            run.turn,
+            rounds=run.rounds,
+            usage=run.usage,
+            compaction_usage=run.compaction_usage,
+        )
+        delay = 0.05
+        while True:
+            try:
+                await self._interrupt(
+                    turn,
+                    owner=self._replica,
+                    reason=TurnEndReason.FAILED,
+                    error_reason="DATABASE_UNAVAILABLE",
+                    error_message="the database became unavailable during the turn",
+                )
+                return
+            except StoreUnavailable:
+                pass
+            # Jitter keeps a replica's closing turns from hitting the database in lockstep.
+            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+            delay = min(1.0, delay * 2)
 
     async def _renew_loop(self) -> None:
         interval = self._settings.lease_s / 3
