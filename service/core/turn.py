@@ -1333,7 +1333,7 @@ class TurnService:
         log.info(
             "closed turn %s",
             reason.value,
-            extra={"session_id": turn.session_id, "turn_id": turn.turn_id},
+            extra={"session": turn.session_id, "turn": turn.turn_id},
         )
         self._hub.publish(stored)
 
@@ -1505,10 +1505,10 @@ def _is_write(name: str) -> bool:
 
 
 def _fields(run: _Run) -> dict[str, str]:
+    # The context fields of service/logs.py; never content (SPEC section 8).
     return {
-        "session_id": run.session.session_id,
-        "turn_id": run.turn.turn_id,
-        "project_id": run.project_id,
+        "session": run.session.session_id,
+        "turn": run.turn.turn_id,
+        "project": run.project_id,
         "actor": run.acting.actor,
-        "human_id": run.acting.human_id,
     }
