@@ -333,6 +333,9 @@ class _Stream:
         session = self._require_open()
         try:
             check_request_id(request.request_id, required=False)
+            if not request.cancel_turn.turn_id:
+                # "The running turn": the session read at open predates it, so read it now.
+                session = await self._rpcs._rules.owned_session(self._caller, session.session_id)
             await self._rpcs._turns.cancel(session, request.cancel_turn.turn_id)
         except PlannerError as error:
             self._reply_error(error, request.request_id)
