@@ -538,6 +538,14 @@ class TurnService:
         if run is not None:
             run.request_stop(_Stop(TurnEndReason.CANCELLED))
 
+    def on_session_deleted(self, session_id: str) -> None:
+        """``DeleteSession`` removed a session: stop its turn here at once (SPEC 3: the
+        delete cancels the running turn). Nothing of it can be stored any more, so the
+        run ends at its next commit without one."""
+        for run in list(self._runs.values()):
+            if run.session.session_id == session_id:
+                run.request_stop(_Stop(TurnEndReason.CANCELLED))
+
     # ------------------------------------------------------------------ the run
 
     def _launch(self, run: _Run) -> None:

@@ -120,6 +120,13 @@ class TurnRpcs:
             turn = await self._turns.cancel(session, request.turn_id)
             return planner_service_pb2.CancelTurnResponse(turn=convert.turn_to_proto(turn))
 
+    def session_deleted(self, session_id: str) -> None:
+        """After ``DeleteSession``: stop the session's turn running here and end the
+        streams attached here with ``NOT_FOUND`` (SPEC 3). Other replicas hear it from
+        the notifier, which skips this replica's own notifications."""
+        self._turns.on_session_deleted(session_id)
+        self._hub.session_deleted(session_id)
+
     # ----------------------------------------------------------------- Chat
 
     async def chat(

@@ -51,6 +51,10 @@ class TurnEndpoints(Protocol):
         """``Chat``: the bidirectional stream (an async generator)."""
         ...
 
+    def session_deleted(self, session_id: str) -> None:
+        """A session was deleted: stop its turn and end its streams in this process."""
+        ...
+
 
 class PlannerServicer(planner_service_pb2_grpc.PlannerServiceServicer):
     """PlannerService over ``SessionRules``; turn RPCs go to ``turns`` when given."""
@@ -132,6 +136,8 @@ class PlannerServicer(planner_service_pb2_grpc.PlannerServiceServicer):
         """Delete a session and everything stored with it (its running turn cancelled)."""
         async with rpc_errors(context):
             await self._rules.delete_session(self._auth.caller(context), request.session_id)
+            if self._turns is not None:
+                self._turns.session_deleted(request.session_id)
             return planner_service_pb2.DeleteSessionResponse()
 
     async def ListMessages(
