@@ -41,11 +41,20 @@ from service.adapters.bus import NullNotifier, PgNotifier
 from service.adapters.channels import ChannelTls, make_channel
 from service.adapters.gateway import GrpcModelGateway
 from service.adapters.store import SqlSessionStore, make_engine, migrate, schema_status
+from service.adapters.store.streams import SqlStreamStore
 from service.config import ChannelSettings, ConfigError, Settings, channels, split_address
 from service.core.errors import StoreUnavailable
 from service.core.fanout import Hub
-from service.core.ports import Clock, Notifier, RunningLimits, SessionStore, ToolBackends
+from service.core.ports import (
+    Clock,
+    Notifier,
+    RunningLimits,
+    SessionStore,
+    StreamStore,
+    ToolBackends,
+)
 from service.core.sessions import ProjectAccess, SessionLimits, SessionRules
+from service.core.streams import StreamRegistry
 from service.core.tools import ToolRunner, declarations
 from service.core.turn import TurnService, TurnSettings
 from service.credentials import ServiceCredential
@@ -122,6 +131,8 @@ class Wiring:
     rules: SessionRules
     clock: Clock
     metrics: Metrics
+    #: Open Chat streams across replicas (SPEC 8); None: this process's count only.
+    streams: StreamStore | None = None
 
 
 def build_turn_machinery(wiring: Wiring) -> TurnMachinery | None:
@@ -185,6 +196,18 @@ def build_turn_machinery(wiring: Wiring) -> TurnMachinery | None:
     )
     metrics = wiring.metrics
     metrics.running_turns.set_function(lambda: turns.running)
+    registry = (
+        StreamRegistry(
+            wiring.streams,
+            wiring.clock,
+            settings.server.replica_id,
+            per_human=limits.streams_per_human,
+            lease_s=planner.lease_s,
+            sweep_interval_s=planner.sweep_interval_s,
+        )
+        if wiring.streams is not None
+        else None
+    )
     rpcs = TurnRpcs(
         rules=wiring.rules,
         authenticator=wiring.authenticator,
@@ -197,6 +220,7 @@ def build_turn_machinery(wiring: Wiring) -> TurnMachinery | None:
             streams_per_human=limits.streams_per_human,
         ),
         on_stream_change=metrics.open_streams.inc,
+        streams=registry,
     )
     url = settings.database.url
     notifier: Notifier = (
@@ -204,7 +228,7 @@ def build_turn_machinery(wiring: Wiring) -> TurnMachinery | None:
         if url.startswith("postgresql")
         else NullNotifier()
     )
-    return PlannerTurns(turns, hub, notifier, rpcs)
+    return PlannerTurns(turns, hub, notifier, rpcs, registry)
 
 
 @dataclass
@@ -215,6 +239,7 @@ class PlannerTurns:
     hub: Hub
     notifier: Notifier
     rpcs: TurnRpcs
+    streams: StreamRegistry | None = None
 
     @property
     def endpoints(self) -> TurnEndpoints:
@@ -227,11 +252,15 @@ class PlannerTurns:
             self.hub.on_remote_events, self.turns.on_remote_cancel, self.hub.resync
         )
         await self.turns.start()
+        if self.streams is not None:
+            await self.streams.start()
 
     async def stop(self, grace_s: float) -> None:
         """Stop the turns within ``grace_s``, end every stream, stop the notifier."""
         await self.turns.stop(grace_s)
         self.hub.close_all(None)
+        if self.streams is not None:
+            await self.streams.stop()
         await self.notifier.stop()
 
 
@@ -446,6 +475,13 @@ async def _open_database(settings: Settings) -> Any:
     return make_engine(url, pool_size=settings.database.pool_size)
 
 
+def _checked_out(engine: Any) -> int:
+    """Connections checked out of the engine's pool right now (0 for a pool that does
+    not count them)."""
+    checkedout = getattr(engine.sync_engine.pool, "checkedout", None)
+    return int(checkedout()) if callable(checkedout) else 0
+
+
 def _bind(server: Any, address: str, credentials: Any | None) -> int:
     try:
         if credentials is None:
@@ -479,6 +515,7 @@ async def start_planner(
     clock = clock or SystemClock()
     credential = _service_credential(settings)
     engine = await _open_database(settings)
+    metrics.database_connections_in_use.set_function(lambda: _checked_out(engine))
     opened: list[Any] = []
     try:
         store = SqlSessionStore(engine, settings.server.replica_id)
@@ -516,6 +553,7 @@ async def start_planner(
                 rules=rules,
                 clock=clock,
                 metrics=metrics,
+                streams=SqlStreamStore(engine),
             )
         )
 

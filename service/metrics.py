@@ -54,7 +54,8 @@ class Metrics:
 
     Gauges: ``ballet_planner_open_streams``, ``ballet_planner_running_turns`` (on this
     replica), ``ballet_planner_dev_mode`` (1 in dev mode), ``ballet_planner_database_up``
-    (1 while the health monitor's ping answers).
+    (1 while the health monitor's ping answers), ``ballet_planner_database_connections_in_use``
+    (connections checked out of the pool; the notifier's LISTEN connection is not pooled).
     """
 
     def __init__(self) -> None:
@@ -130,6 +131,12 @@ class Metrics:
         self.database_up = Gauge(
             "ballet_planner_database_up",
             "1 while the database answers the health monitor's ping.",
+            registry=registry,
+        )
+        self.database_connections_in_use = Gauge(
+            "ballet_planner_database_connections_in_use",
+            "Database connections checked out of the pool (0 when idle: idle streams and "
+            "finished turns hold none).",
             registry=registry,
         )
         self.grpc_started = Counter(

@@ -41,6 +41,7 @@ from service.core.fanout import Hub, StreamEnd, StreamQueue
 from service.core.model import EventKind, Session, SessionEvent, TextDelta
 from service.core.ports import SessionStore
 from service.core.sessions import Caller, SessionRules, check_request_id
+from service.core.streams import StreamRegistry
 from service.core.turn import SendRequest, TurnService
 from service.tokens import Claims
 from service.transport import convert
@@ -73,7 +74,10 @@ class TurnRpcs:
         store: SessionStore,
         limits: ChatLimits,
         on_stream_change: Any = None,
+        streams: StreamRegistry | None = None,
     ) -> None:
+        """``streams`` counts open streams per human across replicas (SPEC 8); without
+        it only this process's streams count (``Hub.stream_count``)."""
         self._rules = rules
         self._auth = authenticator
         self._turns = turns
@@ -81,6 +85,7 @@ class TurnRpcs:
         self._store = store
         self._limits = limits
         self._on_stream_change = on_stream_change
+        self._streams = streams
 
     # ----------------------------------------------------------------- unary
 
@@ -143,7 +148,14 @@ class TurnRpcs:
                 context,
                 FailedPrecondition("Chat needs a human's token", reason="HUMAN_REQUIRED"),
             )
-        if self._hub.stream_count(caller.subject) >= self._limits.streams_per_human:
+        stream_id = ""
+        if self._streams is not None:
+            # Counted across replicas (SPEC 8); raises TOO_MANY_STREAMS.
+            try:
+                stream_id = await self._streams.open(caller.subject)
+            except PlannerError as error:
+                await abort(context, error)
+        elif self._hub.stream_count(caller.subject) >= self._limits.streams_per_human:
             await abort(
                 context,
                 ResourceExhausted(
@@ -182,6 +194,8 @@ class TurnRpcs:
                 await reader
             stream.close()
             self._hub.detach(queue)
+            if stream_id and self._streams is not None:
+                self._streams.close(stream_id)
             self._stream_changed(-1)
 
     def _stream_changed(self, delta: int) -> None:

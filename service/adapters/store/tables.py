@@ -1,6 +1,6 @@
 """The planner's SQL schema as SQLAlchemy Core tables (SPEC sections 3, 5 and 8).
 
-Four tables, all keyed by text ids the planner generates:
+Six tables, all keyed by text ids the planner generates:
 
 - ``sessions``: one row per session, with the compaction summary, the per-session event
   counter ``last_sequence`` (SPEC 3: from 1, no gaps, no reuse), the running context
@@ -12,6 +12,8 @@ Four tables, all keyed by text ids the planner generates:
   ``data`` holds the JSON of the event's ``EventData`` payload, NULL when it has none.
 - ``turns``: one row per turn, with its AIP-155 request id, the replica that owns it and
   its lease (SPEC 5, "Ownership and recovery").
+- ``planner_replicas`` and ``chat_streams``: each replica's heartbeat lease and the Chat
+  streams open on it, for the per-human stream limit across replicas (SPEC 8).
 
 Unique keys carry the concurrency rules: the partial index ``uq_turns_one_running`` (one
 running turn per session, across replicas) and the AIP-155 request-id keys (for
@@ -272,6 +274,34 @@ for _column in (turns.c.owner, turns.c.human_id, turns.c.project_id):
         postgresql_where=IS_RUNNING,
         sqlite_where=IS_RUNNING,
     )
+
+# The cross-replica count of open Chat streams (SPEC 8: at most 16 per human;
+# docs/decisions/0080-cross-replica-stream-count.md). A replica's heartbeat keeps its
+# lease; its streams count only while the lease holds, and forgetting a replica whose
+# lease lapsed (a SIGKILL) cascades to its streams.
+planner_replicas = Table(
+    "planner_replicas",
+    metadata,
+    Column("replica_id", Text, primary_key=True),
+    Column("lease_expires_at", UtcDateTime, nullable=False),
+)
+
+chat_streams = Table(
+    "chat_streams",
+    metadata,
+    Column("stream_id", Text, primary_key=True),
+    _text("human_id", default=None),
+    Column(
+        "replica_id",
+        Text,
+        ForeignKey(planner_replicas.c.replica_id, ondelete="CASCADE"),
+        nullable=False,
+    ),
+    Column("opened_at", UtcDateTime, nullable=False),
+)
+# The count per human, and the cascade from a forgotten replica.
+Index("ix_chat_streams_human_id", chat_streams.c.human_id)
+Index("ix_chat_streams_replica_id", chat_streams.c.replica_id)
 
 #: Unique constraints and indexes whose violation the repository handles itself.
 UQ_ONE_RUNNING_TURN = "uq_turns_one_running"
