@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 EventReader = Callable[[str, int, int], Awaitable[list[SessionEvent]]]
 
 _EVENT_OVERHEAD_BYTES = 256
+# Events read from the store at once when replaying.
+_REPLAY_BATCH = 500
 
 
 def event_size(item: SessionEvent | TextDelta | object) -> int:
@@ -215,20 +217,22 @@ class Hub:
         queue.closed = True
 
     async def replay(self, queue: StreamQueue, until_sequence: int) -> None:
-        """Queue the stored events after the queue's position up to ``until_sequence``.
+        """Queue the stored events after the queue's position: up to ``until_sequence``
+        (the last sequence when the caller read the session) and on to the newest, since
+        events committed between that read and ``bind`` were published before the queue
+        was attached and would be missed (SPEC 3: ``after_sequence`` replays them).
 
         Then, if an answer is streaming, one text delta with the text so far (SPEC 3).
         """
-        while queue.last_sequence < until_sequence and not queue.closed:
-            batch = await self._read(
-                queue.session_id,
-                queue.last_sequence,
-                min(500, until_sequence - queue.last_sequence),
-            )
-            if not batch:
-                break
+        while not queue.closed:
+            wanted = until_sequence - queue.last_sequence
+            # One row more than expected tells whether events came after the caller's read.
+            limit = min(_REPLAY_BATCH, wanted + 1) if wanted > 0 else _REPLAY_BATCH
+            batch = await self._read(queue.session_id, queue.last_sequence, limit)
             for event in batch:
                 queue.offer(event)
+            if len(batch) < limit:
+                break
         answer = self._answers.get(queue.session_id)
         if answer is not None:
             queue.offer_delta(answer)
