@@ -87,3 +87,4 @@ async def test_restore_close_and_remove(engine: AsyncEngine) -> None:
     assert await store.count_streams("alice", NOW) == 1
     await store.remove_replica("a")
     assert await rows(engine) == 0
+

@@ -10,6 +10,8 @@
   (SPEC 3: the loser of the race between two replicas stores nothing).
 - a violation of an AIP-155 request-id key: ``RequestIdTaken``, which the repository
   answers by re-reading the original request (a duplicate, or ``REQUEST_ID_REUSED``).
+- a NUL character in a text value, which PostgreSQL cannot store:
+  ``InvalidArgument``/``NUL_CHARACTER``.
 - anything else propagates unchanged: it is a bug, not a condition to handle.
 """
 
@@ -28,7 +30,7 @@ from service.adapters.store.tables import (
     UQ_TURN_REQUEST_ID,
     metadata,
 )
-from service.core.errors import FailedPrecondition, StoreUnavailable
+from service.core.errors import FailedPrecondition, InvalidArgument, StoreUnavailable
 
 
 class RequestIdTaken(Exception):
@@ -55,6 +57,14 @@ def translated() -> Iterator[None]:
         raise
     except (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError) as exc:
         raise StoreUnavailable(f"the database is unavailable: {_first_line(exc)}") from exc
+    except sa_exc.DataError as exc:
+        # PostgreSQL text cannot hold NUL; a client's id or text with one is bad input,
+        # not a failure of the planner (found by the Chat fuzz test).
+        if "NUL" in _first_line(exc):
+            raise InvalidArgument(
+                "text fields cannot contain NUL (U+0000) characters", reason="NUL_CHARACTER"
+            ) from exc
+        raise
     except sa_exc.DBAPIError as exc:
         if exc.connection_invalidated:
             raise StoreUnavailable(f"the database connection broke: {_first_line(exc)}") from exc
