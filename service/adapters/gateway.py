@@ -11,6 +11,9 @@ Deadlines and Retries):
 - ``RESOURCE_EXHAUSTED`` otherwise is ``QUOTA_EXCEEDED``; a refused credential is
   ``CREDENTIAL_EXPIRED``; a missed deadline is ``MODEL_TIMEOUT``; what stays unavailable
   is ``MODEL_UNAVAILABLE``; the rest is ``MODEL_ERROR``.
+
+Model output is stored as received, except that NUL characters (which PostgreSQL text
+cannot hold) become U+FFFD.
 """
 
 from __future__ import annotations
@@ -133,10 +136,12 @@ class GrpcModelGateway:
                 first = False
                 kind = response.WhichOneof("chunk")
                 if kind == "text_delta":
-                    yield TextChunk(response.text_delta.text)
+                    yield TextChunk(_storable(response.text_delta.text))
                 elif kind == "tool_call":
                     tc = response.tool_call
-                    yield ToolCallChunk(ToolCall(tc.id, tc.name, tc.arguments))
+                    yield ToolCallChunk(
+                        ToolCall(_storable(tc.id), _storable(tc.name), _storable(tc.arguments))
+                    )
                 elif kind == "finish":
                     usage = (
                         Usage(
@@ -150,6 +155,12 @@ class GrpcModelGateway:
             raise translate_error(error) from error
         finally:
             call.cancel()
+
+
+def _storable(text: str) -> str:
+    """``text`` with NUL (U+0000) replaced by U+FFFD: PostgreSQL text cannot hold NUL, and
+    a model that emits one must not fail the turn when its answer is stored."""
+    return text.replace("\x00", "\ufffd") if "\x00" in text else text
 
 
 def to_proto(request: ModelRequest) -> gateway_pb2.GenerateRequest:
