@@ -1236,6 +1236,10 @@ class TurnService:
         if context is None:
             added = sum(e.message.size_bytes() for e in stored if e.message is not None)
             run.context = replace(run.context, pending_bytes=run.context.pending_bytes + added)
+        else:
+            # The store now holds this estimate; so must the run, or the next compaction
+            # check of this turn ignores the usage an answer just reported (SPEC 6).
+            run.context = context
         self._hub.publish(stored)
         return stored
 
