@@ -2,9 +2,10 @@
 
 Subcommands: ``serve`` (the production service), ``migrate`` (bring the database schema
 to this release), ``token`` (a dev JWT from the data directory's secret) and ``health``
-(readiness and liveness probe). ``dev`` and ``chat`` come later: each subcommand is one
-``_add_<name>`` function registering its parser and handler, so adding one touches
-nothing else.
+(readiness and liveness probe), ``dev`` (the devstack and the planner together,
+``service.devmode``) and ``chat`` (the terminal client, ``service.chat_client``). Each
+subcommand is one ``_add_<name>`` function registering its parser and handler, so adding
+one touches nothing else.
 
 Exit codes: 0 success; 1 a failed check or command (``health`` not SERVING); 2 a usage or
 configuration error, with a message on stderr naming the problem.
@@ -208,14 +209,190 @@ def _health(args: argparse.Namespace) -> int:
     return 1
 
 
+# --------------------------------------------------------------------------- dev
+
+
+def _add_dev(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser(
+        "dev",
+        help="run the devstack and the planner together",
+        description="Run the devstack (tracker, skills, knowledge, LLM gateway) and the "
+        "planner in one process on loopback; print how to connect; run until Ctrl-C.",
+    )
+    parser.add_argument("--config", type=Path, help="planner TOML file ([planner] included)")
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        help="state of both (default: $BALLET_PLANNER__DATA_DIR, the file's, or ./.ballet-dev)",
+    )
+    parser.add_argument(
+        "--database-url", help="postgresql+psycopg://... for both (default: SQLite files)"
+    )
+    parser.add_argument("--tracker", type=Path, help="a beads issues.jsonl to import")
+    parser.add_argument(
+        "--project", default="demo", help="id of the imported project (default demo)"
+    )
+    parser.add_argument("--knowledge", type=Path, help="a folder of ADR markdown files")
+    parser.add_argument("--skills", type=Path, help="a folder of <name>/SKILL.md")
+    parser.add_argument(
+        "--provider",
+        choices=("scripted", "openai"),
+        default="scripted",
+        help="the model: scripted (default) or openai (BALLET_OPENAI_BASE_URL, "
+        "BALLET_OPENAI_API_KEY, BALLET_OPENAI_MODEL)",
+    )
+    parser.add_argument(
+        "--scenario", type=Path, help="scripted scenario JSON (default: the built-in demo)"
+    )
+    parser.add_argument(
+        "--address", help=f"planner host:port (default: server.address, {DEFAULT_ADDRESS})"
+    )
+    parser.add_argument(
+        "--devstack-address",
+        default="127.0.0.1:50052",
+        help="devstack host:port (default 127.0.0.1:50052; port 0: any free port)",
+    )
+    parser.set_defaults(handler=_dev)
+
+
+def _dev(args: argparse.Namespace) -> int:
+    for name in ("config", "tracker", "knowledge", "skills", "scenario"):
+        path = getattr(args, name)
+        if path is not None and not path.exists():
+            print(f"ballet-planner dev: --{name} {path}: no such file or folder", file=sys.stderr)
+            return 2
+    if args.tracker is None and args.project != "demo":
+        print(
+            "ballet-planner dev: --project names an imported project: give --tracker too",
+            file=sys.stderr,
+        )
+        return 2
+    if args.provider == "openai" and args.scenario is not None:
+        print("ballet-planner dev: --scenario is for --provider scripted", file=sys.stderr)
+        return 2
+    from service.devmode import DevError, DevOptions, dev_settings, run_dev
+    from service.logs import configure_logging
+    from service.main import StartupError
+
+    options = DevOptions(
+        config_file=args.config,
+        data_dir=args.data_dir,
+        database_url=args.database_url,
+        tracker_file=args.tracker,
+        project_id=args.project,
+        knowledge_dir=args.knowledge,
+        skills_dir=args.skills,
+        provider=args.provider,
+        scenario=args.scenario,
+        address=args.address,
+        devstack_address=args.devstack_address,
+    )
+    settings = dev_settings(options)
+    configure_logging(settings.logging)
+    try:
+        asyncio.run(run_dev(options, settings))
+    except (DevError, StartupError) as error:
+        print(f"ballet-planner dev: cannot start: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+# --------------------------------------------------------------------------- chat
+
+
+def _add_chat(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser(
+        "chat",
+        help="chat with the planner in the terminal",
+        description="The terminal client of the Chat RPC. Interactive by default (/cancel, "
+        "/new, /sessions, /open ID, /quit); with --message, send one message, print the "
+        "turn and exit 0 when it ended COMPLETED or MAX_ROUNDS (1 otherwise).",
+    )
+    parser.add_argument(
+        "--address",
+        help=f"planner host:port (default: $BALLET_PLANNER__SERVER__ADDRESS or {DEFAULT_ADDRESS})",
+    )
+    parser.add_argument("--project", default="demo", help="project of a new session (demo)")
+    parser.add_argument("--session", default="", help="resume this session instead")
+    parser.add_argument("--user", help="mint a dev token for this user from the data dir")
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        help="where the dev secret is (default: $BALLET_PLANNER__DATA_DIR or ./.ballet-dev)",
+    )
+    parser.add_argument("--org", default="acme", help="organization of --user (default acme)")
+    parser.add_argument("--token", help="a bearer token (JWT) instead of --user")
+    parser.add_argument("--message", help="send this message, print the turn, exit")
+    parser.add_argument(
+        "--json", action="store_true", help="print each ChatResponse as one line of JSON"
+    )
+    parser.set_defaults(handler=_chat)
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from service.chat_client import ChatError, ChatOptions, run_chat
+    from service.tokens import dev_secret, mint_dev_token
+
+    address = args.address or os.environ.get("BALLET_PLANNER__SERVER__ADDRESS") or DEFAULT_ADDRESS
+    mint = None
+    if args.token:
+        token = args.token
+    elif args.user:
+        data_dir = args.data_dir or Path(
+            os.environ.get("BALLET_PLANNER__DATA_DIR", "") or DEFAULT_DATA_DIR
+        )
+        try:
+            # Never create a secret here: a new one would sign tokens nobody accepts.
+            secret = dev_secret(data_dir, create=False)
+        except FileNotFoundError:
+            print(
+                f"ballet-planner chat: no dev secret in {data_dir}: start `ballet-planner "
+                "dev` first, or give the data directory it uses (--data-dir), or --token",
+                file=sys.stderr,
+            )
+            return 2
+        user, org = args.user, args.org
+
+        def mint() -> str:
+            return mint_dev_token(secret, user, organization_id=org, ttl_s=DEFAULT_TOKEN_TTL_S)
+
+        token = mint()
+    else:
+        print("ballet-planner chat: give --user NAME (dev) or --token JWT", file=sys.stderr)
+        return 2
+    if args.message is not None and not args.message.strip():
+        print("ballet-planner chat: --message is empty", file=sys.stderr)
+        return 2
+    options = ChatOptions(
+        address=address,
+        token=token,
+        project_id=args.project,
+        session_id=args.session,
+        message=args.message,
+        as_json=args.json,
+        mint=mint,
+    )
+    try:
+        return asyncio.run(run_chat(options))
+    except ChatError as error:
+        print(f"ballet-planner chat: {error}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        # The reader went away (e.g. `| head`): stop quietly, without a traceback at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
 # --------------------------------------------------------------------------- main
 
-#: Subcommands in help order; ``dev`` and ``chat`` add themselves here later.
+#: Subcommands in help order.
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None], ...] = (
     _add_serve,
     _add_migrate,
     _add_token,
     _add_health,
+    _add_dev,
+    _add_chat,
 )
 
 

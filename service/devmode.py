@@ -1,0 +1,335 @@
+"""``ballet-planner dev``: the devstack and the planner together, on loopback, in one
+process (SPEC section 9; issues 3 and 5).
+
+``start_dev(options)`` starts, in this order:
+
+1. the settings: ``--config FILE`` (its ``[planner]`` table and everything else) and the
+   ``BALLET_PLANNER__`` environment, with dev overriding only the data directory, the
+   planner's address (``--address``), the database (``--database-url``) and the four
+   dependency addresses (all the devstack's); with ``--provider openai`` also
+   ``planner.model`` when ``BALLET_OPENAI_MODEL`` is set;
+2. the model provider: ``scripted`` over ``--scenario FILE`` (re-read when it changes)
+   or the built-in demo scenario, or ``openai`` from the ``BALLET_OPENAI_*`` environment;
+3. the devstack (``DevStack.start``): tracker, skills and knowledge backends with the
+   organization ``acme``, users ``alice`` and ``bob``, the demo project or the imported
+   beads export, the LLM gateway over the provider (``extra_services``);
+4. the planner (``start_planner``) pointed at the devstack. On SQLite the planner and the
+   devstack keep separate files in the data directory (``planner.db``,
+   ``devstack.db``); with ``--database-url`` they share that PostgreSQL database (the
+   devstack's tables are prefixed ``ds_``), and dev migrates the planner's schema itself
+   (docs/decisions/0050-dev-command.md).
+
+``run_dev(options)`` prints where everything listens and how to connect, then serves until
+SIGINT or SIGTERM and shuts down: the planner first (its turns end within
+``server.grace_s``), then the devstack, then the provider's connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import shlex
+import signal
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import grpc
+
+from devstack.gateway import GatewayServicer, Provider, ScenarioError, add_gateway_service
+from devstack.gateway.scripted import ScriptedProvider, demo_scenario_path
+from devstack.server import DEFAULT_ADDRESS as DEVSTACK_ADDRESS
+from devstack.server import DevStack, DevStackConfig
+from service.config import ENV_PREFIX, Settings, load_settings
+from service.main import PlannerApp, StartupError, start_planner
+
+ProviderName = Literal["scripted", "openai"]
+
+#: The planner's default address (SPEC section 3); ``chat`` connects there by default.
+PLANNER_ADDRESS = "127.0.0.1:50051"
+DEFAULT_DATA_DIR = Path(".ballet-dev")
+DEMO_PROJECT = "demo"
+#: The openai provider's default model (devstack/gateway/openai_provider.py); with
+#: ``--provider openai`` it becomes ``planner.model`` too, so the two never disagree.
+OPENAI_MODEL_VARIABLE = "BALLET_OPENAI_MODEL"
+#: The devstack's dependency services, as reflection lists them.
+DEPENDENCY_SERVICES = (
+    "ballet.tracker.v1.TrackerService",
+    "ballet.skills.v1.SkillsService",
+    "ballet.knowledge.v1.KnowledgeService",
+    "ballet.llm.v1.GatewayService",
+)
+
+
+class DevError(RuntimeError):
+    """``dev`` cannot start; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class DevOptions:
+    """The ``ballet-planner dev`` command line.
+
+    - ``config_file``: a planner TOML file, applied whole (``[planner]`` included).
+    - ``data_dir``: state of both halves (dev secret, SQLite files); None: the settings'
+      ``data_dir`` (``BALLET_PLANNER__DATA_DIR``, the file's, else ``./.ballet-dev``).
+    - ``database_url``: a PostgreSQL URL both halves use instead of SQLite.
+    - ``tracker_file``, ``project_id``: a beads ``issues.jsonl`` imported as that project;
+      without a file the built-in ``demo`` project is loaded.
+    - ``knowledge_dir``, ``skills_dir``: ADR and skill folders to import.
+    - ``provider``, ``scenario``: the model behind the LLM gateway.
+    - ``address``: the planner's ``host:port`` (None: ``server.address`` of the
+      settings, default ``127.0.0.1:50051``); ``devstack_address``: the devstack's. Port 0
+      picks a free port.
+    """
+
+    config_file: Path | None = None
+    data_dir: Path | None = None
+    database_url: str | None = None
+    tracker_file: Path | None = None
+    project_id: str = DEMO_PROJECT
+    knowledge_dir: Path | None = None
+    skills_dir: Path | None = None
+    provider: ProviderName = "scripted"
+    scenario: Path | None = None
+    address: str | None = None
+    devstack_address: str = DEVSTACK_ADDRESS
+
+    @property
+    def project(self) -> str:
+        """The project a human chats about: the imported one, or ``demo``."""
+        return self.project_id if self.tracker_file is not None else DEMO_PROJECT
+
+
+def dev_settings(options: DevOptions, environ: Mapping[str, str] | None = None) -> Settings:
+    """The planner's settings for ``dev``: the file and the environment, with dev's
+    overrides (see the module docstring). The dependency addresses are the devstack's
+    requested address; ``start_dev`` replaces them with the bound one.
+
+    Raises ``ConfigError`` naming the key.
+    """
+    env = dict(os.environ if environ is None else environ)
+    overrides: dict[str, str] = {}
+    if options.data_dir is not None:
+        overrides["DATA_DIR"] = str(options.data_dir)
+    if options.address is not None:
+        overrides["SERVER__ADDRESS"] = options.address
+    if options.database_url is not None:
+        overrides["DATABASE__URL"] = options.database_url
+    for name in ("TRACKER", "SKILLS", "KNOWLEDGE", "GATEWAY"):
+        overrides[f"DEPENDENCIES__{name}__ADDRESS"] = options.devstack_address
+    if options.provider == "openai" and env.get(OPENAI_MODEL_VARIABLE):
+        overrides["PLANNER__MODEL"] = env[OPENAI_MODEL_VARIABLE]
+    env.update({f"{ENV_PREFIX}{key}": value for key, value in overrides.items()})
+    return load_settings(options.config_file, env)
+
+
+def make_provider(
+    options: DevOptions, environ: Mapping[str, str] | None = None
+) -> tuple[Provider, str]:
+    """The model provider and a one-line description of it.
+
+    Raises ``DevError`` for a scenario file that is missing or invalid, and for ``openai``
+    settings that are missing or invalid (naming the variable).
+    """
+    if options.provider == "openai":
+        # Imported here: the openai SDK takes most of a second to import.
+        from devstack.gateway.openai_provider import ConfigError as OpenAIConfigError
+        from devstack.gateway.openai_provider import OpenAIConfig, OpenAIProvider
+
+        try:
+            config = OpenAIConfig.from_env(environ)
+        except OpenAIConfigError as error:
+            raise DevError(f"--provider openai: {error}") from error
+        model = config.model or "the planner's planner.model"
+        return OpenAIProvider.from_config(config), f"openai at {config.base_url} ({model})"
+    try:
+        if options.scenario is not None:
+            provider = ScriptedProvider.from_file(options.scenario)
+            return provider, f"scripted, scenario {options.scenario} (re-read when it changes)"
+        return ScriptedProvider.from_file(demo_scenario_path()), (
+            "scripted, the built-in demo scenario (--provider openai for a real model)"
+        )
+    except ScenarioError as error:
+        raise DevError(f"--scenario: {error}") from error
+
+
+@dataclass
+class DevApp:
+    """A running ``dev``: the devstack (with the gateway), the planner, and what was
+    loaded. ``ready_s`` is the start-up time in seconds."""
+
+    options: DevOptions
+    settings: Settings
+    stack: DevStack
+    gateway: GatewayServicer
+    planner: PlannerApp
+    provider: Provider
+    provider_description: str
+    ready_s: float
+
+    async def stop(self) -> None:
+        """Stop the planner (turns end within ``server.grace_s``), then the devstack,
+        then the provider's connections."""
+        try:
+            await self.planner.stop()
+        finally:
+            try:
+                await self.stack.stop()
+            finally:
+                aclose = getattr(self.provider, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+
+
+async def start_dev(
+    options: DevOptions,
+    environ: Mapping[str, str] | None = None,
+    *,
+    settings: Settings | None = None,
+) -> DevApp:
+    """Start the devstack and the planner; returns once both serve. ``settings``: those
+    ``dev_settings(options, environ)`` returned, when the caller loaded them already.
+
+    Raises ``ConfigError`` (a setting), ``DevError`` (the model provider, an address in
+    use, an input file that cannot be imported), ``StartupError`` (the planner).
+    """
+    started = time.perf_counter()
+    settings = settings or dev_settings(options, environ)
+    provider, description = make_provider(options, environ)
+    gateway: list[GatewayServicer] = []
+
+    def add_gateway(server: grpc.aio.Server) -> None:
+        gateway.append(add_gateway_service(server, provider))
+
+    try:
+        stack = await DevStack.start(
+            DevStackConfig(
+                data_dir=settings.data_dir,
+                database_url=options.database_url,
+                address=options.devstack_address,
+                tracker_file=options.tracker_file,
+                project_id=options.project_id,
+                knowledge_dir=options.knowledge_dir,
+                skills_dir=options.skills_dir,
+                extra_services=add_gateway,
+            )
+        )
+    except OSError as error:
+        raise DevError(f"devstack: {error}") from error
+    except ValueError as error:
+        raise DevError(f"devstack: {error}") from error
+    try:
+        settings = _pointed_at(settings, stack.address)
+        if not settings.database.is_sqlite:
+            await _migrate(settings.database.url)
+        planner = await start_planner(settings)
+    except BaseException:
+        await stack.stop()
+        raise
+    return DevApp(
+        options=options,
+        settings=settings,
+        stack=stack,
+        gateway=gateway[0],
+        planner=planner,
+        provider=provider,
+        provider_description=description,
+        ready_s=time.perf_counter() - started,
+    )
+
+
+def _pointed_at(settings: Settings, address: str) -> Settings:
+    deps = settings.dependencies
+    pointed = dataclasses.replace(
+        deps,
+        tracker=dataclasses.replace(deps.tracker, address=address),
+        skills=dataclasses.replace(deps.skills, address=address),
+        knowledge=dataclasses.replace(deps.knowledge, address=address),
+        gateway=dataclasses.replace(deps.gateway, address=address),
+    )
+    return dataclasses.replace(settings, dependencies=pointed)
+
+
+async def _migrate(url: str) -> None:
+    # `serve` never migrates PostgreSQL (a job does, so replicas never race); dev is one
+    # developer's single process, so it brings its own schema up to date
+    # (docs/decisions/0050-dev-command.md).
+    from service.adapters.store import migrate
+    from service.core.errors import StoreUnavailable
+
+    try:
+        await migrate(url)
+    except StoreUnavailable as error:
+        raise StartupError(f"the database is unreachable: {error}") from error
+
+
+def banner(app: DevApp) -> str:
+    """What ``dev`` prints once ready: addresses, data, and ready-to-paste commands."""
+    options, settings, stack = app.options, app.settings, app.stack
+    project = options.project
+    data_dir = settings.data_dir
+    database = "SQLite: planner.db, devstack.db" if settings.database.is_sqlite else "PostgreSQL"
+    metrics = (
+        f"; metrics http://{app.planner.metrics_address}/metrics"
+        if app.planner.metrics_address
+        else ""
+    )
+    report = stack.report
+    if report.beads is not None:
+        loaded = f"{report.beads.items} items imported from {options.tracker_file}"
+    else:
+        loaded = "the built-in demo project"
+    if report.adrs is not None:
+        loaded += f"; {report.adrs.created + report.adrs.updated + report.adrs.unchanged} ADRs"
+    if report.skills is not None:
+        loaded += f"; {len(report.skills.versions)} skills"
+    quoted_dir = shlex.quote(str(data_dir))
+    chat = ["ballet-planner", "chat", "--project", project, "--user", "alice"]
+    if data_dir != DEFAULT_DATA_DIR:
+        chat += ["--data-dir", str(data_dir)]
+    if app.planner.address != PLANNER_ADDRESS:
+        chat += ["--address", app.planner.address]
+    token = f"$(ballet-planner token --user alice --data-dir {quoted_dir})"
+    body = json.dumps({"project_id": project})
+    lines = [
+        f"ballet-planner dev: ready in {app.ready_s:.1f} s",
+        f"  planner    {app.planner.address}  (ballet.planner.v1.PlannerService{metrics})",
+        f"  devstack   {stack.address}  (tracker, skills, knowledge, LLM gateway)",
+        f"  model      {app.provider_description}",
+        f"  project    {project} of organization acme: {loaded}",
+        "  users      alice (all five permissions), bob (read permissions only)",
+        f"  data       {data_dir} ({database})",
+        "",
+        "Chat in the terminal:",
+        f"  {shlex.join(chat)}",
+        "A token for other clients:",
+        f"  ballet-planner token --user alice --data-dir {quoted_dir}",
+        "buf curl (server reflection on both addresses):",
+        f'  buf curl --protocol grpc --http2-prior-knowledge -H "authorization: Bearer {token}"'
+        f" -d '{body}' http://{app.planner.address}/ballet.planner.v1.PlannerService/ListSessions",
+        f"  buf curl --protocol grpc --http2-prior-knowledge --list-services http://{stack.address}",
+        "Stop with Ctrl-C.",
+    ]
+    return "\n".join(lines)
+
+
+async def run_dev(options: DevOptions, settings: Settings | None = None) -> None:
+    """Start, print the banner, serve until SIGINT or SIGTERM, then stop cleanly."""
+    app = await start_dev(options, settings=settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        print(banner(app), flush=True)
+        await stop.wait()
+        print("ballet-planner dev: stopping", flush=True)
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
+        await app.stop()
+    print("ballet-planner dev: stopped", flush=True)

@@ -1,0 +1,268 @@
+"""``ballet-planner dev --config FILE --scenario FILE`` and ``ballet-planner chat``, one-shot
+and interactive (issue 4 Done when 9; issue 5: dev applies the file's ``[planner]``
+settings; SPEC section 9).
+
+One ``dev`` process for the module, on the demo project, with a configuration file
+(``max_rounds = 2``, ``compact_at_tokens = 20000``) and a scripted scenario written here.
+The interactive client runs in a pseudo-terminal. Waits read the terminal or the
+subprocess output with deadlines; nothing sleeps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.dev_support import DevProcess, Terminal, clean_env, command, run_cli
+
+MAX_ROUNDS = 2
+# Above what the character estimate of a short session gives (the system prompt and the
+# tool declarations alone are about 4,000 tokens), below the usage "big" answers report.
+COMPACT_AT_TOKENS = 20_000
+REPORTED_INPUT_TOKENS = 50_000
+SLOW_TEXT = (
+    "This answer comes slowly, four characters at a time, so that a human can cancel it. " * 3
+)
+
+SCENARIO: dict[str, Any] = {
+    "rules": [
+        {
+            "match": {"purpose": "compaction"},
+            "reply": {
+                "text": "Summary: the human asked for big answers and got them.",
+                "usage": {"input_tokens": 300, "output_tokens": 12},
+            },
+        },
+        {
+            "comment": "A model that calls a tool on every answer (max_rounds stops it).",
+            "match": {"purpose": "turn", "last_role": "tool", "tool_name": "list_changesets"},
+            "reply": {"text": "Again.", "tool_calls": [{"name": "list_changesets"}]},
+        },
+        {
+            "match": {"purpose": "turn", "last_role": "tool"},
+            "reply": {"text": "Here is what I found: {{tool_result}}", "chunk_chars": 16},
+        },
+        {
+            "match": {"purpose": "turn", "last_role": "human", "last_text_regex": r"(?i)\bloop\b"},
+            "reply": {"text": "Looking.", "tool_calls": [{"name": "list_changesets"}]},
+        },
+        {
+            "comment": "Reported usage above compact_at_tokens: the next turn compacts.",
+            "match": {"purpose": "turn", "last_role": "human", "last_text_regex": r"(?i)\bbig\b"},
+            "reply": {
+                "text": "A big answer.",
+                "usage": {"input_tokens": REPORTED_INPUT_TOKENS, "output_tokens": 40},
+            },
+        },
+        {
+            "match": {"purpose": "turn", "last_role": "human", "last_text_regex": r"(?i)\bslow\b"},
+            "reply": {"text": SLOW_TEXT, "chunk_chars": 4, "delay_ms": 150},
+        },
+        {
+            "match": {"purpose": "turn", "last_role": "human", "last_text_regex": r"(?i)\bfail\b"},
+            "reply": {"error": {"code": "INVALID_ARGUMENT", "message": "scripted refusal"}},
+        },
+        {
+            "match": {"purpose": "turn", "last_role": "human", "last_text_regex": r"(?i)\bepics\b"},
+            "reply": {
+                "text": "Let me list the open epics.",
+                "tool_calls": [{"name": "list_items", "arguments": {"kind": "epic"}}],
+            },
+        },
+        {"match": {"purpose": "turn"}, "reply": {"text": "A scripted answer.", "chunk_chars": 5}},
+    ]
+}
+
+CONFIG = f"""
+[planner]
+max_rounds = {MAX_ROUNDS}
+compact_at_tokens = {COMPACT_AT_TOKENS}
+
+[server]
+grace_s = 5
+"""
+
+
+@pytest.fixture(scope="module")
+def dev(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevProcess]:
+    cwd = tmp_path_factory.mktemp("dev-chat")
+    (cwd / "planner.toml").write_text(CONFIG)
+    (cwd / "scenario.json").write_text(json.dumps(SCENARIO))
+    started = DevProcess.start(
+        ["--config", "planner.toml", "--scenario", "scenario.json", "--data-dir", "data"], cwd
+    )
+    try:
+        yield started
+    finally:
+        code, out = started.stop()
+        assert code == 0, f"dev exited with {code}:\n{out}\n{started.log()}"
+
+
+def responses(stdout: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in stdout.splitlines()]
+
+
+def events(replies: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [reply[kind] for reply in replies if kind in reply]
+
+
+def test_config_max_rounds_ends_the_turn_after_exactly_that_many_rounds(dev: DevProcess) -> None:
+    result = dev.chat("--json", "--message", "loop over the changesets")
+    assert result.returncode == 0, result.stdout + result.stderr
+    replies = responses(result.stdout)
+    assert [s["maxRounds"] for s in events(replies, "turnStarted")] == [MAX_ROUNDS]
+    started = events(replies, "toolCallStarted")
+    assert [s["message"]["toolName"] for s in started] == ["list_changesets"] * MAX_ROUNDS
+    assert len(events(replies, "toolCallFinished")) == MAX_ROUNDS
+    (ended,) = events(replies, "turnEnded")
+    assert (ended["reason"], ended["rounds"]) == ("TURN_END_REASON_MAX_ROUNDS", MAX_ROUNDS)
+
+
+def test_config_compact_at_tokens_triggers_a_compaction(dev: DevProcess) -> None:
+    first = dev.chat("--json", "--message", "give me a big answer")
+    assert first.returncode == 0, first.stdout + first.stderr
+    opened = responses(first.stdout)[0]["sessionOpened"]["session"]
+    assert events(responses(first.stdout), "compacted") == []
+
+    second = dev.chat("--json", "--session", opened["sessionId"], "--message", "another big one")
+    assert second.returncode == 0, second.stdout + second.stderr
+    replies = responses(second.stdout)
+    (compacted,) = events(replies, "compacted")
+    # The estimate starts from the usage the first answer reported (seed: Context
+    # compaction).
+    assert int(compacted["estimatedTokens"]) > REPORTED_INPUT_TOKENS
+    assert int(compacted["upTo"]) >= 1
+    # Opened after the session's last event: nothing of the first turn is replayed.
+    assert len(events(replies, "messageAccepted")) == 1
+
+    shown = dev.chat("--session", opened["sessionId"], "--message", "and a third big one")
+    assert shown.returncode == 0
+    assert "(earlier conversation compacted" in shown.stdout
+
+
+def test_chat_message_exits_nonzero_with_the_reason_when_the_turn_fails(dev: DevProcess) -> None:
+    result = dev.chat("--message", "please fail")
+    assert result.returncode == 1
+    assert "the turn ended [FAILED" in result.stderr
+
+
+def test_chat_errors_say_what_to_do(dev: DevProcess, tmp_path: Path) -> None:
+    unknown = dev.chat("--project", "nope", "--message", "hello")
+    assert unknown.returncode == 1
+    assert "project 'nope' not found" in unknown.stderr
+
+    forged = dev.chat("--token", "not-a-jwt", "--message", "hello")
+    assert forged.returncode == 1
+    assert "the planner refused the token (UNAUTHENTICATED" in forged.stderr
+
+    nowhere = run_cli(
+        ["chat", "--address", "127.0.0.1:1", "--token", "t", "--message", "hello"], tmp_path
+    )
+    assert nowhere.returncode == 1
+    assert "cannot reach the planner at 127.0.0.1:1" in nowhere.stderr
+
+    no_secret = run_cli(
+        ["chat", "--address", dev.planner, "--user", "alice", "--data-dir", "empty"], tmp_path
+    )
+    assert no_secret.returncode == 2
+    assert "no dev secret in empty" in no_secret.stderr
+    assert not (tmp_path / "empty").exists()
+
+
+def test_interactive_chat_in_a_terminal(dev: DevProcess) -> None:
+    terminal = Terminal(
+        [
+            *command(),
+            "chat",
+            "--address",
+            dev.planner,
+            "--user",
+            "alice",
+            "--data-dir",
+            "data",
+        ],
+        dev.cwd,
+        clean_env(),
+    )
+    try:
+        first = terminal.expect(r"new session (\S+) in project demo")
+        terminal.expect(r"> ")
+        terminal.send("What are the open epics?")
+        terminal.expect(r'-> list_items \{"kind":"epic"\}')
+        terminal.expect(r"<- list_items: ok, \d+ items")
+        terminal.expect(r"Here is what I found: \{\"items\"")
+        terminal.expect(r"\[COMPLETED: 1 round\]")
+        terminal.expect(r"> ")
+
+        terminal.send("/sessions")
+        terminal.expect(r"sessions of demo \(newest first\):")
+        terminal.expect(rf"\* {first.group(1)}  \S+ \S+  What are the open epics\?")
+        terminal.expect(r"> ")
+
+        terminal.send("/new")
+        second = terminal.expect(r"new session (\S+) in project demo")
+        assert second.group(1) != first.group(1)
+        terminal.expect(r"> ")
+
+        terminal.send("tell me something slow")
+        terminal.expect(SLOW_TEXT[:8])  # the first deltas are on screen
+        terminal.send("/cancel")
+        terminal.expect(r"\(cancelling\)")
+        ended = terminal.expect(r"\[cut\]\n\[CANCELLED: 0 rounds\]")
+        assert SLOW_TEXT not in terminal.output[: ended.start()]  # it stopped mid-answer
+        terminal.expect(r"> ")
+
+        terminal.send("slow again, please")
+        terminal.expect(SLOW_TEXT[:8])
+        terminal.process.send_signal(signal.SIGINT)  # Ctrl-C during a turn cancels it
+        terminal.expect(r"\(cancelling the turn; Ctrl-C again quits\)")
+        terminal.expect(r"\[CANCELLED: 0 rounds\]")
+        terminal.expect(r"> ")
+
+        terminal.send(f"/open {first.group(1)}")
+        terminal.expect(rf"session {first.group(1)} in project demo \(alice on ")
+        # The session's latest messages (the client never echoes its own messages live).
+        terminal.expect(r"alice: What are the open epics\?\n")
+        terminal.expect(r"  -> list_items .*\n  <- list_items: ok, ")
+        terminal.expect(r"> ")
+
+        terminal.send("/quit")
+        assert terminal.wait() == 0
+    finally:
+        terminal.close()
+
+
+@pytest.mark.postgres
+def test_dev_on_postgresql_migrates_and_serves(pg_url: str, tmp_path: Path) -> None:
+    started = DevProcess.start(["--database-url", pg_url, "--data-dir", "data"], tmp_path)
+    try:
+        assert "(PostgreSQL)" in started.banner
+        result = started.chat("--message", "What are the open epics?")
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "-> list_items" in result.stdout
+    finally:
+        code, out = started.stop()
+    assert code == 0, out
+    assert not (tmp_path / "data" / "planner.db").exists()
+
+
+def test_dev_refuses_bad_options(tmp_path: Path) -> None:
+    missing = run_cli(["dev", "--tracker", "nowhere.jsonl"], tmp_path)
+    assert (missing.returncode, "--tracker nowhere.jsonl: no such file" in missing.stderr) == (
+        2,
+        True,
+    )
+    project = run_cli(["dev", "--project", "beads"], tmp_path)
+    assert project.returncode == 2 and "give --tracker too" in project.stderr
+    (tmp_path / "bad.json").write_text('{"rules": [{"reply": {"txet": "typo"}}]}')
+    scenario = run_cli(["dev", "--scenario", "bad.json"], tmp_path)
+    assert scenario.returncode == 1 and "txet" in scenario.stderr
+    openai = run_cli(["dev", "--provider", "openai"], tmp_path)
+    assert openai.returncode == 1 and "BALLET_OPENAI_API_KEY" in openai.stderr
+    assert os.listdir(tmp_path) == ["bad.json"]

@@ -1,0 +1,98 @@
+"""The terminal client's stream handling against a real planner, in process (SPEC
+section 3; docs/decisions/0051-chat-client.md).
+
+``start_dev`` runs the devstack and the planner on free loopback ports (the composition
+``ballet-planner dev`` uses), so the client talks to the real Chat RPC. What a terminal
+shows is tested end to end in ``tests/e2e/test_dev_chat.py``; here, what the client does
+when its stream breaks.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import AsyncIterator
+
+import pytest
+from ballet.planner.v1 import chat_pb2, resources_pb2
+from ballet.planner.v1 import planner_service_pb2 as pb
+
+from service.adapters.channels import make_channel
+from service.chat_client import ChatClient, ChatOptions
+from service.devmode import DevApp, DevOptions, start_dev
+
+SCENARIO = {"rules": [{"reply": {"text": "Noted.", "chunk_chars": 2}}]}
+
+
+@pytest.fixture(scope="module")
+async def app(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[DevApp]:
+    folder = tmp_path_factory.mktemp("dev-client")
+    scenario = folder / "scenario.json"
+    scenario.write_text(json.dumps(SCENARIO))
+    started = await start_dev(
+        DevOptions(
+            data_dir=folder / "data",
+            scenario=scenario,
+            address="127.0.0.1:0",
+            devstack_address="127.0.0.1:0",
+        ),
+        {"BALLET_PLANNER__SERVER__METRICS_ADDRESS": "", "BALLET_PLANNER__SERVER__GRACE_S": "2"},
+    )
+    yield started
+    await started.stop()
+
+
+async def client_of(app: DevApp) -> ChatClient:
+    options = ChatOptions(address=app.planner.address, token=app.stack.token("alice"))
+    client = ChatClient(options, io.StringIO(), io.StringIO())
+    client.channel = make_channel(options.address, tls=None, insecure=False)
+    return client
+
+
+async def until_idle(client: ChatClient) -> None:
+    while client.busy:
+        event = await client.next_event()
+        assert isinstance(event, chat_pb2.ChatResponse), event
+
+
+async def test_a_message_sent_as_the_stream_breaks_is_stored_once(app: DevApp) -> None:
+    client = await client_of(app)
+    try:
+        await client.open(title="reopen")
+        assert client.session is not None
+        session_id = client.session.session_id
+        await client.send("hello")
+        # The stream breaks before the answer: the client reopens after the last sequence
+        # it saw and sends the message again with the same request id.
+        await client.reopen()
+        await until_idle(client)
+        await client.reopen()  # and once more, with nothing pending: nothing is sent
+        listed = await client.stub.ListMessages(
+            pb.ListMessagesRequest(session_id=session_id),
+            metadata=(("authorization", f"Bearer {client.token}"),),
+        )
+    finally:
+        await client.close()
+    humans = [m for m in listed.messages if m.kind == resources_pb2.MESSAGE_KIND_HUMAN]
+    assert [m.text for m in humans] == ["hello"]
+    (ended,) = client.ended.values()
+    assert ended.reason == resources_pb2.TURN_END_REASON_COMPLETED
+    assert client.renderer.out.getvalue().count("Noted.") == 1  # type: ignore[attr-defined]
+
+
+async def test_dev_registers_the_gateway_and_points_the_planner_at_the_devstack(
+    app: DevApp,
+) -> None:
+    deps = app.settings.dependencies
+    assert {deps.tracker.address, deps.gateway.address} == {app.stack.address}
+    assert "ballet.llm.v1.GatewayService" in app.stack.service_names
+    before = len(app.gateway.requests)
+    client = await client_of(app)
+    try:
+        await client.open(title="gateway")
+        await client.send("anything")
+        await until_idle(client)
+    finally:
+        await client.close()
+    assert len(app.gateway.requests) == before + 1
+    assert app.gateway.requests[-1].model == app.settings.planner.model

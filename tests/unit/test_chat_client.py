@@ -1,0 +1,153 @@
+"""The terminal client's output rules (service/chat_client.py; SPEC sections 3 and 9):
+stitching text deltas by message id and offset, one line per tool call and result, the
+turn's end."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+from ballet.planner.v1 import chat_pb2, resources_pb2
+from google.rpc import error_details_pb2
+
+from service.chat_client import (
+    Renderer,
+    TextStitcher,
+    describe_turn_end,
+    short,
+    summarize_result,
+)
+
+
+def test_stitcher_skips_what_was_shown_and_completes_from_the_full_text() -> None:
+    stitcher = TextStitcher()
+    assert stitcher.add("m1", 0, "Hello") == "Hello"
+    assert stitcher.add("m1", 0, "Hello") == ""  # a repeat (e.g. after a reopen)
+    assert stitcher.add("m1", 3, "lo, wo") == ", wo"  # overlaps what was shown
+    assert stitcher.add("m2", 0, "Other") == "Other"  # another message keeps its own count
+    assert stitcher.finish("m1", "Hello, world") == "rld"
+    assert stitcher.finish("m2", "Other") == ""
+    assert stitcher.finish("m3", "Never streamed") == "Never streamed"
+
+
+def test_stitcher_after_a_gap_shows_the_whole_text_again() -> None:
+    stitcher = TextStitcher()
+    assert stitcher.add("m1", 0, "abc") == "abc"
+    assert stitcher.add("m1", 6, "ghi") == "ghi"  # "def" was missed
+    assert stitcher.finish("m1", "abcdefghi") == "\nabcdefghi"
+
+
+@pytest.mark.parametrize(
+    ("content", "is_error", "summary"),
+    [
+        (
+            json.dumps({"items": [{"item_id": "A"}, {"item_id": "B"}], "total_size": 9}),
+            False,
+            "ok, 2 items (of 9)",
+        ),
+        (json.dumps({"items": [], "total_size": 0}), False, "ok, 0 items"),
+        (
+            json.dumps({"item": {"item_id": "PAN-4", "title": "Pantry inventory"}}),
+            False,
+            "ok, item PAN-4: Pantry inventory",
+        ),
+        (
+            json.dumps({"entry": {"entry_id": "k1", "version": 2, "title": "Hosting"}}),
+            False,
+            "ok, entry k1 v2: Hosting",
+        ),
+        (
+            json.dumps({"error": {"reason": "NOT_FOUND", "message": "no item X"}}),
+            True,
+            "error NOT_FOUND: no item X",
+        ),
+        (
+            json.dumps({"truncated": True, "original_bytes": 40000}),
+            False,
+            "ok, 40000 bytes (cut for the model)",
+        ),
+        ("not json", True, "error: not json"),
+    ],
+)
+def test_tool_results_are_summarized_in_a_few_words(
+    content: str, is_error: bool, summary: str
+) -> None:
+    assert summarize_result(content, is_error) == summary
+
+
+def test_short_flattens_and_cuts() -> None:
+    assert short("a\n  b") == "a b"
+    assert short("x" * 200, 10) == "x" * 9 + "…"
+
+
+def message(kind: int, **fields: object) -> resources_pb2.Message:
+    return resources_pb2.Message(kind=kind, **fields)  # type: ignore[arg-type]
+
+
+def test_renderer_shows_a_turn_as_a_human_reads_it() -> None:
+    out = io.StringIO()
+    renderer = Renderer(out)
+    renderer.sent.append("What is open?")
+    human = message(resources_pb2.MESSAGE_KIND_HUMAN, text="What is open?", human_id="alice")
+    call = message(
+        resources_pb2.MESSAGE_KIND_TOOL_CALL,
+        tool_name="list_items",
+        tool_arguments='{"kind":"epic"}',
+    )
+    result = message(
+        resources_pb2.MESSAGE_KIND_TOOL_RESULT,
+        tool_name="list_items",
+        tool_result=json.dumps({"items": [{}], "total_size": 1}),
+    )
+    answer = message(resources_pb2.MESSAGE_KIND_ASSISTANT, message_id="m1", text="One epic.")
+    responses = [
+        chat_pb2.ChatResponse(message_accepted=chat_pb2.MessageAccepted(message=human)),
+        chat_pb2.ChatResponse(tool_call_started=chat_pb2.ToolCallStarted(message=call)),
+        chat_pb2.ChatResponse(tool_call_finished=chat_pb2.ToolCallFinished(message=result)),
+        chat_pb2.ChatResponse(text_delta=chat_pb2.TextDelta(message_id="m1", text="One ")),
+        chat_pb2.ChatResponse(text_delta=chat_pb2.TextDelta(message_id="m1", text="One ")),
+        chat_pb2.ChatResponse(assistant_message=chat_pb2.AssistantMessage(message=answer)),
+        chat_pb2.ChatResponse(
+            turn_ended=chat_pb2.TurnEnded(
+                reason=resources_pb2.TURN_END_REASON_COMPLETED,
+                rounds=1,
+                usage=resources_pb2.Usage(input_tokens=800, output_tokens=12),
+            )
+        ),
+    ]
+    for response in responses:
+        renderer.render(response)
+    assert out.getvalue() == (
+        '  -> list_items {"kind":"epic"}\n'
+        "  <- list_items: ok, 1 items\n"
+        "One epic.\n"
+        "[COMPLETED: 1 round, 812 tokens]\n"
+    )
+
+
+def test_renderer_echoes_messages_of_other_clients_and_marks_cut_text() -> None:
+    out = io.StringIO()
+    renderer = Renderer(out)
+    other = message(resources_pb2.MESSAGE_KIND_HUMAN, text="hi", human_id="alice")
+    renderer.render(chat_pb2.ChatResponse(message_accepted=chat_pb2.MessageAccepted(message=other)))
+    renderer.render(
+        chat_pb2.ChatResponse(text_delta=chat_pb2.TextDelta(message_id="m", text="Par"))
+    )
+    cut = message(resources_pb2.MESSAGE_KIND_ASSISTANT, message_id="m", text="Par", cut=True)
+    renderer.render(chat_pb2.ChatResponse(assistant_message=chat_pb2.AssistantMessage(message=cut)))
+    assert out.getvalue() == "alice: hi\nPar [cut]\n"
+
+
+def test_a_failed_turn_names_its_reason() -> None:
+    ended = chat_pb2.TurnEnded(
+        reason=resources_pb2.TURN_END_REASON_FAILED,
+        rounds=0,
+        error_info=error_details_pb2.ErrorInfo(reason="MODEL_UNAVAILABLE"),
+        error_message="the gateway is down",
+    )
+    assert describe_turn_end(ended) == (
+        "[FAILED: 0 rounds; MODEL_UNAVAILABLE: the gateway is down]"
+    )
+    max_rounds = chat_pb2.TurnEnded(reason=resources_pb2.TURN_END_REASON_MAX_ROUNDS, rounds=2)
+    assert describe_turn_end(max_rounds) == "[MAX_ROUNDS: 2 rounds; send a message to continue]"

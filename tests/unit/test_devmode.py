@@ -1,0 +1,59 @@
+"""``ballet-planner dev``'s settings (service/devmode.py; SPEC section 9, issue 5): the
+file and the environment apply, dev overrides only the data directory, the planner's
+address, the database and the dependency addresses; with ``--provider openai``,
+``BALLET_OPENAI_MODEL`` becomes ``planner.model``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from devstack.gateway import openai_provider
+from service.config import channels
+from service.devmode import OPENAI_MODEL_VARIABLE, DevOptions, dev_settings
+
+
+def test_the_environment_applies_and_dev_points_every_dependency_at_the_devstack() -> None:
+    environ = {
+        "BALLET_PLANNER__PLANNER__MAX_ROUNDS": "3",
+        "BALLET_PLANNER__PLANNER__COMPACT_AT_TOKENS": "2000",
+        "BALLET_PLANNER__DEPENDENCIES__TRACKER__ADDRESS": "tracker.example:443",
+        "BALLET_PLANNER__SERVER__ADDRESS": "127.0.0.1:6000",
+    }
+    settings = dev_settings(
+        DevOptions(data_dir=Path("state"), devstack_address="127.0.0.1:7000"), environ
+    )
+    assert (settings.planner.max_rounds, settings.planner.compact_at_tokens) == (3, 2000)
+    assert settings.server.address == "127.0.0.1:6000"
+    assert settings.data_dir == Path("state")
+    assert settings.database.url.endswith("/state/planner.db")
+    assert {channel.address for _, channel in channels(settings.dependencies)} == {"127.0.0.1:7000"}
+
+
+def test_command_line_options_win_over_the_environment() -> None:
+    environ = {
+        "BALLET_PLANNER__SERVER__ADDRESS": "127.0.0.1:6000",
+        "BALLET_PLANNER__DATA_DIR": "elsewhere",
+    }
+    options = DevOptions(
+        data_dir=Path("state"),
+        address="127.0.0.1:0",
+        database_url="postgresql+psycopg://localhost/dev",
+    )
+    settings = dev_settings(options, environ)
+    assert settings.server.address == "127.0.0.1:0"
+    assert settings.data_dir == Path("state")
+    assert settings.database.url == "postgresql+psycopg://localhost/dev"
+
+
+def test_the_openai_model_becomes_the_planners_model() -> None:
+    assert OPENAI_MODEL_VARIABLE == openai_provider.ENV_MODEL
+    environ = {OPENAI_MODEL_VARIABLE: "qwen2.5:7b"}
+    assert dev_settings(DevOptions(provider="openai"), environ).planner.model == "qwen2.5:7b"
+    default = dev_settings(DevOptions(provider="openai"), {}).planner.model
+    assert default == dev_settings(DevOptions(), {}).planner.model
+    assert dev_settings(DevOptions(provider="scripted"), environ).planner.model == default
+
+
+def test_the_project_is_demo_without_a_tracker_file() -> None:
+    assert DevOptions(project_id="beads").project == "demo"
+    assert DevOptions(tracker_file=Path("x.jsonl"), project_id="beads").project == "beads"
