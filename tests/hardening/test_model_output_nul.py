@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from ballet.planner.v1 import planner_service_pb2 as pb
@@ -16,7 +17,7 @@ from tests.hardening.support import Chat, start_stack
 
 pytestmark = pytest.mark.postgres
 
-RULES = [
+RULES: list[dict[str, Any]] = [
     {
         "match": {"last_role": "human", "last_text_regex": "tool"},
         "reply": {"tool_calls": [{"name": "get_item", "raw_arguments": '{"item_id": "a\x00b"}'}]},
