@@ -6,8 +6,8 @@ process (SPEC section 9; issues 3 and 5).
 1. the settings: ``--config FILE`` (its ``[planner]`` table and everything else) and the
    ``BALLET_PLANNER__`` environment, with dev overriding only the data directory, the
    planner's address (``--address``), the database (``--database-url``) and the four
-   dependency addresses (all the devstack's); with ``--provider openai`` also
-   ``planner.model`` when ``BALLET_OPENAI_MODEL`` is set;
+   dependency channels (all the devstack's address, plaintext on loopback); with
+   ``--provider openai`` also ``planner.model`` when ``BALLET_OPENAI_MODEL`` is set;
 2. the model provider: ``scripted`` over ``--scenario FILE`` (re-read when it changes)
    or the built-in demo scenario, or ``openai`` from the ``BALLET_OPENAI_*`` environment;
 3. the devstack (``DevStack.start``): tracker, skills and knowledge backends with the
@@ -44,7 +44,7 @@ from devstack.gateway import GatewayServicer, Provider, ScenarioError, add_gatew
 from devstack.gateway.scripted import ScriptedProvider, demo_scenario_path
 from devstack.server import DEFAULT_ADDRESS as DEVSTACK_ADDRESS
 from devstack.server import DevStack, DevStackConfig
-from service.config import ENV_PREFIX, Settings, load_settings
+from service.config import ENV_PREFIX, ChannelSettings, Settings, load_settings
 from service.main import PlannerApp, StartupError, start_planner
 
 ProviderName = Literal["scripted", "openai"]
@@ -243,13 +243,19 @@ async def start_dev(
 
 
 def _pointed_at(settings: Settings, address: str) -> Settings:
+    """``settings`` with every dependency channel at the devstack's ``address``: plaintext
+    on loopback (the devstack has no TLS), message sizes as configured."""
     deps = settings.dependencies
+
+    def devstack(channel: ChannelSettings) -> ChannelSettings:
+        return ChannelSettings(address=address, max_message_bytes=channel.max_message_bytes)
+
     pointed = dataclasses.replace(
         deps,
-        tracker=dataclasses.replace(deps.tracker, address=address),
-        skills=dataclasses.replace(deps.skills, address=address),
-        knowledge=dataclasses.replace(deps.knowledge, address=address),
-        gateway=dataclasses.replace(deps.gateway, address=address),
+        tracker=devstack(deps.tracker),
+        skills=devstack(deps.skills),
+        knowledge=devstack(deps.knowledge),
+        gateway=devstack(deps.gateway),
     )
     return dataclasses.replace(settings, dependencies=pointed)
 

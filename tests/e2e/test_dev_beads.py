@@ -26,8 +26,6 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from service.devmode import DEPENDENCY_SERVICES
 from tests.e2e.dev_support import DevProcess, clean_env, command, find_buf, run_cli
 
-pytestmark = pytest.mark.slow
-
 READY_LIMIT_S = 30.0
 PROJECT = "beads"
 _INTERNAL_TYPES = {"event", "molecule", "agent", "gate"}
@@ -171,7 +169,9 @@ def test_the_printed_buf_curl_lines_work_as_printed(dev: DevProcess) -> None:
     assert set(DEPENDENCY_SERVICES) <= set(services.split())
 
 
-def test_chat_message_prints_the_streamed_answer_and_tool_calls(dev: DevProcess) -> None:
+def test_chat_message_with_the_demo_scenario_prints_the_answer_and_tool_calls(
+    dev: DevProcess,
+) -> None:
     # No --scenario: the built-in demo scenario answers a question about open epics.
     result = dev.chat("--project", PROJECT, "--message", "What are the open epics?")
     assert result.returncode == 0, result.stdout + result.stderr
