@@ -74,6 +74,9 @@ class DevStackConfig:
     - ``allow_non_loopback``: the devstack serves plaintext and, in dev mode, accepts
       tokens signed with a secret on disk, so it binds only loopback addresses unless this
       is set (as SPEC section 4 asks of the planner's dev mode).
+    - ``token_leeway_s``: clock skew the backends allow on a token's ``exp`` (seconds,
+      at most 60 as in SPEC section 4); 0 lets a test see a token refused the moment it
+      expires.
     - ``extra_services``: called with the server before it starts, to add services, e.g.
       ``lambda server: add_gateway_service(server, provider)`` for the LLM gateway. The
       services it registers (seen through ``add_generic_rpc_handlers``), plus
@@ -92,6 +95,7 @@ class DevStackConfig:
     allow_non_loopback: bool = False
     extra_services: Callable[[grpc.aio.Server], object] | None = None
     extra_service_names: tuple[str, ...] = ()
+    token_leeway_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -199,7 +203,9 @@ class DevStack:
         server = grpc.aio.server()
 
         def backend(service: str, domain: str, audience: str) -> Backend:
-            authenticator = Authenticator(TokenVerifier(keys, audience=audience))
+            authenticator = Authenticator(
+                TokenVerifier(keys, audience=audience, leeway_s=config.token_leeway_s)
+            )
             return Backend(
                 service=service,
                 domain=domain,
