@@ -106,10 +106,14 @@ class Stack:
 
 
 async def start_stack(
-    data_dir: Path, rules: list[dict[str, Any]] | None = None, database_url: str = ""
+    data_dir: Path,
+    rules: list[dict[str, Any]] | None = None,
+    database_url: str = "",
+    **devstack_config: Any,
 ) -> Stack:
     """A devstack serving the gateway over ``rules`` (default ``QUICK_RULES``); planners
-    started later use ``database_url`` (migrated here; empty: SQLite in ``data_dir``)."""
+    started later use ``database_url`` (migrated here; empty: SQLite in ``data_dir``).
+    ``devstack_config`` are more ``DevStackConfig`` fields (e.g. ``token_leeway_s``)."""
     provider = ScriptedProvider({"rules": rules or QUICK_RULES})
     added: list[GatewayServicer] = []
     devstack = await DevStack.start(
@@ -117,6 +121,7 @@ async def start_stack(
             data_dir=data_dir,
             address="127.0.0.1:0",
             extra_services=lambda server: added.append(add_gateway_service(server, provider)),
+            **devstack_config,
         )
     )
     if database_url:
