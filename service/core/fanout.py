@@ -59,7 +59,8 @@ class StreamQueue:
 
     Items are ``SessionEvent`` (in sequence order), ``TextDelta``, ``StreamEnd`` and
     replies (any other object, passed through). ``last_sequence`` is the newest session
-    event accepted into the queue.
+    event accepted into the queue; ``delivered_sequence`` the newest one taken out by
+    ``get`` (the stream has it, or is sending it), which an overflow reports.
     """
 
     session_id: str
@@ -72,6 +73,11 @@ class StreamQueue:
     _pending: dict[int, SessionEvent] = field(default_factory=dict)
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
     closed: bool = False
+    delivered_sequence: int = -1
+
+    def __post_init__(self) -> None:
+        if self.delivered_sequence < 0:
+            self.delivered_sequence = self.last_sequence
 
     def put_reply(self, reply: object) -> None:
         """Queue a reply for this stream only (not counted against the bounds)."""
@@ -138,7 +144,8 @@ class StreamQueue:
                 ResourceExhausted(
                     "the stream fell behind; reopen with after_sequence",
                     reason="SLOW_CONSUMER",
-                    metadata={"last_sequence": str(self.last_sequence - 1)},
+                    # What the client got: the queued events were dropped with the rest.
+                    metadata={"last_sequence": str(self.delivered_sequence)},
                 )
             )
             return
@@ -153,6 +160,8 @@ class StreamQueue:
             await self._ready.wait()
         item = self._items.popleft()
         self._bytes = max(0, self._bytes - event_size(item))
+        if isinstance(item, SessionEvent):
+            self.delivered_sequence = item.sequence
         return item
 
     @property
@@ -197,7 +206,7 @@ class Hub:
     def bind(self, queue: StreamQueue, session_id: str, after_sequence: int) -> None:
         """Attach an existing queue (one that already carried replies) to a session."""
         queue.session_id = session_id
-        queue.last_sequence = after_sequence
+        queue.last_sequence = queue.delivered_sequence = after_sequence
         self._queues.setdefault(session_id, set()).add(queue)
 
     def new_queue(self, human_id: str) -> StreamQueue:

@@ -1,0 +1,61 @@
+"""A stream queue that overflows (SPEC section 3: bounded outbound queues; decision 0011).
+
+The stream ends ``RESOURCE_EXHAUSTED``/``SLOW_CONSUMER`` and the client reopens with
+``after_sequence``; the ErrorInfo's ``last_sequence`` must be what the stream actually
+got, since the events still queued are dropped with the overflow.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from service.core.errors import ResourceExhausted
+from service.core.fanout import Hub, StreamEnd, StreamQueue
+from service.core.model import EventKind, SessionEvent, TurnStartedData
+
+NOW = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def event(sequence: int) -> SessionEvent:
+    return SessionEvent(
+        "s1", "t1", EventKind.TURN_STARTED, NOW, data=TurnStartedData("m", 4)
+    ).with_sequence(sequence)
+
+
+async def no_events(session_id: str, after: int, limit: int) -> list[SessionEvent]:
+    return []
+
+
+async def drain(queue: StreamQueue) -> list[object]:
+    items: list[object] = []
+    while not items or not isinstance(items[-1], StreamEnd):
+        items.append(await queue.get())
+    return items
+
+
+async def test_overflow_reports_the_last_sequence_the_stream_was_given() -> None:
+    queue = StreamQueue("s1", "alice", last_sequence=10, max_events=3)
+    for sequence in (11, 12):
+        queue.offer(event(sequence))
+    assert queue.delivered_sequence == 10
+    assert await queue.get() == event(11)  # the stream took 11; 12 waits in the queue
+    for sequence in (13, 14, 15):
+        queue.offer(event(sequence))
+    items = await drain(queue)
+    end = items[-1]
+    assert isinstance(end, StreamEnd) and isinstance(end.error, ResourceExhausted)
+    assert end.error.reason == "SLOW_CONSUMER"
+    # 12 and 13 were queued but dropped: the client must reopen after 11.
+    assert end.error.metadata == {"last_sequence": "11"}
+    assert items == [end]
+
+
+async def test_a_queue_bound_to_a_session_counts_from_its_after_sequence() -> None:
+    hub = Hub(no_events, max_events=1)
+    queue = hub.new_queue("alice")
+    hub.bind(queue, "s1", 7)
+    hub.publish([event(8), event(9)])
+    items = await drain(queue)
+    end = items[-1]
+    assert isinstance(end, StreamEnd) and end.error is not None
+    assert end.error.metadata == {"last_sequence": "7"}
