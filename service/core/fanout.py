@@ -137,7 +137,10 @@ class StreamQueue:
 
     def _push(self, event: SessionEvent) -> None:
         size = event_size(event)
-        if len(self._items) >= self.max_events or self._bytes + size > self.max_bytes:
+        # An event larger than the byte bound still goes to a stream that has nothing
+        # queued: refusing it would end every stream of the session, replays included.
+        over_bytes = self._bytes > 0 and self._bytes + size > self.max_bytes
+        if len(self._items) >= self.max_events or over_bytes:
             self._items.clear()
             self._bytes = 0
             self.end(

@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 
 from service.core.errors import ResourceExhausted
 from service.core.fanout import Hub, StreamEnd, StreamQueue
-from service.core.model import EventKind, SessionEvent, TurnStartedData
+from service.core.model import EventKind, Message, MessageKind, SessionEvent, TurnStartedData
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -59,3 +59,32 @@ async def test_a_queue_bound_to_a_session_counts_from_its_after_sequence() -> No
     end = items[-1]
     assert isinstance(end, StreamEnd) and end.error is not None
     assert end.error.metadata == {"last_sequence": "7"}
+
+
+def big_event(sequence: int, size: int) -> SessionEvent:
+    message = Message(
+        session_id="s1",
+        turn_id="t1",
+        message_id=f"m{sequence}",
+        kind=MessageKind.ASSISTANT,
+        create_time=NOW,
+        text="x" * size,
+    )
+    return SessionEvent(
+        "s1", "t1", EventKind.ASSISTANT_MESSAGE, NOW, message=message
+    ).with_sequence(sequence)
+
+
+async def test_an_event_larger_than_the_byte_bound_reaches_a_stream_that_keeps_up() -> None:
+    queue = StreamQueue("s1", "alice", last_sequence=0, max_bytes=1024)
+    queue.offer(big_event(1, 4096))
+    assert await queue.get() == big_event(1, 4096)
+    queue.offer(event(2))
+    assert await queue.get() == event(2)
+    # Behind a queued event, it overflows the bound as before.
+    queue.offer(event(3))
+    queue.offer(big_event(4, 4096))
+    items = await drain(queue)
+    end = items[-1]
+    assert isinstance(end, StreamEnd) and end.error is not None
+    assert end.error.reason == "SLOW_CONSUMER"
