@@ -417,11 +417,11 @@ class ChatClient:
             )
         return ChatError(f"{doing}: {describe_status(code, reason, message)}")
 
-    def _refusal(self, status: status_pb2.Status, doing: str) -> ChatError:
+    def _refusal(self, status: status_pb2.Status, doing: str, session_id: str) -> ChatError:
         code, reason, message = _status_text(status)
-        if code == "NOT_FOUND" and self.options.session_id and "session" in doing:
+        if code == "NOT_FOUND" and session_id:
             return ChatError(
-                f"session {self.options.session_id!r} not found (or it is not yours): "
+                f"session {session_id!r} not found (or it is not yours): "
                 f"{describe_status(code, reason, message)}"
             )
         if code == "NOT_FOUND":
@@ -438,8 +438,11 @@ class ChatClient:
             call.cancel()
 
     async def open(self, *, session_id: str = "", title: str = "", after: int = 0) -> None:
-        """Open a Chat stream on ``session_id`` (from ``after``), or on a new session of
-        the project; replays what follows ``after`` through ``render``."""
+        """Open a Chat stream on ``session_id``, or on a new session of the project (with
+        ``title``); the events after sequence ``after`` follow through ``next_event``.
+
+        Raises ``ChatError``: unreachable, token refused, no such project or session.
+        """
         await self._close_stream()
         request_id = uuid.uuid4().hex
         action = chat_pb2.OpenAction(after_sequence=after)
@@ -468,7 +471,7 @@ class ChatClient:
                         self.pending.clear()
                         return
                     if kind == "error" and response.request_id == request_id:
-                        raise self._refusal(response.error, doing)
+                        raise self._refusal(response.error, doing, session_id)
             except grpc.aio.AioRpcError as error:
                 raise self._fail(error, doing) from None
         except BaseException:
