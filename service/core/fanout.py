@@ -72,6 +72,7 @@ class StreamQueue:
     _bytes: int = 0
     _pending: dict[int, SessionEvent] = field(default_factory=dict)
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
+    _taken: asyncio.Event = field(default_factory=asyncio.Event)
     closed: bool = False
     delivered_sequence: int = -1
 
@@ -134,6 +135,7 @@ class StreamQueue:
         self.closed = True
         self._items.append(StreamEnd(error))
         self._ready.set()
+        self._taken.set()  # a replay waiting for room stops
 
     def _push(self, event: SessionEvent) -> None:
         size = event_size(event)
@@ -165,7 +167,21 @@ class StreamQueue:
         self._bytes = max(0, self._bytes - event_size(item))
         if isinstance(item, SessionEvent):
             self.delivered_sequence = item.sequence
+        self._taken.set()
         return item
+
+    def has_room(self, event: SessionEvent) -> bool:
+        """Whether ``event`` fits the bounds now (the overflow test of ``_push``)."""
+        size = event_size(event)
+        over_bytes = self._bytes > 0 and self._bytes + size > self.max_bytes
+        return len(self._items) < self.max_events and not over_bytes
+
+    async def wait_for_room(self, event: SessionEvent) -> None:
+        """Wait until ``event`` fits, or the queue is closed: a replay waits for its own
+        stream to take what it queued, rather than overflowing the queue itself."""
+        while not self.closed and not self.has_room(event):
+            self._taken.clear()
+            await self._taken.wait()
 
     @property
     def has_gap(self) -> bool:
@@ -234,7 +250,9 @@ class Hub:
         events committed between that read and ``bind`` were published before the queue
         was attached and would be missed (SPEC 3: ``after_sequence`` replays them).
 
-        Then, if an answer is streaming, one text delta with the text so far (SPEC 3).
+        Each event waits for room in the queue (the stream taking what is queued), so a
+        replay within ``max_replay_events`` never overflows a stream that reads. Then, if
+        an answer is streaming, one text delta with the text so far (SPEC 3).
         """
         while not queue.closed:
             wanted = until_sequence - queue.last_sequence
@@ -242,6 +260,9 @@ class Hub:
             limit = min(_REPLAY_BATCH, wanted + 1) if wanted > 0 else _REPLAY_BATCH
             batch = await self._read(queue.session_id, queue.last_sequence, limit)
             for event in batch:
+                # A replay is as large as the client asked (up to max_replay_events), not
+                # a sign of a slow stream: it waits for room instead of overflowing.
+                await queue.wait_for_room(event)
                 queue.offer(event)
             if len(batch) < limit:
                 break

@@ -7,6 +7,7 @@ got, since the events still queued are dropped with the overflow.
 
 from __future__ import annotations
 
+import asyncio
 from datetime import UTC, datetime
 
 from service.core.errors import ResourceExhausted
@@ -88,3 +89,21 @@ async def test_an_event_larger_than_the_byte_bound_reaches_a_stream_that_keeps_u
     end = items[-1]
     assert isinstance(end, StreamEnd) and end.error is not None
     assert end.error.reason == "SLOW_CONSUMER"
+
+
+async def test_a_replay_larger_than_the_queue_waits_for_the_stream_instead_of_overflowing() -> None:
+    stored = [big_event(sequence, 600) for sequence in range(1, 41)]
+
+    async def read(session_id: str, after: int, limit: int) -> list[SessionEvent]:
+        return [e for e in stored if e.sequence > after][:limit]
+
+    hub = Hub(read, max_events=8, max_bytes=4096)
+    queue = hub.new_queue("alice")
+    hub.bind(queue, "s1", 0)
+    replay = asyncio.ensure_future(hub.replay(queue, until_sequence=40))
+    got: list[object] = []
+    while len(got) < 40 and not (got and isinstance(got[-1], StreamEnd)):
+        got.append(await asyncio.wait_for(queue.get(), 5))
+    await replay
+    assert got == stored
+    assert not queue.closed
