@@ -1,8 +1,9 @@
 """Every limit of SPEC sections 3 and 8, crossed, with the error it names (issue 7,
 Done-when 5): human text, tool calls per answer, running turns per human and per
 project, open streams per human, the gRPC receive limit, keepalive and concurrency
-settings, ListMessages page bytes, ``max_replay_events``, request ids, and
-``planner.max_writes_per_turn``.
+settings, ListMessages page bytes, ``max_replay_events``, ``after_sequence`` beyond the
+last, the open timeout, request ids, and ``planner.max_writes_per_turn``. (The stream
+queue bound, SLOW_CONSUMER, is tested with the replica tests of Done-when 3.)
 
 One devstack (with the scripted gateway) serves the module; each test starts its own
 planner on its own SQLite database with the limits it needs. The cross-replica counts
@@ -312,6 +313,8 @@ def test_server_options_set_keepalive_limits_and_concurrency_explicitly() -> Non
     assert options["grpc.max_concurrent_streams"] == settings.server.max_concurrent_streams
     assert not any("max_connection_idle" in key for key in options)
     assert settings.server.maximum_concurrent_rpcs == 10_000
+    # The gateway channel carries whole contexts: sized far above the server's 4 MiB.
+    assert settings.dependencies.gateway.max_message_bytes == 32 * MiB
 
 
 async def test_maximum_concurrent_rpcs_refuses_the_rpc_over_it(
@@ -439,6 +442,48 @@ async def test_a_replay_over_max_replay_events_is_refused(
     replayed = [(await reopened.read()).sequence for _ in range(5)]
     assert replayed == list(range(events - 4, events + 1))
     reopened.cancel()
+
+
+async def test_after_sequence_beyond_the_last_is_out_of_range(
+    stack: Stack, planner_factory: Any
+) -> None:
+    planner = await planner_factory()
+    chat = Chat(planner.stub, stack.auth())
+    await chat.open()
+    ended = await chat.turn("hello", "r1")
+    await chat.close()
+    reopened = Chat(planner.stub, stack.auth())
+    for after, expected in (
+        (ended.sequence + 1, (grpc.StatusCode.OUT_OF_RANGE, "SEQUENCE_OUT_OF_RANGE")),
+        (-1, (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_SEQUENCE")),
+    ):
+        await reopened.send(
+            chat_pb2.ChatRequest(
+                open=chat_pb2.OpenAction(session_id=chat.session_id, after_sequence=after)
+            )
+        )
+        assert error_of(await reopened.until("error")) == (expected[0].value[0], expected[1])
+    # The last sequence itself is fine: nothing to replay, live events from there.
+    await reopened.open(session_id=chat.session_id, after_sequence=ended.sequence)
+    reopened.cancel()
+
+
+async def test_a_stream_without_open_in_time_is_closed(stack: Stack, planner_factory: Any) -> None:
+    planner = await planner_factory(LIMITS__OPEN_TIMEOUT_S="0.3")
+    silent = Chat(planner.stub, stack.auth())
+    # A request that is not an open does not count; the stream stays until the timeout.
+    await silent.send(send_request("hi", "early"))
+    assert error_of(await silent.until("error"))[1] == "NOT_OPEN"
+    error = await silent.ended()
+    assert error is not None
+    code, reason, _ = failure(error)
+    assert (code, reason) == (grpc.StatusCode.FAILED_PRECONDITION, "OPEN_TIMEOUT")
+    # A stream that opened in time is not closed by it.
+    opened = Chat(planner.stub, stack.auth())
+    await opened.open()
+    ended = await opened.turn("hello", "r1")
+    assert ended.turn_ended.reason == resources_pb2.TURN_END_REASON_COMPLETED
+    await opened.close()
 
 
 async def test_request_ids_over_64_characters_are_refused(
