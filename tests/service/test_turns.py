@@ -423,12 +423,14 @@ async def test_send_message_past_its_deadline_fails_while_the_turn_goes_on(rig: 
     rig.scenario([{"reply": {"text": "worth the wait", "delay_ms": 1}}])
     rig.sleep.hold(0)
     session_id = (await rig.create_session()).session_id
+    call = rig.stub.SendMessage(
+        pb.SendMessageRequest(session_id=session_id, request_id="late-1", text="take time"),
+        metadata=rig.meta(),
+        timeout=1.0,
+    )
+    await rig.sleep.wait_parked()  # accepted: the turn runs and the model is held
     with pytest.raises(grpc.aio.AioRpcError) as late:
-        await rig.stub.SendMessage(
-            pb.SendMessageRequest(session_id=session_id, request_id="late-1", text="take time"),
-            metadata=rig.meta(),
-            timeout=0.5,
-        )
+        await call
     assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     turn_id = (await rig.get_session(session_id)).running_turn_id
     assert turn_id, "the turn still runs"
