@@ -35,7 +35,9 @@ from service.core.errors import (
     OutOfRange,
     PlannerError,
     ResourceExhausted,
+    StoreUnavailable,
     Unauthenticated,
+    Unavailable,
 )
 from service.core.fanout import Hub, StreamEnd, StreamQueue
 from service.core.model import EventKind, Session, SessionEvent, TextDelta
@@ -261,7 +263,15 @@ class _Stream:
         if self.session is None or not self.waiting_turn:
             self._queue.end(None)
         else:
-            turn = await self._rpcs._store.get_turn(self.waiting_turn)
+            try:
+                turn = await self._rpcs._store.get_turn(self.waiting_turn)
+            except StoreUnavailable:
+                # Whether the turn ended is unknown: say so, and the client reopens with
+                # after_sequence (an escaping error would end the call UNKNOWN later).
+                self._queue.end(
+                    Unavailable("the database is unavailable", reason="DATABASE_UNAVAILABLE")
+                )
+                return
             if turn is None or turn.end_reason is not None:
                 self._queue.end(None)
 
