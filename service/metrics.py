@@ -36,8 +36,8 @@ class Metrics:
 
     Counters (``_total`` is added by prometheus_client):
 
-    - ``ballet_planner_compactions_total{outcome}``: ``ok`` or ``failed`` (seed: Context
-      compaction).
+    - ``ballet_planner_compactions_total``: compactions stored (seed: Context compaction);
+      ``ballet_planner_compaction_failures_total``: failed ones (logged, nothing stored).
     - ``ballet_planner_turns_total{reason}``: turns ended, by ``TurnEndReason`` value.
     - ``ballet_planner_rounds_total``: tool rounds run.
     - ``ballet_planner_tool_calls_total{tool,outcome}``: ``ok`` or an error reason.
@@ -63,8 +63,12 @@ class Metrics:
         registry = self.registry
         self.compactions = Counter(
             "ballet_planner_compactions",
-            "Context compactions, by outcome.",
-            ["outcome"],
+            "Context compactions stored (seed: Context compaction).",
+            registry=registry,
+        )
+        self.compaction_failures = Counter(
+            "ballet_planner_compaction_failures",
+            "Compaction calls that failed; the model call went on uncompacted.",
             registry=registry,
         )
         self.turns = Counter(

@@ -21,9 +21,18 @@ class PrometheusTurnObserver:
         # ``running_turns`` is read from the turn service when scraped (main.py).
         pass
 
-    def turn_ended(self, reason: TurnEndReason, error_reason: str) -> None:
+    def turn_ended(
+        self,
+        reason: TurnEndReason,
+        error_reason: str,
+        rounds: int = 0,
+        seconds: float | None = None,
+    ) -> None:
         del error_reason  # the reason label is enough; error reasons live in logs
         self._metrics.turns.labels(reason=reason.value).inc()
+        self._metrics.turn_rounds.observe(rounds)
+        if seconds is not None:
+            self._metrics.turn_seconds.labels(reason=reason.value).observe(seconds)
 
     def round_completed(self) -> None:
         self._metrics.rounds.inc()
@@ -48,4 +57,7 @@ class PrometheusTurnObserver:
             self._metrics.tokens.labels(kind="output", purpose=purpose).inc(usage.output_tokens)
 
     def compacted(self) -> None:
-        self._metrics.compactions.labels(outcome="ok").inc()
+        self._metrics.compactions.inc()
+
+    def compaction_failed(self) -> None:
+        self._metrics.compaction_failures.inc()

@@ -152,7 +152,15 @@ class TurnObserver(Protocol):
 
     def turn_started(self) -> None: ...
 
-    def turn_ended(self, reason: TurnEndReason, error_reason: str) -> None: ...
+    def turn_ended(
+        self,
+        reason: TurnEndReason,
+        error_reason: str,
+        rounds: int = 0,
+        seconds: float | None = None,
+    ) -> None: ...
+
+    def compaction_failed(self) -> None: ...
 
     def round_completed(self) -> None: ...
 
@@ -176,7 +184,16 @@ class NullObserver:
     def turn_started(self) -> None:
         pass
 
-    def turn_ended(self, reason: TurnEndReason, error_reason: str) -> None:
+    def turn_ended(
+        self,
+        reason: TurnEndReason,
+        error_reason: str,
+        rounds: int = 0,
+        seconds: float | None = None,
+    ) -> None:
+        pass
+
+    def compaction_failed(self) -> None:
         pass
 
     def round_completed(self) -> None:
@@ -710,6 +727,7 @@ class TurnService:
             summary, usage = await self._summarize(run, plan.previous_summary, plan.messages)
         except ModelFailure as failure:
             run.compaction_failed = True
+            self._observer.compaction_failed()
             self._observer.model_called(
                 "compaction", failure.reason, time.monotonic() - started, None
             )
@@ -721,6 +739,7 @@ class TurnService:
             return
         if looks_like_failure(summary):
             run.compaction_failed = True
+            self._observer.compaction_failed()
             log.warning(
                 "compaction returned an empty or error summary; continuing uncompacted",
                 extra=_fields(run),
@@ -1010,7 +1029,11 @@ class TurnService:
             return True
 
         context = ToolContext(
-            acting=run.acting, project_id=run.project_id, reserve_write=reserve_write
+            acting=run.acting,
+            project_id=run.project_id,
+            reserve_write=reserve_write,
+            # Tool deadlines are capped by what is left of planner.turn_timeout (SPEC 5).
+            timeout_s=max(0.0, self._time_left(run)),
         )
 
         async def one(call: ToolCall) -> tuple[ToolOutcome, float]:
@@ -1195,7 +1218,12 @@ class TurnService:
             ),
             context=context,
         )
-        self._observer.turn_ended(stop.reason, stop.error_reason)
+        self._observer.turn_ended(
+            stop.reason,
+            stop.error_reason,
+            run.rounds,
+            (self._clock.now() - run.turn.start_time).total_seconds(),
+        )
 
     def _synthetic_results(self, run: _Run, reason: TurnEndReason) -> list[SessionEvent]:
         answered = {m.tool_call_id for m in run.messages if m.kind is MessageKind.TOOL_RESULT}
