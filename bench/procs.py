@@ -77,6 +77,16 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
+def machine_busy_seconds() -> float:
+    """CPU seconds every core of the machine spent busy so far (``/proc/stat``: all but
+    idle and iowait), to see how much other work ran beside the benchmark."""
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    ticks = [int(value) for value in fields]
+    # user nice system idle iowait irq softirq steal (guest time is inside user).
+    busy = sum(ticks[:8]) - ticks[3] - ticks[4]
+    return busy / CLK_TCK
+
+
 def self_cpu_seconds() -> float:
     """User + system CPU seconds of this process (all threads)."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
