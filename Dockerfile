@@ -29,8 +29,10 @@ RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
     pip install --no-index --find-links=/wheels ballet-planner
 USER 10001:10001
 EXPOSE 50051 9464
-# Readiness: exits 0 only while the service reports SERVING (SPEC section 8).
+# Readiness: exits 0 only while the service reports SERVING (SPEC section 8). It reads
+# the same configuration as serve, so it asks the configured address (a wildcard host is
+# asked on loopback) with the configured TLS settings.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=20s --retries=3 \
-  CMD ["ballet-planner", "health"]
+  CMD ["ballet-planner", "health", "--config", "/etc/ballet-planner/planner.toml"]
 ENTRYPOINT ["ballet-planner"]
 CMD ["serve", "--config", "/etc/ballet-planner/planner.toml"]
