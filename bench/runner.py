@@ -870,7 +870,8 @@ class Bench:
                 "count",
                 connections,
                 samples=f"{s.window_runs} windows",
-                note="pool_size 10 + max_overflow 10",
+                note=f"pool_size {self.env.overrides.get('database.pool_size', '10')} "
+                "+ max_overflow 10",
             )
         )
         self.figures[f"rate{level}"] = rate.value
