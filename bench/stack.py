@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import signal
 import sys
 import time
@@ -212,8 +213,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--projects", type=int, default=10)
     args = parser.parse_args(argv)
     # The devstack and gateway log every call at INFO; the benchmark reads counters.
-    import logging
-
     logging.basicConfig(level=logging.WARNING)
     asyncio.run(serve(args))
     return 0
