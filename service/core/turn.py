@@ -299,7 +299,6 @@ class _Run:
     stop: _Stop | None = None
     stop_event: asyncio.Event = field(default_factory=asyncio.Event)
     done: asyncio.Event = field(default_factory=asyncio.Event)
-    abandoned: bool = False
     patch_versions: TurnPatch = field(default_factory=TurnPatch)
 
     def request_stop(self, stop: _Stop) -> None:
@@ -583,7 +582,6 @@ class TurnService:
         try:
             await self._drive(run)
         except _Abandon as reason:
-            run.abandoned = True
             if isinstance(reason.__cause__, StoreUnavailable):
                 log.warning(
                     "the database failed mid-turn; the turn ends FAILED once it answers: %s",
@@ -1428,7 +1426,6 @@ class TurnService:
                     continue
                 if not status.held:
                     # Another replica closed it: stop without storing anything more.
-                    run.abandoned = True
                     run.request_stop(_Stop(TurnEndReason.INTERRUPTED))
                 elif status.cancel_requested:
                     run.request_stop(_Stop(TurnEndReason.CANCELLED))
@@ -1531,7 +1528,8 @@ def synthetic_outcome(reason: TurnEndReason, is_write: bool) -> ToolOutcome:
     if reason is TurnEndReason.CANCELLED:
         text = "cancelled; the outcome is unknown" if is_write else "cancelled"
         return _error_outcome("CANCELLED", text)
-    text = "the turn ended; the outcome is unknown" if is_write else "the turn ended before it ran"
+    # FAILED (turn timeout, lost database): the call may or may not have run.
+    text = "the turn ended; the outcome is unknown" if is_write else "the turn ended; no result"
     return _error_outcome("TURN_ENDED", text)
 
 
