@@ -505,7 +505,6 @@ class Bench:
 
     async def t1_counts(self, stream: Rotating) -> None:
         """Count what one one-round turn makes (after warm-up: prompt cached)."""
-        assert self.env is not None
         probe = await database.ServerProbe.connect(self.env.planner_url)
         section = "T1: what a one-round turn makes (counted)"
         try:
