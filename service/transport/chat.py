@@ -20,7 +20,6 @@ The protocol rules of SPEC section 3 live here:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -192,8 +191,9 @@ class TurnRpcs:
                     yield item
         finally:
             reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reader
+            # asyncio.wait does not raise the reader's CancelledError, and lets this
+            # task's own cancellation through (never swallowed; STYLE rule 5).
+            await asyncio.wait({reader})
             stream.close()
             self._hub.detach(queue)
             if stream_id and self._streams is not None:
