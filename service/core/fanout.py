@@ -200,7 +200,9 @@ class Hub:
         self._max_bytes = max_bytes
         self._queues: dict[str, set[StreamQueue]] = {}
         self._streams: set[StreamQueue] = set()
-        self._answers: dict[str, TextDelta] = {}
+        # The answer streaming in each session: its first delta and the pieces so far
+        # (joined only when a stream attaches mid-answer, not on every delta).
+        self._answers: dict[str, tuple[TextDelta, list[str]]] = {}
         self._filling: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -268,7 +270,10 @@ class Hub:
                 break
         answer = self._answers.get(queue.session_id)
         if answer is not None:
-            queue.offer_delta(answer)
+            first, parts = answer
+            queue.offer_delta(
+                TextDelta(first.session_id, first.turn_id, first.message_id, 0, "".join(parts))
+            )
 
     def stream_count(self, human_id: str | None = None) -> int:
         """Open streams in this process, of one human when given."""
@@ -283,7 +288,10 @@ class Hub:
                 answer = self._answers.get(event.session_id)
                 if answer is not None and (
                     event.kind is EventKind.TURN_ENDED
-                    or (event.message is not None and event.message.message_id == answer.message_id)
+                    or (
+                        event.message is not None
+                        and event.message.message_id == answer[0].message_id
+                    )
                 ):
                     del self._answers[event.session_id]
             for queue in tuple(self._queues.get(event.session_id, ())):
@@ -293,18 +301,10 @@ class Hub:
     def publish_delta(self, delta: TextDelta) -> None:
         """Deliver a text delta to this process's streams of the session."""
         current = self._answers.get(delta.session_id)
-        if current is not None and current.message_id == delta.message_id:
-            self._answers[delta.session_id] = TextDelta(
-                delta.session_id,
-                delta.turn_id,
-                delta.message_id,
-                0,
-                current.text + delta.text,
-            )
+        if current is not None and current[0].message_id == delta.message_id:
+            current[1].append(delta.text)
         else:
-            self._answers[delta.session_id] = TextDelta(
-                delta.session_id, delta.turn_id, delta.message_id, 0, delta.text
-            )
+            self._answers[delta.session_id] = (delta, [delta.text])
         for queue in tuple(self._queues.get(delta.session_id, ())):
             queue.offer_delta(delta)
 

@@ -209,11 +209,24 @@ class Stop:
 @dataclass
 class _Answer:
     message_id: str
-    text: str = ""
+    parts: list[str] = field(default_factory=list)
+    length: int = 0
     calls: list[ToolCall] = field(default_factory=list)
     usage: Usage | None = None
     failure: ModelFailure | None = None
     stopped: bool = False
+
+    def add(self, text: str) -> int:
+        """Append a delta; returns its offset in characters. Pieces are joined once,
+        when the text is read, not on every delta."""
+        offset = self.length
+        self.parts.append(text)
+        self.length += len(text)
+        return offset
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
 
 
 @dataclass
@@ -355,7 +368,7 @@ class TurnRunner:
                     answer.failure.reason if answer.failure else "MODEL_ERROR",
                     answer.failure.message if answer.failure else "",
                 )
-                pending = [self._assistant_event(run, answer, cut=True)] if answer.text else []
+                pending = [self._assistant_event(run, answer, cut=True)] if answer.length else []
                 await self._finish(run, pending, stop)
                 return
             if not answer.calls:
@@ -609,17 +622,17 @@ class TurnRunner:
                 if not first_delta:
                     first_delta.append(time.monotonic() - started)
                 if isinstance(chunk, TextChunk):
+                    offset = answer.add(chunk.text)
                     if relay and chunk.text:
                         self._hub.publish_delta(
                             TextDelta(
                                 run.session.session_id,
                                 run.turn.turn_id,
                                 answer.message_id,
-                                len(answer.text),
+                                offset,
                                 chunk.text,
                             )
                         )
-                    answer.text += chunk.text
                 elif isinstance(chunk, ToolCallChunk):
                     answer.calls.append(chunk.call)
                 elif isinstance(chunk, FinishChunk):
@@ -686,7 +699,7 @@ class TurnRunner:
         """Store the answer with its calls, run the calls, store each result."""
         now = self._clock.now()
         events: list[SessionEvent] = []
-        if answer.text:
+        if answer.length:
             events.append(self._assistant_event(run, answer, cut=False))
         calls = answer.calls
         seen: set[str] = set()
