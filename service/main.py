@@ -56,7 +56,7 @@ from service.core.ports import (
 from service.core.sessions import ProjectAccess, SessionLimits, SessionRules
 from service.core.streams import StreamRegistry
 from service.core.tools import ToolRunner, declarations
-from service.core.turn import TurnService, TurnSettings
+from service.core.turn import TurnDependencies, TurnService, TurnSettings
 from service.credentials import ServiceCredential
 from service.metrics import Metrics, MetricsInterceptor, MetricsServer, start_metrics_server
 from service.observer import PrometheusTurnObserver
@@ -160,39 +160,41 @@ def build_turn_machinery(wiring: Wiring) -> TurnMachinery | None:
         timeout_s=deps.tool_call_s,
     )
     turns = TurnService(
-        store=store,
-        gateway=gateway,
-        backends=wiring.backends,
-        hub=hub,
-        clock=wiring.clock,
-        settings=TurnSettings(
-            model=planner.model,
-            max_rounds=planner.max_rounds,
-            compact_at_tokens=planner.compact_at_tokens,
-            compaction_input_max_tokens=planner.compaction_input_max_tokens,
-            summary_instructions=planner.summary_instructions,
-            turn_timeout_s=planner.turn_timeout,
-            cancel_grace_s=planner.cancel_grace,
-            max_writes_per_turn=planner.max_writes_per_turn,
-            max_tool_calls_per_answer=planner.max_tool_calls_per_answer,
-            tool_concurrency=planner.tool_concurrency,
-            tool_call_timeout_s=deps.tool_call_s,
-            dependency_timeout_s=deps.project_lookup_s,
-            model_first_delta_s=deps.model_first_delta_s,
-            model_idle_s=deps.model_idle_s,
-            model_total_s=deps.model_total_s,
-            lease_s=planner.lease_s,
-            sweep_interval_s=planner.sweep_interval_s,
-            prompt_cache_s=settings.auth.project_check_cache_s,
-            message_max_bytes=limits.message_max_bytes,
-            running_limits=RunningLimits(
-                per_human=limits.turns_per_human, per_project=limits.turns_per_project
+        TurnDependencies(
+            store=store,
+            gateway=gateway,
+            backends=wiring.backends,
+            hub=hub,
+            clock=wiring.clock,
+            settings=TurnSettings(
+                model=planner.model,
+                max_rounds=planner.max_rounds,
+                compact_at_tokens=planner.compact_at_tokens,
+                compaction_input_max_tokens=planner.compaction_input_max_tokens,
+                summary_instructions=planner.summary_instructions,
+                turn_timeout_s=planner.turn_timeout,
+                cancel_grace_s=planner.cancel_grace,
+                max_writes_per_turn=planner.max_writes_per_turn,
+                max_tool_calls_per_answer=planner.max_tool_calls_per_answer,
+                tool_concurrency=planner.tool_concurrency,
+                tool_call_timeout_s=deps.tool_call_s,
+                dependency_timeout_s=deps.project_lookup_s,
+                model_first_delta_s=deps.model_first_delta_s,
+                model_idle_s=deps.model_idle_s,
+                model_total_s=deps.model_total_s,
+                lease_s=planner.lease_s,
+                sweep_interval_s=planner.sweep_interval_s,
+                prompt_cache_s=settings.auth.project_check_cache_s,
+                message_max_bytes=limits.message_max_bytes,
+                running_limits=RunningLimits(
+                    per_human=limits.turns_per_human, per_project=limits.turns_per_project
+                ),
             ),
-        ),
-        replica_id=settings.server.replica_id,
-        tools=tools,
-        declarations=declarations(),
-        observer=PrometheusTurnObserver(wiring.metrics),
+            replica_id=settings.server.replica_id,
+            tools=tools,
+            declarations=declarations(),
+            observer=PrometheusTurnObserver(wiring.metrics),
+        )
     )
     metrics = wiring.metrics
     metrics.running_turns.set_function(lambda: turns.running)

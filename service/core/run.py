@@ -274,39 +274,42 @@ class Abandon(Exception):
     it, or the session was deleted)."""
 
 
+@dataclass(frozen=True)
+class TurnDependencies:
+    """What every turn of a replica shares: the ports, the tools, the settings, and
+    who this replica is (``replica_id`` owns the leases)."""
+
+    store: SessionStore
+    gateway: ModelGateway
+    backends: ToolBackends
+    hub: Hub
+    clock: Clock
+    settings: TurnSettings
+    replica_id: str
+    tools: ToolRunner
+    declarations: Sequence[ToolDeclaration]
+    observer: TurnObserver = field(default_factory=NullObserver)
+
+
 class TurnRunner:
     """Runs turns to their end; holds what every run shares (the ports, the settings,
     the project and skill cache). ``on_finished`` is called when a run ends, however."""
 
-    def __init__(
-        self,
-        *,
-        store: SessionStore,
-        gateway: ModelGateway,
-        backends: ToolBackends,
-        hub: Hub,
-        clock: Clock,
-        settings: TurnSettings,
-        replica_id: str,
-        tools: ToolRunner,
-        declarations: Sequence[ToolDeclaration],
-        observer: TurnObserver,
-        on_finished: Callable[[Run], None],
-    ) -> None:
-        self._store = store
-        self._gateway = gateway
-        self._backends = backends
-        self._hub = hub
-        self._clock = clock
-        self._settings = settings
-        self._replica = replica_id
-        self._tools = tools
-        self._declarations = tuple(declarations)
+    def __init__(self, deps: TurnDependencies, on_finished: Callable[[Run], None]) -> None:
+        self._store = deps.store
+        self._gateway = deps.gateway
+        self._backends = deps.backends
+        self._hub = deps.hub
+        self._clock = deps.clock
+        self._settings = deps.settings
+        self._replica = deps.replica_id
+        self._tools = deps.tools
+        self._declarations = tuple(deps.declarations)
         self._declarations_bytes = sum(
             len(d.name) + len(d.description) + len(d.parameters_json_schema)
             for d in self._declarations
         )
-        self._observer = observer
+        self._observer = deps.observer
         self._on_finished = on_finished
         self._cache: dict[tuple[str, ...], tuple[float, object]] = {}
 

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TypeVar
@@ -27,7 +27,6 @@ from service.core.errors import (
     StoreUnavailable,
     Unavailable,
 )
-from service.core.fanout import Hub
 from service.core.ids import new_id, request_hash
 from service.core.model import (
     EventKind,
@@ -42,12 +41,7 @@ from service.core.model import (
 )
 from service.core.ports import (
     Acting,
-    Clock,
-    ModelGateway,
-    SessionStore,
     StartOutcomeKind,
-    ToolBackends,
-    ToolDeclaration,
     TurnStart,
 )
 from service.core.recovery import close_turn, synthetic_outcome
@@ -55,20 +49,19 @@ from service.core.run import (
     NullObserver,
     Run,
     Stop,
+    TurnDependencies,
     TurnObserver,
     TurnRunner,
     TurnSettings,
     run_fields,
 )
 from service.core.sessions import check_request_id
-from service.core.tools import (
-    ToolRunner,
-)
 
 __all__ = [
     "Accepted",
     "NullObserver",
     "SendRequest",
+    "TurnDependencies",
     "TurnObserver",
     "TurnService",
     "TurnSettings",
@@ -109,39 +102,14 @@ class Accepted:
 class TurnService:
     """Runs turns for this replica: start, cancel, lease renewal and recovery."""
 
-    def __init__(
-        self,
-        *,
-        store: SessionStore,
-        gateway: ModelGateway,
-        backends: ToolBackends,
-        hub: Hub,
-        clock: Clock,
-        settings: TurnSettings,
-        replica_id: str,
-        tools: ToolRunner,
-        declarations: Sequence[ToolDeclaration],
-        observer: TurnObserver | None = None,
-    ) -> None:
-        self._store = store
-        self._hub = hub
-        self._clock = clock
-        self._settings = settings
-        self._replica = replica_id
-        self._observer = observer or NullObserver()
-        self._runner = TurnRunner(
-            store=store,
-            gateway=gateway,
-            backends=backends,
-            hub=hub,
-            clock=clock,
-            settings=settings,
-            replica_id=replica_id,
-            tools=tools,
-            declarations=declarations,
-            observer=self._observer,
-            on_finished=self._finished,
-        )
+    def __init__(self, deps: TurnDependencies) -> None:
+        self._store = deps.store
+        self._hub = deps.hub
+        self._clock = deps.clock
+        self._settings = deps.settings
+        self._replica = deps.replica_id
+        self._observer = deps.observer
+        self._runner = TurnRunner(deps, on_finished=self._finished)
         self._runs: dict[str, Run] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._background: list[asyncio.Task[None]] = []

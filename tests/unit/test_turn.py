@@ -26,7 +26,13 @@ from service.core.model import (
 )
 from service.core.ports import ModelRequest, Purpose, Role, SkillDocument
 from service.core.tools import ToolRunner, declarations
-from service.core.turn import SendRequest, TurnService, TurnSettings, to_model_messages
+from service.core.turn import (
+    SendRequest,
+    TurnDependencies,
+    TurnService,
+    TurnSettings,
+    to_model_messages,
+)
 from tests.unit.fakes import (
     FakeBackends,
     FakeClock,
@@ -91,15 +97,17 @@ def make_rig(script: Any, **settings: Any) -> Rig:
     defaults: dict[str, Any] = {"model": "test-model", "max_rounds": 4}
     defaults.update(settings)
     service = TurnService(
-        store=store,
-        gateway=gateway,
-        backends=backends,
-        hub=hub,
-        clock=clock,
-        settings=TurnSettings(**defaults),
-        replica_id="r1",
-        tools=ToolRunner(backends),
-        declarations=declarations(),
+        TurnDependencies(
+            store=store,
+            gateway=gateway,
+            backends=backends,
+            hub=hub,
+            clock=clock,
+            settings=TurnSettings(**defaults),
+            replica_id="r1",
+            tools=ToolRunner(backends),
+            declarations=declarations(),
+        )
     )
     return Rig(service, store, gateway, backends, hub, clock, session)
 
