@@ -200,7 +200,8 @@ class DevStack:
         pages = PageTokens(secret or b"devstack-jwks-mode")
         calls = CallLog()
         faults = FaultInjector()
-        server = grpc.aio.server()
+        # No SO_REUSEPORT (gRPC's default): a second devstack on the same port must fail.
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
 
         def backend(service: str, domain: str, audience: str) -> Backend:
             authenticator = Authenticator(

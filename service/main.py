@@ -378,6 +378,9 @@ def server_options(settings: Settings) -> list[tuple[str, int]]:
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.max_concurrent_streams", server.max_concurrent_streams),
+        # gRPC sets SO_REUSEPORT by default: a second process would bind the same port
+        # silently and take part of the traffic. A port in use must be an error.
+        ("grpc.so_reuseport", 0),
     ]
 
 

@@ -105,3 +105,22 @@ async def test_shutdown_turns_health_not_serving_first(
     finally:
         await channel.close()
         await app.stop(0)
+
+
+async def test_a_second_planner_on_a_port_in_use_is_refused(
+    tracker: FakeTracker, tmp_path: Path
+) -> None:
+    # gRPC's default SO_REUSEPORT would let both bind and split the traffic silently.
+    first = await start_planner(planner_settings(tmp_path / "a", tracker.address))
+    try:
+        port = first.address.rsplit(":", 1)[1]
+        second = planner_settings(
+            tmp_path / "b",
+            tracker.address,
+            SERVER__ADDRESS=f"127.0.0.1:{port}",
+            SERVER__METRICS_ADDRESS="",
+        )
+        with pytest.raises(StartupError, match="cannot bind"):
+            await start_planner(second)
+    finally:
+        await first.stop(0)
