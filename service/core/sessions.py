@@ -229,7 +229,7 @@ class ProjectAccess:
         self._cache_s = min(cache_s, 60.0)
         self._timeout_s = timeout_s
         self._max_entries = max_entries
-        self._cache: OrderedDict[tuple[str, str], tuple[float, ProjectInfo]] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str, str], tuple[float, ProjectInfo]] = OrderedDict()
 
     async def check(self, caller: Caller, project_id: str, session_id: str = "") -> ProjectInfo:
         """The project, if ``caller`` (a human) may read it in their organization.
@@ -238,7 +238,9 @@ class ProjectAccess:
         organization), and passes on the backend's ``Unavailable`` and
         ``Unauthenticated``.
         """
-        key = (caller.subject, project_id)
+        # The organization is part of the key: a token of the same subject in another
+        # organization must not reuse an answer given for this one.
+        key = (caller.organization_id, caller.subject, project_id)
         now = self._clock.monotonic()
         cached = self._cache.get(key)
         if cached is not None and cached[0] > now:

@@ -359,3 +359,11 @@ async def test_get_turn_of_another_session_is_not_found() -> None:
     missing = await _raises(world.rules.get_turn(ALICE, first.session_id, "t2"))
     assert missing.reason == "TURN_NOT_FOUND"
     assert (await world.rules.get_turn(ALICE, second.session_id, "t2")).turn_id == "t2"
+
+
+async def test_a_cached_project_check_does_not_serve_another_organization() -> None:
+    world = World()
+    await world.create()  # alice@acme: the answer for (alice, demo) is cached
+    elsewhere = Caller("alice", "other-org", token="alice-other-token")
+    refused = await _raises(world.create(elsewhere, request_id="r2"))
+    assert refused.reason == "PROJECT_NOT_FOUND"
