@@ -20,11 +20,12 @@ The protocol rules of SPEC section 3 live here:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from ballet.planner.v1 import chat_pb2, planner_service_pb2
 
@@ -142,10 +143,11 @@ class TurnRpcs:
         try:
             claims = self._auth.authenticate(context)
         except PlannerError as error:
-            await abort(context, error)
+            await _refuse(requests, context, error)
         caller = caller_from_claims(claims)
         if caller.is_service:
-            await abort(
+            await _refuse(
+                requests,
                 context,
                 FailedPrecondition("Chat needs a human's token", reason="HUMAN_REQUIRED"),
             )
@@ -155,9 +157,10 @@ class TurnRpcs:
             try:
                 stream_id = await self._streams.open(caller.subject)
             except PlannerError as error:
-                await abort(context, error)
+                await _refuse(requests, context, error)
         elif self._hub.stream_count(caller.subject) >= self._limits.streams_per_human:
-            await abort(
+            await _refuse(
+                requests,
                 context,
                 ResourceExhausted(
                     f"at most {self._limits.streams_per_human} open Chat streams per human",
@@ -372,6 +375,24 @@ class _Stream:
             self._reply_error(error, request.request_id)
         except Exception as error:
             self._reply_error(error, request.request_id)
+
+
+#: How long a refused stream waits for the client's first message before ending.
+_REFUSE_READ_S = 1.0
+
+
+async def _refuse(
+    requests: AsyncIterator[chat_pb2.ChatRequest], context: Any, error: Exception
+) -> NoReturn:
+    """End a stream refused before it started (bad token, limits).
+
+    Ending a bidirectional call while the client is still writing its first message can
+    surface to that client as INTERNAL instead of our status; reading that message first
+    (briefly) lets the real status through.
+    """
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(anext(aiter(requests)), timeout=_REFUSE_READ_S)
+    await abort(context, error)
 
 
 def _send_request(session: Session, caller: Caller, text: str, request_id: str) -> SendRequest:
