@@ -26,8 +26,10 @@ environment it is given.
 # ruff: noqa: RUF009  (_key returns dataclasses.field(); no default is shared or mutable)
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import ipaddress
+import math
 import os
 import secrets
 import socket
@@ -439,14 +441,16 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
             return value
         raise ConfigError(f"{key}: expected an integer, got {_describe(value)}")
     if hint is float:
+        number: float | None = None
         if from_env:
-            try:
-                return float(value.strip())
-            except ValueError:
-                pass
+            with contextlib.suppress(ValueError):
+                number = float(value.strip())
         elif isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        raise ConfigError(f"{key}: expected a number of seconds, got {_describe(value)}")
+            number = float(value)
+        # nan and inf parse as floats but are no durations or limits.
+        if number is not None and math.isfinite(number):
+            return number
+        raise ConfigError(f"{key}: expected a finite number, got {_describe(value)}")
     if hint is str:
         if isinstance(value, str):
             return str(value)
@@ -489,6 +493,11 @@ def _resolve(settings: Settings) -> Settings:
     if not database.url:
         path = (settings.data_dir / "planner.db").absolute()
         database = dataclasses.replace(database, url=f"sqlite+aiosqlite:///{path}")
+    elif not database.url.startswith(("postgresql", "sqlite")):
+        raise ConfigError(
+            "database.url: expected a PostgreSQL (postgresql+psycopg://...) or SQLite "
+            f"(sqlite+aiosqlite:///...) URL, got one starting {database.url.split(':', 1)[0]!r}"
+        )
     return dataclasses.replace(settings, server=server, database=database)
 
 

@@ -249,3 +249,14 @@ def test_every_key_is_documented() -> None:
 
     missing = [key for key, _ in iter_keys() if f"`{documented_as(key)}`" not in text]
     assert missing == []
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_a_non_finite_number_is_refused_naming_the_key(value: str) -> None:
+    with pytest.raises(ConfigError, match=r"^planner\.turn_timeout: expected a finite number"):
+        load_settings(None, {"BALLET_PLANNER__PLANNER__TURN_TIMEOUT": value})
+
+
+def test_a_database_url_of_another_engine_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"^database\.url: expected a PostgreSQL"):
+        load_settings(None, {"BALLET_PLANNER__DATABASE__URL": "mysql://host/db"})
