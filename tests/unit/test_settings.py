@@ -175,7 +175,7 @@ def test_file_errors_name_the_key(tmp_path: Path) -> None:
     )
     assert "planner.colour: unknown key" in error_of(toml="[planner]\ncolour = 1\n", tmp=tmp_path)
     assert "bogus: unknown key" in error_of(toml="[bogus]\nx = 1\n", tmp=tmp_path)
-    assert "server.grace_s: expected a number" in error_of(
+    assert "server.grace_s: expected a finite number" in error_of(
         toml='[server]\ngrace_s = "soon"\n', tmp=tmp_path
     )
     assert "auth.issuers: expected a list" in error_of(toml='[auth]\nissuers = "x"\n', tmp=tmp_path)
