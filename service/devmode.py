@@ -41,7 +41,7 @@ from typing import Literal
 import grpc
 
 from devstack.gateway import GatewayServicer, Provider, ScenarioError, add_gateway_service
-from devstack.gateway.scripted import ScriptedProvider, demo_scenario_path
+from devstack.gateway.scripted import Scenario, ScriptedProvider, demo_scenario_path
 from devstack.server import DEFAULT_ADDRESS as DEVSTACK_ADDRESS
 from devstack.server import DevStack, DevStackConfig
 from service.config import ENV_PREFIX, ChannelSettings, Settings, load_settings
@@ -150,7 +150,9 @@ def make_provider(
         if options.scenario is not None:
             provider = ScriptedProvider.from_file(options.scenario)
             return provider, f"scripted, scenario {options.scenario} (re-read when it changes)"
-        return ScriptedProvider.from_file(demo_scenario_path()), (
+        # Loaded once: the shipped scenario never changes, and a reinstall of the package
+        # while dev runs would otherwise fail every turn on the vanished file.
+        return ScriptedProvider(Scenario.load(demo_scenario_path())), (
             "scripted, the built-in demo scenario (--provider openai for a real model)"
         )
     except ScenarioError as error:

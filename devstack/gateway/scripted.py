@@ -803,4 +803,5 @@ def demo_provider(*, sleep: Sleep = asyncio.sleep) -> ScriptedProvider:
     Raises:
         ScenarioError: the shipped scenario is missing or invalid (a packaging bug).
     """
-    return ScriptedProvider.from_file(demo_scenario_path(), sleep=sleep)
+    # Loaded once (not re-read like --scenario files): the shipped file never changes.
+    return ScriptedProvider(Scenario.load(demo_scenario_path()), sleep=sleep)
