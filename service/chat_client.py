@@ -451,7 +451,7 @@ class ChatClient:
             doing = f"opening session {session_id}"
         else:
             action.project_id = self.options.project_id
-            action.title = title
+            action.title = utf8_text(title)
             doing = f"creating a session in project {self.options.project_id}"
         call = self.stub.Chat(metadata=self._metadata())
         self._call = call
@@ -572,6 +572,7 @@ class ChatClient:
     async def send(self, text: str) -> str:
         """Send ``text`` as a message of the open session; returns its request id."""
         assert self._call is not None and self.session is not None
+        text = utf8_text(text)
         request_id = uuid.uuid4().hex
         self.renderer.sent.append(text)
         self.pending[request_id] = text
@@ -869,6 +870,12 @@ class _Interactive:
         else:
             self.header(created=not session_id)
         self.start_pump()
+
+
+def utf8_text(text: str) -> str:
+    """``text`` as protobuf can encode it: bytes that were not UTF-8 (a terminal or argv
+    in another encoding) reach Python as lone surrogates; they become U+FFFD."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 async def run_chat(
