@@ -129,6 +129,12 @@ def _token(args: argparse.Namespace) -> int:
     data_dir = args.data_dir or Path(
         os.environ.get("BALLET_PLANNER__DATA_DIR", "") or DEFAULT_DATA_DIR
     )
+    if not args.user.strip():
+        print("ballet-planner token: --user must name someone", file=sys.stderr)
+        return 2
+    if not args.ttl > 0:
+        print("ballet-planner token: --ttl must be a positive number of seconds", file=sys.stderr)
+        return 2
     scopes = [scope for value in args.scope for scope in value.split()]
     token = mint_dev_token(
         dev_secret(data_dir), args.user, organization_id=args.org, ttl_s=args.ttl, scopes=scopes

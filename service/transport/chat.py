@@ -318,6 +318,12 @@ class _Stream:
             session = await rules.owned_session(
                 self._caller, action.session_id, recheck_project=True
             )
+            if action.project_id and action.project_id != session.project_id:
+                raise InvalidArgument(
+                    "project_id names another project than the session's; send one or the "
+                    "other",
+                    reason="PROJECT_MISMATCH",
+                )
         else:
             session = await rules.create_session(
                 self._caller,

@@ -205,3 +205,14 @@ def test_migrate_sqlite(tmp_path: Path) -> None:
     assert "database schema at" in result.stdout
     again = run(["migrate", "--database-url", f"sqlite+aiosqlite:///{tmp_path / 'm.db'}"], tmp_path)
     assert again.returncode == 0
+
+
+def test_token_refuses_a_lifetime_that_is_not_positive_and_an_empty_user(tmp_path: Path) -> None:
+    for args in (
+        ["--user", "alice", "--ttl", "0"],
+        ["--user", "alice", "--ttl", "-5"],
+        ["--user", " "],
+    ):
+        result = run(["token", *args, "--data-dir", "state"], tmp_path)
+        assert result.returncode == 2
+        assert "ballet-planner token:" in result.stderr

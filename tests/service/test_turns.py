@@ -530,6 +530,10 @@ async def test_stream_protocol_errors_are_replies_and_the_stream_stays_open(rig:
         assert far.request_id == "far-1"
         assert far.error.code == grpc.StatusCode.OUT_OF_RANGE.value[0]
 
+        await stream.open(session_id, after_sequence=last, request_id="other", project_id="x")
+        mismatch = (await stream.until_kind("error"))[-1]
+        assert mismatch.request_id == "other" and reason_in(mismatch) == "PROJECT_MISMATCH"
+
         await stream.open(session_id, after_sequence=last, request_id="open-1")
         opened = await stream.opened()
         assert opened.last_sequence == last
