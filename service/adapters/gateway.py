@@ -31,6 +31,7 @@ from service.core.errors import ModelFailure
 from service.core.model import Usage
 from service.core.ports import (
     FinishChunk,
+    FinishReason,
     ModelChunk,
     ModelRequest,
     Purpose,
@@ -54,10 +55,10 @@ _PURPOSES = {
     Purpose.COMPACTION: gateway_pb2.PURPOSE_COMPACTION,
 }
 _FINISH = {
-    gateway_pb2.FINISH_REASON_STOP: "stop",
-    gateway_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls",
-    gateway_pb2.FINISH_REASON_LENGTH: "length",
-    gateway_pb2.FINISH_REASON_CONTENT_FILTER: "content_filter",
+    gateway_pb2.FINISH_REASON_STOP: FinishReason.STOP,
+    gateway_pb2.FINISH_REASON_TOOL_CALLS: FinishReason.TOOL_CALLS,
+    gateway_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+    gateway_pb2.FINISH_REASON_CONTENT_FILTER: FinishReason.CONTENT_FILTER,
 }
 
 
@@ -150,7 +151,7 @@ class GrpcModelGateway:
                         if response.finish.HasField("usage")
                         else None
                     )
-                    yield FinishChunk(_FINISH.get(response.finish.reason, "unspecified"), usage)
+                    yield FinishChunk(_FINISH.get(response.finish.reason, FinishReason.UNSPECIFIED), usage)
         except grpc.aio.AioRpcError as error:
             raise translate_error(error) from error
         finally:

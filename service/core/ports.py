@@ -427,6 +427,25 @@ class ModelRequest:
     deadlines: ModelDeadlines
 
 
+class FinishReason(StrEnum):
+    """Why the model stopped, as the provider said (``ballet.llm.v1.FinishReason``).
+
+    A stream that ends with no finish reason is not an answer: the gateway client raises
+    ``ModelFailure`` (``MODEL_STREAM_TRUNCATED``) instead of yielding a ``FinishChunk``.
+    """
+
+    STOP = "stop"
+    TOOL_CALLS = "tool_calls"
+    #: The output token limit cut the answer (its text, or a call's arguments).
+    LENGTH = "length"
+    #: The provider's filter cut the answer.
+    CONTENT_FILTER = "content_filter"
+    #: The model refused; the refusal's text came as text.
+    REFUSAL = "refusal"
+    #: The gateway reported none (an old gateway); treated like ``STOP``.
+    UNSPECIFIED = "unspecified"
+
+
 @dataclass(frozen=True)
 class TextChunk:
     """A piece of the answer's text."""
@@ -435,21 +454,36 @@ class TextChunk:
 
 
 @dataclass(frozen=True)
+class ToolCallStartChunk:
+    """A tool call began streaming: its name is known, its arguments may follow.
+
+    ``index`` is the call's position in the answer (0, 1, ...); the ``ToolCallChunk`` of
+    the same call carries the same index.
+    """
+
+    index: int
+    name: str
+
+
+@dataclass(frozen=True)
 class ToolCallChunk:
-    """A complete tool call."""
+    """A complete tool call; ``call.call_id`` is the provider's id (may be empty or
+    repeated: the planner gives every call its own id). ``index`` as in
+    ``ToolCallStartChunk``."""
 
     call: ToolCall
+    index: int = 0
 
 
 @dataclass(frozen=True)
 class FinishChunk:
     """The end of the answer; ``usage`` None when the provider reported none."""
 
-    reason: str
+    reason: FinishReason
     usage: Usage | None
 
 
-ModelChunk = TextChunk | ToolCallChunk | FinishChunk
+ModelChunk = TextChunk | ToolCallStartChunk | ToolCallChunk | FinishChunk
 
 
 class ModelGateway(Protocol):
