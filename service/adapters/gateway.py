@@ -151,7 +151,8 @@ class GrpcModelGateway:
                         if response.finish.HasField("usage")
                         else None
                     )
-                    yield FinishChunk(_FINISH.get(response.finish.reason, FinishReason.UNSPECIFIED), usage)
+                    reason = _FINISH.get(response.finish.reason, FinishReason.UNSPECIFIED)
+                    yield FinishChunk(reason, usage)
         except grpc.aio.AioRpcError as error:
             raise translate_error(error) from error
         finally:
