@@ -177,7 +177,6 @@ def build_turn_machinery(wiring: Wiring) -> TurnMachinery | None:
                 max_writes_per_turn=planner.max_writes_per_turn,
                 max_tool_calls_per_answer=planner.max_tool_calls_per_answer,
                 tool_concurrency=planner.tool_concurrency,
-                tool_call_timeout_s=deps.tool_call_s,
                 dependency_timeout_s=deps.project_lookup_s,
                 model_first_delta_s=deps.model_first_delta_s,
                 model_idle_s=deps.model_idle_s,

@@ -33,7 +33,12 @@ def build_system_prompt(project: ProjectInfo, skill: SkillDocument | None) -> st
 def to_model_messages(summary: str, messages: Sequence[Message]) -> list[ModelMessage]:
     """The conversation the model sees: the summary (when there is one), then the
     messages after it, each answer with its tool calls and then their results in call
-    order (results are stored in completion order)."""
+    order (results are stored in completion order).
+
+    Results are paired with calls by the planner's call id. The provider is spoken to
+    with its own ids (``wire_ids``), answer by answer: a provider that reuses ids across
+    answers gets each back within the answer that had it, never another call's result.
+    """
     out: list[ModelMessage] = []
     if summary:
         out.append(ModelMessage(Role.USER, f"[Summary of the earlier conversation]\n{summary}"))
@@ -49,21 +54,24 @@ def to_model_messages(summary: str, messages: Sequence[Message]) -> list[ModelMe
             if message.kind is MessageKind.ASSISTANT:
                 text = message.text
                 index += 1
-            calls: list[ToolCall] = []
+            stored: list[Message] = []
             while index < len(messages) and messages[index].kind is MessageKind.TOOL_CALL:
-                stored = messages[index]
-                calls.append(ToolCall(stored.tool_call_id, stored.tool_name, stored.tool_arguments))
+                stored.append(messages[index])
                 index += 1
-            out.append(ModelMessage(Role.ASSISTANT, text, tool_calls=tuple(calls)))
-            for call in calls:
-                result = results.get(call.call_id)
+            wire = wire_ids(stored)
+            calls = tuple(
+                ToolCall(wire[m.tool_call_id], m.tool_name, m.tool_arguments) for m in stored
+            )
+            out.append(ModelMessage(Role.ASSISTANT, text, tool_calls=calls))
+            for call in stored:
+                result = results.get(call.tool_call_id)
                 if result is not None:
                     out.append(
                         ModelMessage(
                             Role.TOOL,
                             result.tool_result,
-                            tool_call_id=call.call_id,
-                            tool_name=call.name,
+                            tool_call_id=wire[call.tool_call_id],
+                            tool_name=call.tool_name,
                             is_error=result.tool_error,
                         )
                     )
@@ -73,3 +81,21 @@ def to_model_messages(summary: str, messages: Sequence[Message]) -> list[ModelMe
         else:
             index += 1
     return out
+
+
+def wire_ids(calls: Sequence[Message]) -> dict[str, str]:
+    """The id each call of one answer is sent to the provider with, by planner id: the
+    provider's own id when it gave one that no other call of the answer shares (some
+    providers require their ids back), else the planner's id (decision 0111)."""
+    seen: dict[str, int] = {}
+    for call in calls:
+        if call.provider_call_id:
+            seen[call.provider_call_id] = seen.get(call.provider_call_id, 0) + 1
+    return {
+        call.tool_call_id: (
+            call.provider_call_id
+            if call.provider_call_id and seen[call.provider_call_id] == 1
+            else call.tool_call_id
+        )
+        for call in calls
+    }

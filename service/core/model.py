@@ -131,9 +131,14 @@ class Message:
     """One transcript message (SPEC section 3, "The transcript and sessions").
 
     ``sequence`` is the sequence of the session event that stored it. Tool calls carry
-    ``tool_call_id``, ``tool_name`` and ``tool_arguments`` (JSON text as the model sent
-    it, possibly invalid); tool results carry ``tool_call_id``, ``tool_name``,
-    ``tool_result`` (JSON text) and ``tool_error``. ``human_id`` is the human the message
+    ``tool_call_id`` (the planner's own id for the call, unique in the session: results
+    are paired with calls by it), ``provider_call_id`` (the id the provider gave the
+    call, kept only to speak to the provider; providers reuse theirs), ``tool_name`` and
+    ``tool_arguments`` (JSON text as the model sent it, possibly invalid); tool results
+    carry ``tool_call_id``, ``tool_name``, ``tool_result`` (JSON text) and
+    ``tool_error``. Assistant answers carry ``cut`` (a partial answer) and
+    ``finish_reason`` (``length``, ``content_filter``, ``refusal`` or ``truncated`` when
+    the answer did not end normally; empty otherwise). ``human_id`` is the human the message
     came from or the planner acted for. Compaction markers carry ``up_to`` and
     ``estimated_tokens``.
     """
@@ -146,7 +151,9 @@ class Message:
     sequence: int = 0
     text: str = ""
     cut: bool = False
+    finish_reason: str = ""
     tool_call_id: str = ""
+    provider_call_id: str = ""
     tool_name: str = ""
     tool_arguments: str = ""
     tool_result: str = ""

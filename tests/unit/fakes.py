@@ -40,6 +40,7 @@ from service.core.ports import (
     BackendResult,
     ContextSnapshot,
     FinishChunk,
+    FinishReason,
     LeaseStatus,
     ModelChunk,
     ModelRequest,
@@ -53,6 +54,7 @@ from service.core.ports import (
     TextChunk,
     ToolCall,
     ToolCallChunk,
+    ToolCallStartChunk,
     TurnCommit,
     TurnStart,
     TurnStartOutcome,
@@ -306,7 +308,8 @@ class ScriptedGateway:
     ``script(request)`` returns a reply dict: ``text``, ``chunks`` (list of text pieces),
     ``tool_calls`` (``[(name, arguments_text)]``), ``usage`` (``(input, output)``),
     ``error`` (a ``ModelFailure``), ``error_after`` (deltas before it), ``block`` (an
-    ``asyncio.Event`` to wait for before finishing).
+    ``asyncio.Event`` to wait for before finishing), ``ids`` (the provider's id of each
+    call; default unique ones), ``finish`` (a ``FinishReason``).
     """
 
     def __init__(self, script: Callable[[ModelRequest], Reply]) -> None:
@@ -332,12 +335,16 @@ class ScriptedGateway:
         self.started.set()
         if block is not None:
             await block.wait()
+        ids = reply.get("ids")
         for number, (name, arguments) in enumerate(reply.get("tool_calls", [])):
-            yield ToolCallChunk(ToolCall(f"call_{len(self.requests)}_{number}", name, arguments))
+            call_id = ids[number] if ids is not None else f"call_{len(self.requests)}_{number}"
+            yield ToolCallStartChunk(number, name)
+            yield ToolCallChunk(ToolCall(call_id, name, arguments), number)
         usage = reply.get("usage")
-        yield FinishChunk(
-            "tool_calls" if reply.get("tool_calls") else "stop", Usage(*usage) if usage else None
+        finish = reply.get("finish") or (
+            FinishReason.TOOL_CALLS if reply.get("tool_calls") else FinishReason.STOP
         )
+        yield FinishChunk(finish, Usage(*usage) if usage else None)
 
 
 def last_role(request: ModelRequest) -> Role | None:

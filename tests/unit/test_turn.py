@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from service.core.context import to_model_messages
 from service.core.errors import FailedPrecondition, InvalidArgument, ModelFailure, ToolFailure
 from service.core.fanout import Hub
 from service.core.model import (
@@ -31,7 +32,6 @@ from service.core.turn import (
     TurnDependencies,
     TurnService,
     TurnSettings,
-    to_model_messages,
 )
 from tests.unit.fakes import (
     FakeBackends,

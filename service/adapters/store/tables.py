@@ -186,6 +186,10 @@ messages = Table(
     _count("estimated_tokens"),
     # Message.size_bytes(): what the model sees of it, in UTF-8 bytes (SPEC 6).
     _count("size_bytes"),
+    # Added by migration 0003 (hence after the others): why an answer did not end
+    # normally, and the id the provider gave a tool call (tool_call_id is the planner's).
+    _text("finish_reason"),
+    _text("provider_call_id"),
 )
 Index("ix_messages_turn_id_sequence", messages.c.turn_id, messages.c.sequence)
 

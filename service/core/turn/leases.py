@@ -1,0 +1,106 @@
+"""Turn ownership (SPEC section 5, Ownership and recovery; decision 0070).
+
+A running turn records the replica that owns it and a lease the owner renews every third
+of ``lease_s``. A sweeper on every replica closes turns whose lease expired
+``INTERRUPTED`` from what is stored; the one-running-turn rule counts only turns whose
+lease holds. A renewal that finds the turn gone or taken over stops its run without
+storing anything more; one that finds a cancel flag (a notification missed while the
+listener reconnected) stops it ``CANCELLED``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from datetime import timedelta
+
+from service.core.errors import StoreUnavailable
+from service.core.turn import ending as endings
+from service.core.turn.ending import close_stored_turn
+from service.core.turn.settings import TurnDependencies
+from service.core.turn.state import TurnHandle
+
+log = logging.getLogger(__name__)
+
+
+class Leases:
+    """Renews the leases of this replica's turns (``handles``, by turn id) and sweeps
+    every replica's expired ones."""
+
+    def __init__(self, deps: TurnDependencies, handles: Mapping[str, TurnHandle]) -> None:
+        self._deps = deps
+        self._handles = handles
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._renew_loop(), name="turn-lease-renewer"),
+            loop.create_task(self._sweep_loop(), name="turn-sweeper"),
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+
+    async def sweep(self) -> int:
+        """Close every running turn whose lease expired and that no run here holds;
+        returns how many this call closed (replicas race for the same turns; one wins
+        each). Raises ``StoreUnavailable``."""
+        deps = self._deps
+        now = deps.clock.now()
+        closed = 0
+        for turn in await deps.store.running_turns(lease_expired_before=now):
+            if turn.turn_id in self._handles:
+                continue
+            if await close_stored_turn(
+                deps.store,
+                deps.hub,
+                deps.clock,
+                deps.observer,
+                turn,
+                endings.INTERRUPTED,
+                lease_expired_before=now,
+            ):
+                closed += 1
+        return closed
+
+    async def renew(self) -> None:
+        """Renew every lease this replica holds once."""
+        deps = self._deps
+        for handle in list(self._handles.values()):
+            if handle.done.is_set():
+                continue
+            until = deps.clock.now() + timedelta(seconds=deps.settings.lease_s)
+            try:
+                status = await deps.store.renew_lease(handle.turn_id, deps.replica_id, until)
+            except StoreUnavailable:
+                continue
+            if not status.held:
+                # Another replica closed it: the run's next commit conflicts and stores
+                # nothing more.
+                handle.request_stop(endings.INTERRUPTED)
+            elif status.cancel_requested:
+                handle.request_stop(endings.CANCELLED)
+
+    async def _renew_loop(self) -> None:
+        interval = self._deps.settings.lease_s / 3
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.renew()
+            except Exception as error:
+                log.error("lease renewal failed: %s", type(error).__name__)
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._deps.settings.sweep_interval_s)
+            try:
+                await self.sweep()
+            except StoreUnavailable:
+                continue
+            except Exception as error:
+                log.error("sweeping expired turns failed: %s", type(error).__name__)

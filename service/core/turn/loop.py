@@ -1,0 +1,419 @@
+"""One turn's step machine (seed: Planner, Instructions, Tools, Limits; SPEC section 5).
+
+``TurnLoop.run`` drives a turn from its start to its stored end, one step at a time.
+Each step returns the next:
+
+    Prepare ──> Compact ──> CallModel ──> RunTools(calls) ──> Compact ──> ...
+                                │
+                                └──> End(ending, pending)
+
+- ``Prepare`` loads what the model sees (the summary and the messages after it) and
+  builds the system prompt; if the project or skill cannot be read, the turn ends
+  ``FAILED``/``DEPENDENCY_UNAVAILABLE`` before any model call.
+- ``Compact`` compacts when the context estimate is over the threshold (SPEC 6).
+- ``CallModel`` streams one answer. Without tool calls it ends the turn (``COMPLETED``);
+  with calls it stores the answer and its calls in one commit (a round) and runs them.
+- ``RunTools`` runs the round's calls and stores each result.
+- ``End`` is stored by the one ending (``ending.closing_commit``).
+
+``_gate`` is the one place that checks stop requests (cancel, shutdown, a lost lease, the
+turn timeout), an expired credential (at the end of a round) and ``max_rounds`` (no
+model call after round ``max_rounds``), before every step. Stopping is a signal on the
+``TurnHandle``, not a task cancellation: the model stream stops at once, read tools are
+abandoned, started writes get ``cancel_grace``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
+from typing import TypeVar
+
+from service.core.context import to_model_messages
+from service.core.errors import PlannerError, StoreConflict, StoreUnavailable
+from service.core.model import ContextEstimate, EventKind, SessionEvent
+from service.core.ports import FinishReason, Purpose, SummaryUpdate, TurnCommit, TurnPatch
+from service.core.tools import error_result
+from service.core.turn import ending as endings
+from service.core.turn.compact import Compactor
+from service.core.turn.ending import Ending, close_stored_turn, closing_commit
+from service.core.turn.events import EventBuilder
+from service.core.turn.model_call import model_request, stream_answer
+from service.core.turn.prompt import Prompt, PromptSource
+from service.core.turn.settings import TurnDependencies
+from service.core.turn.state import Answer, PendingCall, TurnHandle, TurnState
+from service.core.turn.tool_round import ToolRound
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Finish reasons after which the answer is a cut one (SPEC 5: they reach the client as
+#: a cut answer with its reason); calls in such an answer may be partial and never run.
+_CUT_FINISHES = frozenset({FinishReason.LENGTH, FinishReason.CONTENT_FILTER})
+
+
+@dataclass(frozen=True)
+class Prepare:
+    """Load the context and build the system prompt."""
+
+
+@dataclass(frozen=True)
+class Compact:
+    """Compact the context if it is over the threshold, then call the model."""
+
+
+@dataclass(frozen=True)
+class CallModel:
+    """Stream one answer."""
+
+
+@dataclass(frozen=True)
+class RunTools:
+    """Run the calls of the round just stored."""
+
+    calls: tuple[PendingCall, ...]
+
+
+@dataclass(frozen=True)
+class End:
+    """End the turn with ``ending``, storing ``pending`` events (the final or cut answer)
+    in the same commit."""
+
+    ending: Ending
+    pending: tuple[SessionEvent, ...] = field(default=())
+
+
+Step = Prepare | Compact | CallModel | RunTools | End
+
+
+class Abandon(Exception):
+    """The run cannot store its state any more: the database is gone (the cause is
+    ``StoreUnavailable``: the turn is closed ``FAILED`` once it answers again), or the
+    turn is no longer this run's (``StoreConflict``: another replica closed it, or the
+    session was deleted)."""
+
+
+class TurnLoop:
+    """Drives one turn (``handle``) to its stored end. ``on_step`` sees every step taken
+    (tests read the sequence; nothing else depends on it)."""
+
+    def __init__(
+        self,
+        deps: TurnDependencies,
+        prompts: PromptSource,
+        handle: TurnHandle,
+        *,
+        on_step: Callable[[Step], None] | None = None,
+    ) -> None:
+        self._deps = deps
+        self._prompts = prompts
+        self._handle = handle
+        self._on_step = on_step
+        self._state = TurnState(
+            handle=handle,
+            events=EventBuilder(
+                handle.session_id, handle.turn_id, handle.turn.human_id, deps.clock
+            ),
+            session=handle.session,
+        )
+        self._prompt: Prompt | None = None
+        self._compactor = Compactor(deps, self._state, self._commit_compaction)
+        self._tools = ToolRound(deps, self._state, self._commit_results)
+
+    async def run(self) -> None:
+        """Drive the turn to its end and store it; never raises but ``CancelledError``."""
+        handle = self._handle
+        timer = asyncio.get_running_loop().call_later(
+            self._deps.settings.turn_timeout_s, handle.request_stop, endings.TURN_TIMEOUT
+        )
+        try:
+            await self._finish(await self._drive())
+        except Abandon as reason:
+            if isinstance(reason.__cause__, StoreUnavailable):
+                log.warning(
+                    "the database failed mid-turn; the turn ends FAILED once it answers",
+                    extra=handle.log_fields(),
+                )
+                await self._close_when_the_database_answers()
+            else:
+                log.warning("turn abandoned: %s", reason, extra=handle.log_fields())
+        except Exception as error:
+            log.error(
+                "turn failed unexpectedly: %s", type(error).__name__, extra=handle.log_fields()
+            )
+            log.debug("the turn's failure", exc_info=error, extra=handle.log_fields())
+            with contextlib.suppress(Exception):
+                await self._finish(End(endings.failed("INTERNAL", "internal error")))
+        finally:
+            timer.cancel()
+            self._deps.hub.clear_answer(handle.session_id)
+
+    # ------------------------------------------------------------------ the machine
+
+    async def _drive(self) -> End:
+        step: Step = Prepare()
+        while True:
+            step = self._gate(step)
+            if self._on_step is not None:
+                self._on_step(step)
+            if isinstance(step, End):
+                return step
+            if isinstance(step, Prepare):
+                step = await self._prepare()
+            elif isinstance(step, Compact):
+                assert self._prompt is not None
+                await self._compactor.maybe_compact(self._prompt)
+                step = CallModel()
+            elif isinstance(step, CallModel):
+                step = await self._call_model()
+            else:
+                await self._tools.run(step.calls)
+                step = Compact()
+
+    def _gate(self, step: Step) -> Step:
+        """The one check before every step: a stop request, then at the end of a round an
+        expired credential and ``max_rounds``."""
+        if isinstance(step, End):
+            return step
+        if self._handle.stop is not None:
+            return End(self._handle.stop)
+        if isinstance(step, Compact) and self._state.rounds:
+            if self._state.credential_expired:
+                return End(endings.CREDENTIAL_EXPIRED)
+            if self._state.rounds >= self._deps.settings.max_rounds:
+                return End(endings.MAX_ROUNDS)
+        return step
+
+    # ------------------------------------------------------------------ the steps
+
+    async def _prepare(self) -> Step:
+        state = self._state
+        snapshot = await self._guard(self._deps.store.load_context(state.session.session_id))
+        if snapshot is None:
+            raise Abandon("the session was deleted")
+        state.session = snapshot.session
+        state.summary = snapshot.session.summary
+        state.summary_up_to = snapshot.session.summary_up_to
+        state.messages = list(snapshot.messages)
+        state.context = snapshot.session.context
+        try:
+            self._prompt = await self._prompts.prompt(self._handle.acting, state.session.project_id)
+        except PlannerError as error:
+            log.warning(
+                "system prompt unavailable: %s", error.reason, extra=self._handle.log_fields()
+            )
+            return End(endings.failed("DEPENDENCY_UNAVAILABLE", error.message))
+        state.versions = self._prompt.versions
+        return Compact()
+
+    async def _call_model(self) -> Step:
+        state, prompt = self._state, self._prompt
+        assert prompt is not None
+        request = model_request(
+            self._deps,
+            state,
+            purpose=Purpose.TURN,
+            credential_ref=prompt.credential_ref,
+            system=prompt.system,
+            messages=to_model_messages(state.summary, state.messages),
+            tools=self._deps.declarations,
+        )
+        streamed = await stream_answer(self._deps, state, request, relay=True)
+        answer = streamed.answer
+        if streamed.stopped:
+            return End(self._handle.stop or endings.CANCELLED, self._cut(answer, ""))
+        if streamed.failure is not None:
+            failure = streamed.failure
+            finish = "truncated" if failure.reason == "MODEL_STREAM_TRUNCATED" else ""
+            return End(endings.failed(failure.reason, failure.message), self._cut(answer, finish))
+        if answer.finish in _CUT_FINISHES and answer.calls:
+            # The limit or the filter may have cut a call's arguments: none is run.
+            return End(
+                endings.failed(
+                    "MODEL_STREAM_TRUNCATED",
+                    f"the model's answer was cut ({answer.finish.value}) inside a tool call",
+                ),
+                self._cut(answer, answer.finish.value),
+            )
+        calls = answer.complete_calls()
+        if not calls:
+            cut = answer.finish in _CUT_FINISHES
+            finish = answer.finish.value if answer.finish is not None and cut else ""
+            if answer.finish is FinishReason.REFUSAL:
+                finish = FinishReason.REFUSAL.value
+            event = state.events.assistant_message(
+                answer.message_id, answer.text, usage=answer.usage, cut=cut, finish_reason=finish
+            )
+            return End(endings.COMPLETED, (event,))
+        return RunTools(await self._store_round(answer, calls))
+
+    async def _store_round(
+        self, answer: Answer, calls: list[PendingCall]
+    ) -> tuple[PendingCall, ...]:
+        """Store the answer with its calls in one commit (calls beyond
+        ``max_tool_calls_per_answer`` get their refusal in it too); returns the calls to
+        run."""
+        state, settings = self._state, self._deps.settings
+        events: list[SessionEvent] = []
+        if answer.length:
+            events.append(
+                state.events.assistant_message(answer.message_id, answer.text, usage=answer.usage)
+            )
+        for call in calls:
+            events.append(
+                state.events.tool_call(
+                    call.call_id,
+                    call.name,
+                    call.arguments,
+                    provider_call_id=call.provider_call_id,
+                )
+            )
+        limit = settings.max_tool_calls_per_answer
+        allowed, refused = calls[:limit], calls[limit:]
+        for call in refused:
+            outcome = error_result(
+                "TOO_MANY_CALLS", f"at most {limit} tool calls per answer; this one was not run"
+            )
+            events.extend(state.events.tool_result(call.call_id, call.name, outcome))
+        state.rounds += 1
+        # The answer's usage covers everything up to and including it (SPEC 6).
+        context = (
+            ContextEstimate(base_tokens=answer.usage.total, pending_bytes=0)
+            if answer.usage is not None
+            else None
+        )
+        patch = replace(state.versions, rounds=state.rounds, usage=state.usage)
+        await self._commit(events, patch=patch, context=context)
+        self._deps.observer.round_completed()
+        return tuple(allowed)
+
+    def _cut(self, answer: Answer, finish: str) -> tuple[SessionEvent, ...]:
+        """The partial answer as streamed, marked cut, when there is text to keep."""
+        if not answer.length:
+            return ()
+        event = self._state.events.assistant_message(
+            answer.message_id, answer.text, usage=answer.usage, cut=True, finish_reason=finish
+        )
+        return (event,)
+
+    # ------------------------------------------------------------------ the end
+
+    async def _finish(self, end: End) -> None:
+        state = self._state
+        final = end.pending[0].message if end.pending else None
+        context: ContextEstimate | None = None
+        if final is not None and final.usage is not None and not final.cut:
+            context = ContextEstimate(base_tokens=final.usage.total, pending_bytes=0)
+        commit = closing_commit(
+            state.events,
+            end.ending,
+            state.totals,
+            state.messages,
+            pending=end.pending,
+            patch=state.versions,
+            context=context,
+            owner=self._deps.replica_id,
+        )
+        await self._store(commit)
+        self._deps.observer.turn_ended(
+            end.ending.reason,
+            end.ending.error_reason,
+            state.rounds,
+            (self._deps.clock.now() - self._handle.turn.start_time).total_seconds(),
+        )
+
+    async def _close_when_the_database_answers(self) -> None:
+        """Close the turn of a run whose commit failed because the database is
+        unavailable: ``FAILED``/``DATABASE_UNAVAILABLE``, from what is stored (the failed
+        commit may have landed before the connection broke), retried with backoff until
+        the database answers; conditional on this replica still owning the turn, so a
+        sweeper that closed it first wins (decision 0070)."""
+        state, deps = self._state, self._deps
+        turn = replace(
+            self._handle.turn,
+            rounds=state.rounds,
+            usage=state.usage,
+            compaction_usage=state.compaction_usage,
+            writes=state.writes,
+        )
+        delay = 0.05
+        while True:
+            with contextlib.suppress(StoreUnavailable):
+                await close_stored_turn(
+                    deps.store,
+                    deps.hub,
+                    deps.clock,
+                    deps.observer,
+                    turn,
+                    endings.DATABASE_UNAVAILABLE,
+                    owner=deps.replica_id,
+                )
+                return
+            # Jitter keeps a replica's closing turns from hitting the database in lockstep.
+            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+            delay = min(1.0, delay * 2)
+
+    # ------------------------------------------------------------------ storage
+
+    async def _commit_results(self, events: list[SessionEvent], patch: TurnPatch | None) -> None:
+        await self._commit(events, patch=patch)
+
+    async def _commit_compaction(
+        self,
+        events: list[SessionEvent],
+        patch: TurnPatch,
+        summary: SummaryUpdate,
+        context: ContextEstimate,
+    ) -> None:
+        await self._commit(events, patch=patch, summary=summary, context=context)
+
+    async def _commit(
+        self,
+        events: list[SessionEvent],
+        *,
+        patch: TurnPatch | None = None,
+        summary: SummaryUpdate | None = None,
+        context: ContextEstimate | None = None,
+    ) -> None:
+        await self._store(
+            TurnCommit(
+                session_id=self._handle.session_id,
+                turn_id=self._handle.turn_id,
+                now=self._deps.clock.now(),
+                events=events,
+                turn_patch=patch,
+                summary=summary,
+                context=context,
+                owner=self._deps.replica_id,
+            )
+        )
+
+    async def _store(self, commit: TurnCommit) -> None:
+        """Apply ``commit``, then remember what it stored and publish it; raises
+        ``Abandon``."""
+        stored = await self._guard(self._deps.store.commit(commit))
+        state = self._state
+        for event in stored:
+            if event.message is not None and event.kind is not EventKind.COMPACTED:
+                state.messages.append(event.message)
+        if commit.context is None:
+            added = sum(e.message.size_bytes() for e in stored if e.message is not None)
+            state.context = ContextEstimate(
+                state.context.base_tokens, state.context.pending_bytes + added
+            )
+        else:
+            # The store now holds this estimate; so must the turn, or the next compaction
+            # check ignores the usage an answer just reported (SPEC 6).
+            state.context = commit.context
+        self._deps.hub.publish(stored)
+
+    async def _guard(self, operation: Awaitable[T]) -> T:
+        try:
+            return await operation
+        except (StoreUnavailable, StoreConflict) as error:
+            raise Abandon(type(error).__name__) from error

@@ -1,0 +1,181 @@
+"""One model call of a turn: the request (SPEC section 5 step 4) and its streamed answer.
+
+Text deltas are relayed to the session's streams as they arrive (turn-purpose calls
+only), under the id the stored answer will have. Every tool call of the answer gets the
+planner's own id as soon as it appears (its start, or the complete call), unique in the
+session: the provider's id is kept beside it, only to speak to the provider again.
+Stopping the turn stops the stream at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from service.core.errors import ModelFailure
+from service.core.ids import new_id
+from service.core.model import TextDelta
+from service.core.ports import (
+    FinishChunk,
+    ModelDeadlines,
+    ModelMessage,
+    ModelRequest,
+    Purpose,
+    TextChunk,
+    ToolCallChunk,
+    ToolCallStartChunk,
+    ToolDeclaration,
+)
+from service.core.turn.settings import TurnDependencies
+from service.core.turn.state import Answer, PendingCall, TurnState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Streamed:
+    """A streamed answer and how its stream ended: normally (``failure`` None and not
+    ``stopped``), with a ``ModelFailure``, or stopped because the turn must end."""
+
+    answer: Answer
+    failure: ModelFailure | None = None
+    stopped: bool = False
+
+
+def time_left(deps: TurnDependencies, state: TurnState) -> float:
+    """Seconds left of ``planner.turn_timeout`` (negative once it has run out)."""
+    elapsed = (deps.clock.now() - state.handle.turn.start_time).total_seconds()
+    return deps.settings.turn_timeout_s - elapsed
+
+
+def model_request(
+    deps: TurnDependencies,
+    state: TurnState,
+    *,
+    purpose: Purpose,
+    credential_ref: str,
+    system: str,
+    messages: Sequence[ModelMessage],
+    tools: Sequence[ToolDeclaration],
+) -> ModelRequest:
+    """A request metered to the session's project with its model credential reference;
+    each model deadline is capped by what is left of the turn (SPEC 5, Deadlines)."""
+    settings = deps.settings
+    left = max(0.1, time_left(deps, state))
+    return ModelRequest(
+        project_id=state.session.project_id,
+        credential_ref=credential_ref,
+        model=settings.model,
+        purpose=purpose,
+        system_prompt=system,
+        messages=messages,
+        tools=tools,
+        request_id=new_id("gen"),
+        deadlines=ModelDeadlines(
+            first_delta_s=min(settings.model_first_delta_s, left),
+            idle_s=min(settings.model_idle_s, left),
+            total_s=min(settings.model_total_s, left),
+        ),
+    )
+
+
+async def stream_answer(
+    deps: TurnDependencies, state: TurnState, request: ModelRequest, *, relay: bool
+) -> Streamed:
+    """Stream one answer through the gateway; ``relay`` sends its text deltas to the
+    session's streams. Turn-purpose usage is added to the turn's. Never raises but
+    ``CancelledError``."""
+    handle = state.handle
+    answer = Answer(message_id=new_id("msg"))
+    if handle.stopping.is_set():
+        return Streamed(answer, stopped=True)
+    started = time.monotonic()
+    first_output: list[float] = []
+
+    async def consume() -> None:
+        async for chunk in deps.gateway.stream(request):
+            if not first_output:
+                first_output.append(time.monotonic() - started)
+            if isinstance(chunk, TextChunk):
+                offset = answer.add_text(chunk.text)
+                if relay and chunk.text:
+                    deps.hub.publish_delta(
+                        TextDelta(
+                            handle.session_id,
+                            handle.turn_id,
+                            answer.message_id,
+                            offset,
+                            chunk.text,
+                        )
+                    )
+            elif isinstance(chunk, ToolCallStartChunk):
+                _call_at(answer, chunk.index, chunk.name)
+            elif isinstance(chunk, ToolCallChunk):
+                call = _call_at(answer, chunk.index, chunk.call.name, completing=True)
+                call.name = chunk.call.name
+                call.provider_call_id = chunk.call.call_id
+                call.arguments = chunk.call.arguments
+                call.complete = True
+            elif isinstance(chunk, FinishChunk):
+                answer.finish = chunk.reason
+                answer.usage = chunk.usage
+
+    loop = asyncio.get_running_loop()
+    task = loop.create_task(consume())
+    stopper = loop.create_task(handle.stopping.wait())
+    stopped = False
+    try:
+        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopper.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+            stopped = True
+    failure: ModelFailure | None = None
+    outcome = "stopped" if stopped else "ok"
+    if not stopped:
+        error = task.exception()
+        if isinstance(error, ModelFailure):
+            failure = error
+        elif error is not None:
+            # A bug, not the model's doing; the traceback may quote content, so it is
+            # kept to DEBUG (SPEC section 8).
+            log.error(
+                "the model stream failed unexpectedly: %s",
+                type(error).__name__,
+                extra=handle.log_fields(),
+            )
+            log.debug("the model stream's failure", exc_info=error, extra=handle.log_fields())
+            failure = ModelFailure("MODEL_ERROR", f"the model call failed: {type(error).__name__}")
+        if failure is not None:
+            outcome = failure.reason
+    deps.observer.model_called(
+        request.purpose.value,
+        outcome,
+        time.monotonic() - started,
+        answer.usage,
+        first_output[0] if first_output else None,
+    )
+    if request.purpose is Purpose.TURN and answer.usage is not None:
+        state.usage = state.usage + answer.usage
+    return Streamed(answer, failure, stopped)
+
+
+def _call_at(answer: Answer, index: int, name: str, *, completing: bool = False) -> PendingCall:
+    """The call at ``index`` of the answer, given the planner's id when it first appears.
+
+    A second complete call at an index already completed (a gateway that numbers badly)
+    is a new call, never merged into the first.
+    """
+    call = answer.calls.get(index)
+    if call is not None and not (completing and call.complete):
+        return call
+    if call is not None:
+        index = max(answer.calls) + 1
+    call = PendingCall(call_id=new_id("call"), name=name)
+    answer.calls[index] = call
+    return call

@@ -1,0 +1,356 @@
+"""The turn service: what the transport calls to start, cancel and wait for turns
+(SPEC sections 3 and 5).
+
+``send_message`` stores the human message and opens the turn in one transaction, then
+runs the turn as a task of its own, so a client that disconnects does not stop it (a
+disconnect is not a cancel). The commit and the launch that must follow it run in a task
+this service owns: a caller cancelled between the two cannot leave a stored turn that
+never runs. ``cancel`` stops a turn on whichever replica runs it; ``wait_for_end`` serves
+unary ``SendMessage``; ``stop`` is the graceful shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import TypeVar
+
+from service.core.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    StoreUnavailable,
+    Unavailable,
+)
+from service.core.ids import new_id, request_hash
+from service.core.model import Session, SessionEvent, Turn, TurnState
+from service.core.ports import Acting, StartOutcomeKind, TurnStart
+from service.core.sessions import check_request_id
+from service.core.turn import ending as endings
+from service.core.turn.ending import Ending, close_stored_turn
+from service.core.turn.events import EventBuilder
+from service.core.turn.leases import Leases
+from service.core.turn.loop import Step, TurnLoop
+from service.core.turn.prompt import PromptSource
+from service.core.turn.settings import TurnDependencies
+from service.core.turn.state import TurnHandle
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Attempts to open a turn while an expired one is being closed.
+_START_ATTEMPTS = 3
+
+
+@dataclass(frozen=True)
+class SendRequest:
+    """A human message for a session; ``token`` is the human's bearer token."""
+
+    session: Session
+    human_id: str
+    organization_id: str
+    token: str
+    text: str
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """A message accepted (or a duplicate of one): the turn and its stored
+    ``message_accepted`` event."""
+
+    turn: Turn
+    message_accepted: SessionEvent
+    duplicate: bool
+
+
+class TurnService:
+    """Runs the turns of this replica: start, cancel, leases and recovery.
+
+    ``on_step``, when given, sees every step of every turn (tests).
+    """
+
+    def __init__(
+        self, deps: TurnDependencies, *, on_step: Callable[[str, Step], None] | None = None
+    ) -> None:
+        settings = deps.settings
+        self._deps = deps
+        self._prompts = PromptSource(
+            deps.backends,
+            deps.clock,
+            model=settings.model,
+            declarations=deps.declarations,
+            ttl_s=settings.prompt_cache_s,
+            timeout_s=settings.dependency_timeout_s,
+        )
+        self._handles: dict[str, TurnHandle] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._accepting_tasks: set[asyncio.Task[Accepted]] = set()
+        self._leases = Leases(deps, self._handles)
+        self._on_step = on_step
+        self._accepting = True
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Close the turns this replica owned in an earlier life, then start renewing
+        leases and sweeping."""
+        with contextlib.suppress(StoreUnavailable):
+            for turn in await self._deps.store.running_turns(owner=self._deps.replica_id):
+                if turn.turn_id not in self._handles:
+                    await self._close(turn, endings.INTERRUPTED, owner=self._deps.replica_id)
+        self._leases.start()
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop accepting turns; let running ones end on their own while the grace period
+        leaves room for a stop; then stop them ``INTERRUPTED`` (started writes get
+        ``cancel_grace``); close any that did not store their end from what is stored
+        (SPEC section 8, graceful shutdown). ``grace_s`` > ``cancel_grace`` + 1 is
+        checked by the settings loader."""
+        self._accepting = False
+        started = time.monotonic()
+        cancel_grace = self._deps.settings.cancel_grace_s
+        if self._accepting_tasks:
+            await asyncio.wait(set(self._accepting_tasks))
+        await self._wait_for_runs(grace_s - cancel_grace - 1.0)
+        for handle in list(self._handles.values()):
+            handle.request_stop(endings.SHUTTING_DOWN)
+        await self._wait_for_runs(grace_s - (time.monotonic() - started) - 0.5)
+        stuck = [self._handles[turn_id] for turn_id in list(self._handles)]
+        for task in list(self._tasks.values()):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(set(self._tasks.values()))
+        for handle in stuck:
+            with contextlib.suppress(StoreUnavailable):
+                await self._close(handle.turn, endings.SHUTTING_DOWN, owner=self._deps.replica_id)
+        await self._leases.stop()
+
+    async def _wait_for_runs(self, timeout_s: float) -> None:
+        tasks = set(self._tasks.values())
+        if tasks and timeout_s > 0:
+            await asyncio.wait(tasks, timeout=timeout_s)
+
+    @property
+    def running(self) -> int:
+        """Turns running in this process."""
+        return len(self._handles)
+
+    # ------------------------------------------------------------------ requests
+
+    async def send_message(self, request: SendRequest) -> Accepted:
+        """Store the human message and open the turn, then run it (SPEC 5 step 1).
+
+        Raises ``InvalidArgument`` (``REQUEST_ID_REQUIRED``, ``REQUEST_ID_TOO_LONG``,
+        ``REQUEST_ID_REUSED``, ``MESSAGE_TOO_LONG``, ``EMPTY_MESSAGE``),
+        ``FailedPrecondition`` (``TURN_IN_PROGRESS``), ``ResourceExhausted``
+        (``TOO_MANY_TURNS``), ``NotFound`` (the session is gone), ``Unavailable``
+        (shutting down, database down).
+        """
+        check_request_id(request.request_id, required=True)
+        limit = self._deps.settings.message_max_bytes
+        size = len(request.text.encode())
+        if size > limit:
+            raise InvalidArgument(
+                f"the message is {size} bytes; at most {limit}", reason="MESSAGE_TOO_LONG"
+            )
+        if not request.text.strip():
+            raise InvalidArgument("the message is empty", reason="EMPTY_MESSAGE")
+        if not self._accepting:
+            raise Unavailable("the planner is shutting down", reason="SHUTTING_DOWN")
+        task = asyncio.get_running_loop().create_task(self._accept(request))
+        self._accepting_tasks.add(task)
+        task.add_done_callback(self._accepted)
+        # Shielded: a caller cancelled here leaves the task to commit and launch.
+        return await asyncio.shield(task)
+
+    def _accepted(self, task: asyncio.Task[Accepted]) -> None:
+        self._accepting_tasks.discard(task)
+        if not task.cancelled():
+            # Read, so that a refusal nobody awaits any more is not reported as lost.
+            task.exception()
+
+    async def _accept(self, request: SendRequest) -> Accepted:
+        session = request.session
+        settings = self._deps.settings
+        for _attempt in range(_START_ATTEMPTS):
+            now = self._deps.clock.now()
+            turn_id = new_id("turn")
+            events = EventBuilder(session.session_id, turn_id, request.human_id, self._deps.clock)
+            accepted = events.message_accepted(request.text)
+            assert accepted.message is not None
+            turn = Turn(
+                turn_id=turn_id,
+                session_id=session.session_id,
+                human_id=request.human_id,
+                state=TurnState.RUNNING,
+                start_time=now,
+                request_id=request.request_id,
+                request_hash=request_hash(request.text),
+                model=settings.model,
+                owner=self._deps.replica_id,
+                lease_expires_at=now + timedelta(seconds=settings.lease_s),
+            )
+            outcome = await self._store_call(
+                self._deps.store.start_turn(
+                    TurnStart(
+                        turn=turn,
+                        project_id=session.project_id,
+                        message=accepted.message,
+                        events=[accepted, events.turn_started(settings.model, settings.max_rounds)],
+                        limits=settings.running_limits,
+                        now=now,
+                    )
+                )
+            )
+            if outcome.kind is StartOutcomeKind.EXPIRED_TURN:
+                await self._close(outcome.turn, endings.INTERRUPTED, lease_expired_before=now)
+                continue
+            if outcome.kind is StartOutcomeKind.DUPLICATE:
+                return Accepted(outcome.turn, outcome.events[0], duplicate=True)
+            stored = list(outcome.events)
+            self._deps.hub.publish(stored)
+            acting = Acting(
+                human_id=request.human_id,
+                organization_id=request.organization_id,
+                token=request.token,
+                session_id=session.session_id,
+            )
+            self._launch(TurnHandle(outcome.turn, session, acting, stored[0].sequence))
+            return Accepted(outcome.turn, stored[0], duplicate=False)
+        raise FailedPrecondition("a turn is still closing; try again", reason="TURN_IN_PROGRESS")
+
+    async def wait_for_end(self, turn_id: str) -> Turn:
+        """Wait until a turn has ended and return it (unary ``SendMessage``); the
+        caller's deadline bounds the wait, the turn goes on regardless. Raises
+        ``NotFound``, ``Unavailable``."""
+        handle = self._handles.get(turn_id)
+        if handle is not None:
+            await handle.done.wait()
+        delay = 0.05
+        while True:
+            turn = await self._store_call(self._deps.store.get_turn(turn_id))
+            if turn is None:
+                raise NotFound("the turn does not exist", reason="TURN_NOT_FOUND")
+            if turn.state is TurnState.ENDED:
+                return turn
+            # A turn another replica runs: poll its row (this path is rare).
+            await asyncio.sleep(delay)
+            delay = min(0.5, delay * 2)
+
+    async def cancel(self, session: Session, turn_id: str) -> Turn:
+        """Cancel a turn of ``session``; an ended turn is returned unchanged.
+
+        ``turn_id`` empty means the running turn (``NotFound`` when there is none).
+        Takes effect within 1 s on whichever replica runs the turn (SPEC section 3).
+        """
+        store = self._deps.store
+        if not turn_id:
+            turn_id = session.running_turn_id
+            if not turn_id:
+                raise NotFound("no turn is running", reason="TURN_NOT_FOUND")
+        turn = await self._store_call(store.get_turn(turn_id))
+        if turn is None or turn.session_id != session.session_id:
+            raise NotFound("the turn does not exist", reason="TURN_NOT_FOUND")
+        if turn.state is TurnState.ENDED:
+            return turn
+        handle = self._handles.get(turn_id)
+        deadline = self._deps.settings.cancel_grace_s + 1.0
+        if handle is not None:
+            handle.request_stop(endings.CANCELLED)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(handle.done.wait(), timeout=deadline)
+        else:
+            now = self._deps.clock.now()
+            if turn.lease_expires_at is not None and turn.lease_expires_at <= now:
+                await self._close(turn, endings.INTERRUPTED, lease_expired_before=now)
+            else:
+                await self._store_call(store.request_cancel(turn_id))
+                started = time.monotonic()
+                delay = 0.02
+                while time.monotonic() - started < deadline:
+                    current = await self._store_call(store.get_turn(turn_id))
+                    if current is None or current.state is TurnState.ENDED:
+                        break
+                    await asyncio.sleep(delay)
+                    delay = min(0.2, delay * 2)
+        final = await self._store_call(store.get_turn(turn_id))
+        if final is None:
+            raise NotFound("the turn does not exist", reason="TURN_NOT_FOUND")
+        return final
+
+    def on_remote_cancel(self, turn_id: str) -> None:
+        """A cancel requested on another replica (via the notifier)."""
+        handle = self._handles.get(turn_id)
+        if handle is not None:
+            handle.request_stop(endings.CANCELLED)
+
+    def on_session_deleted(self, session_id: str) -> None:
+        """``DeleteSession`` removed a session: stop its turn here at once (SPEC 3). Nothing
+        of it can be stored any more, so the run ends at its next commit without one."""
+        for handle in list(self._handles.values()):
+            if handle.session_id == session_id:
+                handle.request_stop(endings.CANCELLED)
+
+    async def sweep(self) -> int:
+        """Close every running turn whose lease expired (see ``Leases.sweep``)."""
+        return await self._leases.sweep()
+
+    # ------------------------------------------------------------------ runs
+
+    def _launch(self, handle: TurnHandle) -> None:
+        turn_id = handle.turn_id
+        self._handles[turn_id] = handle
+        self._deps.observer.turn_started()
+        on_step = self._on_step
+        loop = TurnLoop(
+            self._deps,
+            self._prompts,
+            handle,
+            on_step=(lambda step: on_step(turn_id, step)) if on_step is not None else None,
+        )
+        task = asyncio.get_running_loop().create_task(loop.run(), name=f"turn {turn_id}")
+        self._tasks[turn_id] = task
+
+        # A done callback, not a finally: it runs even for a task cancelled before it
+        # started (shutdown), so no handle outlives its run.
+        def ended(_: asyncio.Task[None]) -> None:
+            self._handles.pop(turn_id, None)
+            self._tasks.pop(turn_id, None)
+            handle.done.set()
+
+        task.add_done_callback(ended)
+
+    async def _close(
+        self,
+        turn: Turn,
+        ending: Ending,
+        *,
+        owner: str | None = None,
+        lease_expired_before: datetime | None = None,
+    ) -> bool:
+        deps = self._deps
+        return await close_stored_turn(
+            deps.store,
+            deps.hub,
+            deps.clock,
+            deps.observer,
+            turn,
+            ending,
+            owner=owner,
+            lease_expired_before=lease_expired_before,
+        )
+
+    async def _store_call(self, operation: Awaitable[T]) -> T:
+        try:
+            return await operation
+        except StoreUnavailable as error:
+            raise Unavailable(
+                "the database is unavailable", reason="DATABASE_UNAVAILABLE"
+            ) from error

@@ -1,0 +1,136 @@
+"""What every turn of a replica shares, frozen: the limits (``TurnSettings``), the ports
+and the tools (``TurnDependencies``), and the metrics hooks (``TurnObserver``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from service.core.fanout import Hub
+from service.core.model import TurnEndReason, Usage
+from service.core.ports import (
+    Clock,
+    ModelGateway,
+    RunningLimits,
+    SessionStore,
+    ToolBackends,
+    ToolDeclaration,
+)
+from service.core.tools import ToolRunner
+
+
+@dataclass(frozen=True)
+class TurnSettings:
+    """The limits a turn runs under (seed: [planner]; SPEC sections 5, 7, 8).
+
+    Times are seconds. ``max_rounds`` >= 1 and ``cancel_grace_s`` below the server's
+    shutdown grace are checked by the settings loader.
+    """
+
+    model: str
+    max_rounds: int = 8
+    compact_at_tokens: int = 100_000
+    compaction_input_max_tokens: int = 60_000
+    summary_instructions: str = ""
+    turn_timeout_s: float = 600.0
+    cancel_grace_s: float = 5.0
+    max_writes_per_turn: int = 5
+    max_tool_calls_per_answer: int = 16
+    tool_concurrency: int = 4
+    dependency_timeout_s: float = 10.0
+    model_first_delta_s: float = 60.0
+    model_idle_s: float = 60.0
+    model_total_s: float = 300.0
+    lease_s: float = 15.0
+    sweep_interval_s: float = 5.0
+    prompt_cache_s: float = 60.0
+    message_max_bytes: int = 32 * 1024
+    running_limits: RunningLimits = field(default_factory=RunningLimits)
+
+
+class TurnObserver(Protocol):
+    """Metrics hooks of the turn loop; labels never carry session, turn, human or
+    project ids (SPEC section 8). Times are seconds."""
+
+    def turn_started(self) -> None: ...
+
+    def turn_ended(
+        self,
+        reason: TurnEndReason,
+        error_reason: str,
+        rounds: int = 0,
+        seconds: float | None = None,
+    ) -> None: ...
+
+    def compaction_failed(self) -> None: ...
+
+    def round_completed(self) -> None: ...
+
+    def tool_called(self, tool: str, outcome: str, seconds: float) -> None: ...
+
+    def model_called(
+        self,
+        purpose: str,
+        outcome: str,
+        seconds: float,
+        usage: Usage | None,
+        first_delta_s: float | None = None,
+    ) -> None: ...
+
+    def compacted(self) -> None: ...
+
+
+class NullObserver:
+    """A ``TurnObserver`` that records nothing."""
+
+    def turn_started(self) -> None:
+        pass
+
+    def turn_ended(
+        self,
+        reason: TurnEndReason,
+        error_reason: str,
+        rounds: int = 0,
+        seconds: float | None = None,
+    ) -> None:
+        pass
+
+    def compaction_failed(self) -> None:
+        pass
+
+    def round_completed(self) -> None:
+        pass
+
+    def tool_called(self, tool: str, outcome: str, seconds: float) -> None:
+        pass
+
+    def model_called(
+        self,
+        purpose: str,
+        outcome: str,
+        seconds: float,
+        usage: Usage | None,
+        first_delta_s: float | None = None,
+    ) -> None:
+        pass
+
+    def compacted(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class TurnDependencies:
+    """What every turn of a replica shares: the ports, the tools, the settings, and who
+    this replica is (``replica_id`` owns the leases)."""
+
+    store: SessionStore
+    gateway: ModelGateway
+    backends: ToolBackends
+    hub: Hub
+    clock: Clock
+    settings: TurnSettings
+    replica_id: str
+    tools: ToolRunner
+    declarations: Sequence[ToolDeclaration]
+    observer: TurnObserver = field(default_factory=NullObserver)

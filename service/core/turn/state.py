@@ -1,0 +1,127 @@
+"""A running turn's two halves: the ``TurnHandle`` the turn service holds (ids, the stop
+signal, the end), and the ``TurnState`` only the loop touches (what the model sees, what
+the turn used, the answer streaming now)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from service.core.model import ContextEstimate, Message, Session, Turn, Usage
+from service.core.ports import Acting, FinishReason, TurnPatch
+from service.core.turn.ending import Ending
+from service.core.turn.events import EventBuilder, Totals
+
+
+class TurnHandle:
+    """What the turn service and the lease renewer hold of a turn this replica runs.
+
+    ``request_stop`` asks the loop to end the turn with an ``Ending`` (cancel, shutdown,
+    lost lease, timeout); the first request wins. ``done`` is set once the loop has
+    finished, however it finished.
+    """
+
+    def __init__(self, turn: Turn, session: Session, acting: Acting, human_sequence: int) -> None:
+        self.turn = turn
+        self.session = session
+        self.acting = acting
+        self.human_sequence = human_sequence
+        self.stop: Ending | None = None
+        self.stopping = asyncio.Event()
+        self.done = asyncio.Event()
+
+    def request_stop(self, ending: Ending) -> None:
+        """Ask the loop to end the turn with ``ending`` at its next step (at once while
+        the model streams or tools run)."""
+        if self.stop is None:
+            self.stop = ending
+        self.stopping.set()
+
+    @property
+    def turn_id(self) -> str:
+        return self.turn.turn_id
+
+    @property
+    def session_id(self) -> str:
+        return self.session.session_id
+
+    def log_fields(self) -> dict[str, str]:
+        """The context fields of ``service/logs.py``; never content (SPEC section 8)."""
+        return {
+            "session": self.session.session_id,
+            "turn": self.turn.turn_id,
+            "project": self.session.project_id,
+            "actor": self.acting.actor,
+        }
+
+
+@dataclass
+class PendingCall:
+    """A tool call of the answer streaming now, under the planner's id ``call_id``;
+    ``arguments`` is empty until the call is complete."""
+
+    call_id: str
+    name: str
+    provider_call_id: str = ""
+    arguments: str = ""
+    complete: bool = False
+
+
+@dataclass
+class Answer:
+    """One streamed model answer as it builds up.
+
+    Text arrives in pieces joined once, when read; ``calls`` are keyed by their index in
+    the answer. ``finish`` is the provider's reason (None until the stream finished).
+    """
+
+    message_id: str
+    parts: list[str] = field(default_factory=list)
+    length: int = 0
+    calls: dict[int, PendingCall] = field(default_factory=dict)
+    finish: FinishReason | None = None
+    usage: Usage | None = None
+
+    def add_text(self, text: str) -> int:
+        """Append a piece; returns its offset in characters."""
+        offset = self.length
+        self.parts.append(text)
+        self.length += len(text)
+        return offset
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def complete_calls(self) -> list[PendingCall]:
+        """The complete calls, in index order."""
+        return [self.calls[i] for i in sorted(self.calls) if self.calls[i].complete]
+
+
+@dataclass
+class TurnState:
+    """The mutable state of one turn; owned by its loop alone.
+
+    ``messages`` are the messages after the summary (what the model sees besides the
+    summary), the turn's own included as they are stored; ``context`` is the running
+    context estimate (SPEC 6).
+    """
+
+    handle: TurnHandle
+    events: EventBuilder
+    session: Session
+    summary: str = ""
+    summary_up_to: int = 0
+    messages: list[Message] = field(default_factory=list)
+    context: ContextEstimate = field(default_factory=ContextEstimate)
+    rounds: int = 0
+    usage: Usage = field(default_factory=Usage)
+    compaction_usage: Usage = field(default_factory=Usage)
+    writes: int = 0
+    compaction_failed: bool = False
+    credential_expired: bool = False
+    versions: TurnPatch = field(default_factory=TurnPatch)
+
+    @property
+    def totals(self) -> Totals:
+        return Totals(self.rounds, self.usage, self.compaction_usage, self.writes)

@@ -1,0 +1,141 @@
+"""Running the tool calls of one round (SPEC section 5 step 5; cancel and interruption).
+
+The calls of one answer run concurrently, at most ``tool_concurrency`` at a time; each
+result is stored (with its ``tool_call_finished`` event) as its call completes, so the
+stored order is completion order. When the turn is asked to stop, read calls and calls
+not yet started are abandoned at once, and started writes get ``cancel_grace`` seconds:
+a write that finishes in time has its real result stored, the rest get the ending's
+synthetic result ("cancelled; the outcome is unknown").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+
+from service.core.model import SessionEvent
+from service.core.ports import ToolCall, TurnPatch
+from service.core.tools import TOOLS_BY_NAME, WRITE_TOOLS, ToolContext, ToolOutcome, error_result
+from service.core.turn.model_call import time_left
+from service.core.turn.settings import TurnDependencies
+from service.core.turn.state import PendingCall, TurnState
+
+log = logging.getLogger(__name__)
+
+#: Stores events (and a turn patch) in one commit; raises the loop's ``Abandon``.
+Commit = Callable[[list[SessionEvent], TurnPatch | None], Awaitable[object]]
+
+_Result = tuple[ToolOutcome, float]
+
+
+class ToolRound:
+    """The calls of one answer, run and stored; ``run`` returns when every call has a
+    stored result or the turn is stopping (the ending gives the rest theirs)."""
+
+    def __init__(self, deps: TurnDependencies, state: TurnState, commit: Commit) -> None:
+        self._deps = deps
+        self._state = state
+        self._commit = commit
+        self._started: set[str] = set()
+
+    async def run(self, calls: Sequence[PendingCall]) -> None:
+        """Run ``calls``; raises what ``commit`` raises, after stopping every call still
+        running (so no write lands after the turn was closed)."""
+        if not calls:
+            return
+        semaphore = asyncio.Semaphore(self._deps.settings.tool_concurrency)
+        context = ToolContext(
+            acting=self._state.handle.acting,
+            project_id=self._state.session.project_id,
+            reserve_write=self._reserve_write,
+            # Tool deadlines are capped by what is left of planner.turn_timeout (SPEC 5).
+            timeout_s=max(0.0, time_left(self._deps, self._state)),
+        )
+
+        async def one(call: PendingCall) -> _Result:
+            async with semaphore:
+                self._started.add(call.call_id)
+                begin = time.monotonic()
+                outcome = await self._deps.tools.run(
+                    ToolCall(call.call_id, call.name, call.arguments), context
+                )
+                return outcome, time.monotonic() - begin
+
+        loop = asyncio.get_running_loop()
+        pending = {loop.create_task(one(call)): call for call in calls}
+        try:
+            await self._collect(pending)
+        finally:
+            left = [task for task in pending if not task.done()]
+            for task in left:
+                task.cancel()
+            if left:
+                await asyncio.wait(left)
+
+    def _reserve_write(self) -> bool:
+        state = self._state
+        if state.writes >= self._deps.settings.max_writes_per_turn:
+            return False
+        state.writes += 1
+        return True
+
+    async def _collect(self, pending: dict[asyncio.Task[_Result], PendingCall]) -> None:
+        """Store results as calls complete; on a stop, abandon reads and give started
+        writes ``cancel_grace`` seconds. ``pending`` loses the calls stored."""
+        stopping = self._state.handle.stopping
+        stopper = asyncio.get_running_loop().create_task(stopping.wait())
+        try:
+            while pending:
+                done, _ = await asyncio.wait(
+                    {*pending, stopper}, return_when=asyncio.FIRST_COMPLETED
+                )
+                finished = [task for task in pending if task in done]
+                if finished:
+                    await self._store([(pending.pop(task), task) for task in finished])
+                if stopper in done:
+                    break
+        finally:
+            stopper.cancel()
+        writes = {
+            task
+            for task, call in pending.items()
+            if call.call_id in self._started and call.name in WRITE_TOOLS
+        }
+        for task in pending:
+            if task not in writes:
+                task.cancel()
+        if not writes:
+            return
+        await asyncio.wait(writes, timeout=self._deps.settings.cancel_grace_s)
+        finished = [
+            task for task in writes if task.done() and not task.cancelled() and not task.exception()
+        ]
+        if finished:
+            await self._store([(pending.pop(task), task) for task in finished])
+
+    async def _store(self, finished: Sequence[tuple[PendingCall, asyncio.Task[_Result]]]) -> None:
+        state = self._state
+        events: list[SessionEvent] = []
+        for call, task in finished:
+            error = task.exception()
+            if error is not None:
+                # ToolRunner.run never raises but CancelledError: this is a bug.
+                log.error(
+                    "the tool runner raised %s",
+                    type(error).__name__,
+                    extra=state.handle.log_fields(),
+                )
+                outcome, seconds = error_result("INTERNAL", "the tool failed unexpectedly"), 0.0
+            else:
+                outcome, seconds = task.result()
+            self._deps.observer.tool_called(
+                call.name if call.name in TOOLS_BY_NAME else "unknown",
+                outcome.error_reason or "ok",
+                seconds,
+            )
+            if outcome.error_reason == "CREDENTIAL_EXPIRED":
+                state.credential_expired = True
+            events.extend(state.events.tool_result(call.call_id, call.name, outcome))
+        await self._commit(events, TurnPatch(writes=state.writes))
