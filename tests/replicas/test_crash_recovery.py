@@ -124,10 +124,14 @@ async def test_sigkill_during_a_write_interrupts_the_turn_and_the_next_turn_pair
             m.tool_result.tool_call_id for m in request.messages if m.tool_result.tool_call_id
         ]
         assert len(calls) == 2 and results == calls
+        # The request names calls as the provider did (decision 0111), not by the ids the
+        # planner stored them under.
+        write_wire_id = next(
+            call.id for m in request.messages for call in m.tool_calls
+            if call.name == "create_knowledge"
+        )  # fmt: skip
         interrupted = next(
-            m.tool_result
-            for m in request.messages
-            if m.tool_result.tool_call_id == write_call.tool_call_id
+            m.tool_result for m in request.messages if m.tool_result.tool_call_id == write_wire_id
         )
         assert interrupted.is_error
         assert "interrupted; the outcome is unknown" in interrupted.content
