@@ -210,7 +210,21 @@ class DatabaseSettings:
         doc="SQLAlchemy URL (postgresql+psycopg://... or sqlite+aiosqlite:///...); empty: "
         "SQLite file planner.db in data_dir.",
     )
-    pool_size: int = _key(10, ge=1, doc="Connections kept in the pool (PostgreSQL).")
+    pool_size: int = _key(
+        10, ge=1, doc="Connections kept in the SQLAlchemy pool (sessions, listings, recovery)."
+    )
+    max_overflow: int = _key(10, ge=0, doc="Connections the SQLAlchemy pool may add under load.")
+    hot_pool_size: int = _key(
+        20,
+        ge=1,
+        doc="PostgreSQL: connections of the hot path's pool (every turn's and Chat stream's "
+        "units of work; decision 0113 gives the sizing rule).",
+    )
+    context_cache_bytes: int = _key(
+        64 * MiB,
+        ge=0,
+        doc="Bytes of session contexts kept in memory between turns (0: none).",
+    )
 
     @property
     def is_sqlite(self) -> bool:

@@ -40,8 +40,8 @@ from service.adapters.backends import GrpcToolBackends
 from service.adapters.bus import NullNotifier, PgNotifier
 from service.adapters.channels import ChannelTls, make_channel
 from service.adapters.gateway import GrpcModelGateway
-from service.adapters.store import SqlSessionStore, make_engine, migrate, schema_status
-from service.adapters.store.streams import SqlStreamStore
+from service.adapters.store import migrate, schema_status
+from service.adapters.store.database import Database, open_database
 from service.config import ChannelSettings, ConfigError, Settings, channels, split_address
 from service.core.errors import StoreUnavailable
 from service.core.fanout import Hub
@@ -279,6 +279,7 @@ class PlannerApp:
     metrics: Metrics
     health: HealthServicer
     store: SessionStore
+    database: Database
     _server: Any
     _engine: Any
     _channels: Sequence[Any]
@@ -321,7 +322,7 @@ class PlannerApp:
         await asyncio.gather(*stops)
         for channel in self._channels:
             await channel.close()
-        await self._engine.dispose()
+        await self.database.close()
         log.info("stopped")
 
     async def wait_for_termination(self) -> None:
@@ -457,7 +458,7 @@ def _service_credential(settings: Settings) -> ServiceCredential:
     return ServiceCredential()
 
 
-async def _open_database(settings: Settings) -> Any:
+async def _open_database(settings: Settings) -> Database:
     url = settings.database.url
     try:
         if settings.database.is_sqlite:
@@ -474,16 +475,17 @@ async def _open_database(settings: Settings) -> Any:
                     f"the database schema is behind (at {status.current or 'nothing'}, this "
                     f"release needs {status.head}): run `ballet-planner migrate` first"
                 )
+        database = settings.database
+        return await open_database(
+            url,
+            replica_id=settings.server.replica_id,
+            pool_size=database.pool_size,
+            max_overflow=database.max_overflow,
+            hot_pool_size=database.hot_pool_size,
+            context_cache_bytes=database.context_cache_bytes,
+        )
     except StoreUnavailable as error:
         raise StartupError(f"the database is unreachable: {error}") from error
-    return make_engine(url, pool_size=settings.database.pool_size)
-
-
-def _checked_out(engine: Any) -> int:
-    """Connections checked out of the engine's pool right now (0 for a pool that does
-    not count them)."""
-    checkedout = getattr(engine.sync_engine.pool, "checkedout", None)
-    return int(checkedout()) if callable(checkedout) else 0
 
 
 def _bind(server: Any, address: str, credentials: Any | None) -> int:
@@ -518,11 +520,11 @@ async def start_planner(
     verifier = _verifier(settings, metrics)
     clock = clock or SystemClock()
     credential = _service_credential(settings)
-    engine = await _open_database(settings)
-    metrics.database_connections_in_use.set_function(lambda: _checked_out(engine))
+    database = await _open_database(settings)
+    metrics.database_connections_in_use.set_function(database.checked_out)
     opened: list[Any] = []
     try:
-        store = SqlSessionStore(engine, settings.server.replica_id)
+        store = database.sessions
         outbound = _make_channels(settings)
         opened.extend(outbound.values())
         if backends is None:
@@ -557,7 +559,7 @@ async def start_planner(
                 rules=rules,
                 clock=clock,
                 metrics=metrics,
-                streams=SqlStreamStore(engine),
+                streams=database.streams,
             )
         )
 
@@ -580,7 +582,7 @@ async def start_planner(
     except BaseException:
         for channel in opened:
             await channel.close()
-        await engine.dispose()
+        await database.close()
         raise
     shown_host = f"[{host}]" if ":" in host else host
     app = PlannerApp(
@@ -591,7 +593,8 @@ async def start_planner(
         health=health,
         store=store,
         _server=server,
-        _engine=engine,
+        _engine=database.engine,
+        database=database,
         _channels=list(outbound.values()),
         _metrics_server=None,
         _turns=turns,

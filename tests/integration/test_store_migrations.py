@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
@@ -14,6 +15,17 @@ from sqlalchemy.engine import Connection
 from service.adapters.store import make_engine, migrate, schema_status
 from service.adapters.store.migrate import alembic_config
 from service.adapters.store.tables import metadata
+from tests.integration.conftest import DATABASES, HOT
+
+
+@pytest.fixture(params=[p for p in DATABASES if p.values[0] != HOT])
+def db_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """This module's databases: the SQLAlchemy path only (it pins what SQLAlchemy sends,
+    or the schema, which the hot path does not change)."""
+    if request.param == "postgresql":
+        url: str = request.getfixturevalue("pg_url")
+        return url
+    return f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('sqlite') / 'planner.db'}"
 
 
 def _differences(connection: Connection) -> list[Any]:

@@ -32,12 +32,14 @@ from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import pytest
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from service.adapters.store import SqlSessionStore
 from service.core.model import EventKind, MessageKind, SessionEvent, TurnEndReason, Usage
 from service.core.ports import TurnCommit, TurnPatch
+from tests.integration.conftest import DATABASES, HOT
 from tests.integration.store_support import (
     LEASE,
     REPLICA,
@@ -48,6 +50,16 @@ from tests.integration.store_support import (
     tool_round_events,
     turn_start,
 )
+
+
+@pytest.fixture(params=[p for p in DATABASES if p.values[0] != HOT])
+def db_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """This module's databases: the SQLAlchemy path only (it pins what SQLAlchemy sends,
+    or the schema, which the hot path does not change)."""
+    if request.param == "postgresql":
+        url: str = request.getfixturevalue("pg_url")
+        return url
+    return f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('sqlite') / 'planner.db'}"
 
 
 class StatementLog:

@@ -35,8 +35,10 @@ async def until(check: Callable[[], Awaitable[bool]], seconds: float = 5.0) -> N
         await asyncio.sleep(0.02)
 
 
-async def test_streams_swept_during_a_lapse_are_counted_again(engine: AsyncEngine) -> None:
-    store = SqlStreamStore(engine)
+async def test_streams_swept_during_a_lapse_are_counted_again(
+    engine: AsyncEngine, streams: SqlStreamStore
+) -> None:
+    store = streams
     registry = StreamRegistry(
         store, WallClock(), "replica-a", per_human=3, lease_s=0.3, sweep_interval_s=0.05
     )

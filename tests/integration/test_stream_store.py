@@ -31,8 +31,10 @@ async def rows(engine: AsyncEngine) -> int:
         )
 
 
-async def test_the_limit_holds_per_human_across_replicas(engine: AsyncEngine) -> None:
-    store = SqlStreamStore(engine)
+async def test_the_limit_holds_per_human_across_replicas(
+    engine: AsyncEngine, streams: SqlStreamStore
+) -> None:
+    store = streams
     assert await store.heartbeat("a", LEASE) is False
     assert await store.heartbeat("b", LEASE) is False
     assert await store.heartbeat("a", LEASE) is True
@@ -43,8 +45,10 @@ async def test_the_limit_holds_per_human_across_replicas(engine: AsyncEngine) ->
     assert await store.count_streams("alice", NOW) == 3
 
 
-async def test_concurrent_opens_admit_exactly_the_limit(engine: AsyncEngine) -> None:
-    store = SqlStreamStore(engine)
+async def test_concurrent_opens_admit_exactly_the_limit(
+    engine: AsyncEngine, streams: SqlStreamStore
+) -> None:
+    store = streams
     for replica in ("a", "b"):
         await store.heartbeat(replica, LEASE)
     results = await asyncio.gather(
@@ -56,8 +60,9 @@ async def test_concurrent_opens_admit_exactly_the_limit(engine: AsyncEngine) -> 
 
 async def test_a_lapsed_replica_stops_counting_and_is_swept_with_its_streams(
     engine: AsyncEngine,
+    streams: SqlStreamStore,
 ) -> None:
-    store = SqlStreamStore(engine)
+    store = streams
     await store.heartbeat("dead", NOW + timedelta(seconds=1))
     await store.heartbeat("live", LEASE)
     for _ in range(2):
@@ -75,8 +80,8 @@ async def test_a_lapsed_replica_stops_counting_and_is_swept_with_its_streams(
     assert await store.heartbeat("dead", later + timedelta(seconds=15)) is False
 
 
-async def test_restore_close_and_remove(engine: AsyncEngine) -> None:
-    store = SqlStreamStore(engine)
+async def test_restore_close_and_remove(engine: AsyncEngine, streams: SqlStreamStore) -> None:
+    store = streams
     await store.heartbeat("a", LEASE)
     kept = stream("alice", "a", "s1")
     assert await store.open_stream(kept, limit=5, now=NOW)
@@ -87,4 +92,3 @@ async def test_restore_close_and_remove(engine: AsyncEngine) -> None:
     assert await store.count_streams("alice", NOW) == 1
     await store.remove_replica("a")
     assert await rows(engine) == 0
-

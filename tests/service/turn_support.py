@@ -337,9 +337,8 @@ class Rig:
         self._listeners.clear()
 
     def checked_out(self) -> int:
-        """Connections of the planner's pool in use right now."""
-        count: int = self.engine.pool.checkedout()
-        return count
+        """Connections of the planner's pools in use right now."""
+        return self.app.database.checked_out()
 
     async def add_replica(self, settings: Mapping[str, str] | None = None) -> Replica:
         """Start one more planner on the rig's database (PostgreSQL only)."""

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
-
-from sqlalchemy import RowMapping
+from typing import Any, Protocol
 
 from service.core.model import (
     ChangesetProposedData,
@@ -43,7 +41,11 @@ DATA_TYPES: dict[EventKind, type[EventData]] = {
     EventKind.COMPACTED: CompactedData,
 }
 
-Row = RowMapping
+class Row(Protocol):
+    """A row of the store by column name: SQLAlchemy's ``RowMapping`` or psycopg's
+    ``dict_row``."""
+
+    def __getitem__(self, key: str, /) -> Any: ...
 
 
 # ------------------------------------------------------------------ event payloads

@@ -1,0 +1,86 @@
+"""The planner's database as the composition root opens it: the engine, on PostgreSQL
+the hot path's pool, and the two stores on them (decision 0113).
+
+Connections per replica on PostgreSQL, at most: ``database.pool_size`` +
+``database.max_overflow`` (SQLAlchemy: sessions, listings, recovery, stream
+heartbeats) + ``database.hot_pool_size`` (psycopg: every turn's and every Chat
+stream's units of work) + 1 (the LISTEN connection of ``adapters.bus``). PostgreSQL's
+``max_connections`` must exceed that times the number of replicas, plus what migrations
+and operators use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from psycopg_pool import AsyncConnectionPool
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from service.adapters.store.engine import is_postgresql, make_engine
+from service.adapters.store.pg import PgSessionStore, PgStreamStore, make_pool
+from service.adapters.store.repository import SqlSessionStore
+from service.adapters.store.streams import SqlStreamStore
+from service.core.errors import StoreUnavailable
+
+
+@dataclass
+class Database:
+    """An open database: ``sessions`` and ``streams`` are the core's ports on it."""
+
+    engine: AsyncEngine
+    pool: AsyncConnectionPool[Any] | None
+    sessions: SqlSessionStore
+    streams: SqlStreamStore
+
+    def checked_out(self) -> int:
+        """Connections in use right now, in both pools."""
+        used = 0
+        checkedout = getattr(self.engine.sync_engine.pool, "checkedout", None)
+        if callable(checkedout):
+            used += int(checkedout())
+        if self.pool is not None:
+            stats = self.pool.get_stats()
+            used += stats.get("pool_size", 0) - stats.get("pool_available", 0)
+        return used
+
+    async def close(self) -> None:
+        """Close the pools (connections in use are closed when returned)."""
+        if self.pool is not None:
+            await self.pool.close()
+        await self.engine.dispose()
+
+
+async def open_database(
+    url: str,
+    *,
+    replica_id: str,
+    pool_size: int = 10,
+    max_overflow: int = 10,
+    hot_pool_size: int = 20,
+    pool_timeout_s: float = 10.0,
+    context_cache_bytes: int = 64 << 20,
+) -> Database:
+    """Open ``url`` (PostgreSQL or SQLite; ``make_engine`` says which URLs) with the
+    stores of replica ``replica_id``. On PostgreSQL the hot path's pool is opened with one
+    connection at once, so a database that cannot be reached fails here
+    (``StoreUnavailable``) rather than at the first turn."""
+    engine = make_engine(
+        url, pool_size=pool_size, max_overflow=max_overflow, pool_timeout_s=pool_timeout_s
+    )
+    if not is_postgresql(engine):
+        sessions = SqlSessionStore(engine, replica_id, context_cache_bytes=context_cache_bytes)
+        return Database(engine, None, sessions, SqlStreamStore(engine))
+    pool = make_pool(url, max_size=hot_pool_size, timeout_s=pool_timeout_s)
+    try:
+        await pool.open(wait=True, timeout=pool_timeout_s)
+    except Exception as error:
+        await pool.close()
+        await engine.dispose()
+        raise StoreUnavailable(f"the database is unreachable: {error}") from error
+    return Database(
+        engine,
+        pool,
+        PgSessionStore(engine, pool, replica_id, context_cache_bytes=context_cache_bytes),
+        PgStreamStore(engine, pool),
+    )

@@ -1,0 +1,393 @@
+"""The store's hot path on PostgreSQL: plain SQL through psycopg (decision 0113).
+
+A turn's units of work (open the turn, commit its events) and a Chat stream's (read the
+session, take and release a stream slot) run here: one statement and one round trip
+each, on an autocommit psycopg connection from this module's pool, calling the
+server-side functions of migration 0004 or a single statement. Everything else of the
+store stays on SQLAlchemy (``repository.py``), where its statements are rare enough that
+building them costs nothing that matters, and on SQLite the whole store is SQLAlchemy.
+
+Errors are translated here, in one place, like ``errors.translated`` does for
+SQLAlchemy: the database unreachable, a broken connection, no pooled connection in time
+(``StoreUnavailable``); a failed unit-of-work condition, SQLSTATE ``BP409``
+(``StoreConflict``); the unique keys (``TURN_IN_PROGRESS``, ``RequestIdTaken``); a NUL
+character (``InvalidArgument``/``NUL_CHARACTER``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from psycopg import errors as pg_errors
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from service.adapters.store import codec
+from service.adapters.store import turn_units as units
+from service.adapters.store.errors import RequestIdTaken
+from service.adapters.store.repository import CONTEXT_CACHE_BYTES, SqlSessionStore
+from service.adapters.store.streams import SqlStreamStore
+from service.adapters.store.tables import (
+    UQ_ONE_RUNNING_TURN,
+    UQ_SESSION_REQUEST_ID,
+    UQ_TURN_REQUEST_ID,
+)
+from service.core.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    StoreConflict,
+    StoreUnavailable,
+)
+from service.core.model import Session, SessionEvent, Turn
+from service.core.ports import (
+    LeaseStatus,
+    OpenStream,
+    StartOutcomeKind,
+    TurnCommit,
+    TurnStart,
+    TurnStartOutcome,
+)
+
+#: The SQLSTATE the functions of migration 0004 raise when a condition fails.
+CONFLICT_SQLSTATE = "BP409"
+
+_SESSION = """
+SELECT s.*, (SELECT t.turn_id FROM turns t
+             WHERE t.session_id = s.session_id AND t.state = 'running') AS running_turn_id
+FROM sessions s WHERE s.session_id = %s
+"""
+_RENEW_LEASE = """
+UPDATE turns SET lease_expires_at = %s
+WHERE turn_id = %s AND owner = %s AND state = 'running'
+RETURNING cancel_requested
+"""
+
+
+def conninfo(url: str) -> str:
+    """The libpq connection string of a SQLAlchemy ``postgresql+psycopg://`` URL."""
+    parsed = make_url(url).set(drivername="postgresql")
+    return parsed.render_as_string(hide_password=False)
+
+
+def make_pool(
+    url: str,
+    *,
+    max_size: int,
+    timeout_s: float,
+    connect_timeout_s: int = 5,
+    application_name: str = "ballet-planner",
+) -> AsyncConnectionPool[Any]:
+    """A closed pool of autocommit connections for the hot path (``open()`` it).
+
+    ``max_size`` bounds its connections (decision 0113 gives the sizing rule);
+    a unit of work that waits more than ``timeout_s`` seconds for one fails with
+    ``StoreUnavailable``.
+    """
+    return AsyncConnectionPool(
+        conninfo(url),
+        min_size=1,
+        max_size=max_size,
+        timeout=timeout_s,
+        open=False,
+        name="ballet-planner-hot",
+        kwargs={
+            "autocommit": True,
+            "connect_timeout": connect_timeout_s,
+            "application_name": application_name,
+            "keepalives": 1,
+            "keepalives_idle": 30,
+            "keepalives_interval": 10,
+            "keepalives_count": 3,
+        },
+        # A connection the server dropped is found and replaced at checkout.
+        check=AsyncConnectionPool.check_connection,
+    )
+
+
+class PgHotPath:
+    """The hot units of work on ``pool`` (see the module docstring). ``notify`` names the
+    replica in the events notification (None: send none)."""
+
+    def __init__(self, pool: AsyncConnectionPool[Any], *, notify: str | None) -> None:
+        self._pool = pool
+        self._notify = notify
+
+    @asynccontextmanager
+    async def _conn(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        with translated_pg():
+            async with self._pool.connection() as conn:
+                yield conn
+
+    async def one(self, query: str, params: Sequence[Any]) -> Mapping[str, Any] | None:
+        """The first row of ``query`` as a mapping, or None."""
+        async with self._conn() as conn:
+            cursor = conn.cursor(row_factory=dict_row)
+            await cursor.execute(query, params)
+            row: Mapping[str, Any] | None = await cursor.fetchone()
+            return row
+
+    async def get_session(self, session_id: str) -> Session | None:
+        row = await self.one(_SESSION, (session_id,))
+        return None if row is None else codec.session_from_row(row)
+
+    async def call(self, function: str, argument: Mapping[str, Any]) -> Any:
+        """``SELECT function(argument)`` with ``argument`` as ``jsonb``; its value."""
+        async with self._conn() as conn:
+            cursor = await conn.execute(
+                f"SELECT {function}(%s)", (Jsonb(argument, dumps=_dumps),), prepare=True
+            )
+            row = await cursor.fetchone()
+            assert row is not None
+            return row[0]
+
+    async def renew_lease(self, turn_id: str, owner: str, until: datetime) -> bool | None:
+        """Extend a lease; None when the turn is not ``owner``'s running turn, else
+        whether a cancel was requested."""
+        row = await self.one(_RENEW_LEASE, (until, turn_id, owner))
+        return None if row is None else bool(row["cancel_requested"])
+
+    async def close_streams(self, stream_ids: Sequence[str]) -> None:
+        async with self._conn() as conn:
+            await conn.execute(
+                "DELETE FROM chat_streams WHERE stream_id = ANY(%s)", (list(stream_ids),)
+            )
+
+    def units(self, events: Sequence[SessionEvent]) -> dict[str, Any]:
+        """The ``events`` and ``messages`` arguments of a function of migration 0004."""
+        rows: list[dict[str, Any]] = []
+        for index, event in enumerate(events):
+            if event.message is not None:
+                row = codec.message_row(event.message)
+                del row["session_id"], row["sequence"]
+                row["i"] = index
+                rows.append(row)
+        return {
+            "events": [
+                {
+                    "kind": event.kind.value,
+                    "create_time": event.create_time,
+                    "data": codec.encode_data(event.kind, event.data),
+                }
+                for event in events
+            ],
+            "messages": rows,
+            "notify": self._notify if events else None,
+        }
+
+
+def _default(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    raise TypeError(f"{type(value).__name__} is not JSON")
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, default=_default, ensure_ascii=False, separators=(",", ":"))
+
+
+@contextmanager
+def translated_pg() -> Iterator[None]:
+    """Translate psycopg's errors raised inside the block (see the module docstring);
+    anything else propagates unchanged: it is a bug, not a condition to handle."""
+    try:
+        yield
+    except PoolTimeout as error:
+        raise StoreUnavailable("no database connection was free in time") from error
+    except psycopg.Error as error:
+        if error.sqlstate == CONFLICT_SQLSTATE:
+            raise StoreConflict(_first_line(error)) from error
+        if isinstance(error, pg_errors.UniqueViolation):
+            name = error.diag.constraint_name
+            if name == UQ_ONE_RUNNING_TURN:
+                raise FailedPrecondition(
+                    "another turn is running in this session", reason="TURN_IN_PROGRESS"
+                ) from error
+            if name in (UQ_TURN_REQUEST_ID, UQ_SESSION_REQUEST_ID):
+                raise RequestIdTaken(name) from error
+            raise
+        if isinstance(error, pg_errors.ForeignKeyViolation):
+            raise StoreConflict(_first_line(error)) from error
+        if isinstance(
+            error, pg_errors.UntranslatableCharacter | pg_errors.CharacterNotInRepertoire
+        ):
+            raise InvalidArgument(
+                "text fields cannot contain NUL (U+0000) characters", reason="NUL_CHARACTER"
+            ) from error
+        if isinstance(
+            error,
+            psycopg.OperationalError
+            | psycopg.InterfaceError
+            | pg_errors.DeadlockDetected
+            | pg_errors.SerializationFailure,
+        ):
+            raise StoreUnavailable(f"the database is unavailable: {_first_line(error)}") from error
+        raise
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
+# ---------------------------------------------------------------------- the stores
+
+
+class PgSessionStore(SqlSessionStore):
+    """``SqlSessionStore`` on PostgreSQL with the hot path on ``pool`` (decision 0113):
+    ``get_session``, ``start_turn``, ``commit`` and ``renew_lease`` are one statement
+    each; the rest stays on SQLAlchemy (``engine``). The contract is the port's,
+    unchanged, and the context cache is the base class's."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        pool: AsyncConnectionPool[Any],
+        replica_id: str,
+        *,
+        context_cache_bytes: int = CONTEXT_CACHE_BYTES,
+    ) -> None:
+        super().__init__(engine, replica_id, notify=True, context_cache_bytes=context_cache_bytes)
+        self._hot = PgHotPath(pool, notify=replica_id)
+
+    async def get_session(self, session_id: str) -> Session | None:
+        """The session, or None (one statement)."""
+        return await self._hot.get_session(session_id)
+
+    async def renew_lease(self, turn_id: str, owner: str, until: datetime) -> LeaseStatus:
+        """See ``SqlSessionStore.renew_lease`` (one statement)."""
+        cancel_requested = await self._hot.renew_lease(turn_id, owner, units.utc(until))
+        if cancel_requested is None:
+            return LeaseStatus(held=False)
+        return LeaseStatus(held=True, cancel_requested=cancel_requested)
+
+    async def _start(self, start: TurnStart, human_index: int) -> TurnStartOutcome:
+        turn = start.turn
+        result = await self._hot.call(
+            "planner_start_turn",
+            {
+                "turn": {**codec.turn_row(turn), "project_id": start.project_id},
+                "now": units.utc(start.now),
+                "human_index": human_index,
+                "per_human": start.limits.per_human,
+                "per_project": start.limits.per_project,
+                "added_bytes": units.message_bytes(start.events),
+                **self._hot.units(start.events),
+            },
+        )
+        outcome = result["outcome"]
+        if outcome == "started":
+            stored_events = units.numbered(start.events, int(result["last_sequence"]))
+            stored = dataclasses.replace(turn, human_sequence=stored_events[human_index].sequence)
+            return TurnStartOutcome(StartOutcomeKind.STARTED, stored, stored_events)
+        if outcome == "duplicate":
+            event = result.get("event")
+            return TurnStartOutcome(
+                StartOutcomeKind.DUPLICATE,
+                _turn(result["turn"]),
+                () if event is None else (_event(event),),
+            )
+        if outcome == "expired":
+            return TurnStartOutcome(StartOutcomeKind.EXPIRED_TURN, _turn(result["turn"]))
+        if outcome == "not_found":
+            raise units.session_not_found()
+        if outcome == "reused":
+            raise units.request_id_reused()
+        if outcome == "in_progress":
+            raise units.turn_in_progress()
+        if outcome == "too_many":
+            raise units.too_many_turns(str(result["scope"]), start.limits)
+        raise RuntimeError(f"planner_start_turn answered {outcome!r}")
+
+    async def _commit(self, commit: TurnCommit) -> tuple[int, list[SessionEvent]]:
+        context = commit.context
+        summary = commit.summary
+        last = int(
+            await self._hot.call(
+                "planner_commit",
+                {
+                    "session_id": commit.session_id,
+                    "turn_id": commit.turn_id,
+                    "now": units.utc(commit.now),
+                    "owner": commit.owner,
+                    "lease_expired_before": None
+                    if commit.lease_expired_before is None
+                    else units.utc(commit.lease_expired_before),
+                    "patch": units.patch_values(commit.turn_patch, units.utc(commit.now)),
+                    "summary": None if summary is None else summary.summary,
+                    "summary_up_to": None if summary is None else summary.up_to,
+                    "context": None
+                    if context is None
+                    else {
+                        "base_tokens": context.base_tokens,
+                        "pending_bytes": context.pending_bytes,
+                    },
+                    "added_bytes": units.message_bytes(commit.events),
+                    **self._hot.units(commit.events),
+                },
+            )
+        )
+        return last, units.numbered(commit.events, last)
+
+
+class PgStreamStore(SqlStreamStore):
+    """``SqlStreamStore`` on PostgreSQL with a stream's opening and closing on ``pool``,
+    one statement each (decision 0113)."""
+
+    def __init__(self, engine: AsyncEngine, pool: AsyncConnectionPool[Any]) -> None:
+        super().__init__(engine)
+        self._hot = PgHotPath(pool, notify=None)
+
+    async def open_stream(self, stream: OpenStream, *, limit: int, now: datetime) -> bool:
+        """See ``SqlStreamStore.open_stream`` (one statement)."""
+        admitted = await self._hot.call(
+            "planner_open_stream",
+            {
+                "stream_id": stream.stream_id,
+                "human_id": stream.human_id,
+                "replica_id": stream.replica_id,
+                "opened_at": units.utc(stream.opened_at),
+                "limit": limit,
+                "now": units.utc(now),
+            },
+        )
+        return bool(admitted)
+
+    async def close_streams(self, stream_ids: Sequence[str]) -> None:
+        """See ``SqlStreamStore.close_streams`` (one statement)."""
+        if stream_ids:
+            await self._hot.close_streams(stream_ids)
+
+
+_TIMES = ("start_time", "end_time", "lease_expires_at", "create_time")
+
+
+def _timed(row: Mapping[str, Any]) -> dict[str, Any]:
+    """A row read as JSON with its timestamps parsed back."""
+    out = dict(row)
+    for key in _TIMES:
+        value = out.get(key)
+        if isinstance(value, str):
+            out[key] = datetime.fromisoformat(value)
+    return out
+
+
+def _turn(row: Mapping[str, Any]) -> Turn:
+    return codec.turn_from_row(_timed(row))
+
+
+def _event(row: Mapping[str, Any]) -> SessionEvent:
+    fields = _timed(row)
+    message = fields.pop("message", None)
+    prefixed = {units.MESSAGE_PREFIX + "message_id": None}
+    if message is not None:
+        prefixed = {units.MESSAGE_PREFIX + k: v for k, v in _timed(message).items()}
+    return codec.event_from_row({**fields, **prefixed}, units.MESSAGE_PREFIX)
