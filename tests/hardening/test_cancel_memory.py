@@ -172,6 +172,10 @@ async def test_ten_thousand_cancelled_turns_leave_memory_flat_and_no_connection_
         # A health ping every minute instead of every 2 s, so that the pool is not caught
         # mid-ping when it is measured.
         SERVER__HEALTH_CHECK_INTERVAL_S="60",
+        # The sessions' contexts kept between turns are bounded (64 MiB by default); a
+        # bound these sessions fill before the baseline keeps a full cache from reading
+        # as growth (decision 0113).
+        DATABASE__CONTEXT_CACHE_BYTES=str(1 << 20),
     )
     channel = grpc.aio.insecure_channel(served.address)
     try:

@@ -75,8 +75,10 @@ async def test_a_database_outage_mid_turn_fails_the_turn_and_the_replicas_recove
             await stream.opened()
         r.stack.faults.set(method="GetItem", delay_s=math.inf)
         on_a.say("look up PAN-8", "send-1")
-        started = await on_b.wait_kind("tool_call_started")
-        turn_id = started.response.turn_id
+        # A round of reads is stored with its first result (decision 0114): the call is
+        # known to be running by the tracker's call record, not by a stored event.
+        accepted = await on_b.wait_kind("message_accepted")
+        turn_id = accepted.response.turn_id
         await r.stack.call_log.wait_for(lambda log: log.started("GetItem") == 1)
 
         stopped_at = time.monotonic()

@@ -188,7 +188,9 @@ async def test_a_cancelled_turn_whose_provider_reused_an_id_gets_a_result_for_ev
         await stream.open(session_id, after_sequence=after)
         await stream.opened()
         await stream.send("slow", "slow-1")
-        started = (await stream.until_kind("tool_call_started"))[-1]
+        started = (await stream.until_kind("message_accepted"))[-1]
+        # The first turn read PAN-5; this one's read is the second.
+        await rig.stack.call_log.wait_for(lambda log: log.started("GetItem") == 2)
         await stream.cancel(started.turn_id)
         received = await stream.turn()
     ended = events(received, "turn_ended")[-1].turn_ended

@@ -21,7 +21,7 @@ import json
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 import psycopg
 from psycopg import errors as pg_errors
@@ -108,24 +108,48 @@ def make_pool(
             "keepalives_interval": 10,
             "keepalives_count": 3,
         },
-        # A connection the server dropped is found and replaced at checkout.
-        check=AsyncConnectionPool.check_connection,
     )
 
 
 class PgHotPath:
     """The hot units of work on ``pool`` (see the module docstring). ``notify`` names the
-    replica in the events notification (None: send none)."""
+    replica in the events notification (None: send none).
+
+    Connections are not checked at checkout (that would cost a round trip per unit of
+    work): one that the server dropped fails its unit of work once and leaves the pool.
+    Once the database could not be reached, and until the pool has a connection again
+    (it reconnects in the background, backing off), each unit of work opens a connection
+    of its own: a database that is down is reported at once, and one that is back is used
+    at once, whatever the pool's backoff.
+    """
 
     def __init__(self, pool: AsyncConnectionPool[Any], *, notify: str | None) -> None:
         self._pool = pool
         self._notify = notify
+        self._unreachable = False
 
     @asynccontextmanager
     async def _conn(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
         with translated_pg():
-            async with self._pool.connection() as conn:
-                yield conn
+            if self._unreachable and not self._pool.get_stats().get("pool_available", 0):
+                # make_pool gives the pool a plain string and dict (not callables).
+                kwargs = cast(dict[str, Any], self._pool.kwargs)
+                direct = await psycopg.AsyncConnection.connect(
+                    str(self._pool.conninfo), **kwargs
+                )
+                try:
+                    yield direct
+                finally:
+                    await direct.close()
+                self._unreachable = False
+                return
+            try:
+                async with self._pool.connection() as conn:
+                    yield conn
+            except (psycopg.OperationalError, PoolTimeout):
+                self._unreachable = True
+                raise
+            self._unreachable = False
 
     async def one(self, query: str, params: Sequence[Any]) -> Mapping[str, Any] | None:
         """The first row of ``query`` as a mapping, or None."""
@@ -218,7 +242,8 @@ def translated_pg() -> Iterator[None]:
             raise StoreConflict(_first_line(error)) from error
         if isinstance(
             error, pg_errors.UntranslatableCharacter | pg_errors.CharacterNotInRepertoire
-        ):
+        ) or (isinstance(error, psycopg.DataError) and "NUL" in str(error)):
+            # The server's refusal, or psycopg's own for a text parameter.
             raise InvalidArgument(
                 "text fields cannot contain NUL (U+0000) characters", reason="NUL_CHARACTER"
             ) from error

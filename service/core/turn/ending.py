@@ -147,15 +147,22 @@ async def close_stored_turn(
     *,
     owner: str | None = None,
     lease_expired_before: datetime | None = None,
+    pending: Sequence[SessionEvent] = (),
 ) -> bool:
     """Close a turn no run of this process holds, from its stored messages (a dead
     replica's, this replica's own after a restart or a lost database, or a shutdown's
-    leftovers); ``turn``'s rounds and usage are stored with the end.
+    leftovers); ``turn``'s rounds and usage are stored with the end. ``pending`` are
+    events its run held and had not stored (a round of reads, decision 0114): they are
+    stored with the end unless they turn out to be stored already (a commit that landed
+    before its connection broke).
 
     Returns False when the turn ended meanwhile or a condition failed (another replica
     won the race); raises ``StoreUnavailable``.
     """
     messages = await store.turn_messages(turn.turn_id)
+    stored_ids = {m.message_id for m in messages}
+    if any(e.message is not None and e.message.message_id in stored_ids for e in pending):
+        pending = ()
     events = EventBuilder(turn.session_id, turn.turn_id, turn.human_id, clock)
     totals = Totals(turn.rounds, turn.usage, turn.compaction_usage, turn.writes)
     commit = closing_commit(
@@ -163,6 +170,7 @@ async def close_stored_turn(
         ending,
         totals,
         messages,
+        pending=pending,
         owner=owner,
         lease_expired_before=lease_expired_before,
     )

@@ -13,7 +13,9 @@ Each step returns the next:
 - ``Compact`` compacts when the context estimate is over the threshold (SPEC 6).
 - ``CallModel`` streams one answer. Without tool calls it ends the turn (``COMPLETED``);
   with calls it stores the answer and its calls in one commit (a round) and runs them.
-- ``RunTools`` runs the round's calls and stores each result.
+- ``RunTools`` runs the round's calls and stores each result. A round whose calls all
+  read stores the answer and its calls with the first result, in one commit (decision
+  0114): nothing of it can matter outside the planner until a call has returned.
 - ``End`` is stored by the one ending (``ending.closing_commit``).
 
 ``_gate`` is the one place that checks stop requests (cancel, shutdown, a lost lease, the
@@ -37,7 +39,7 @@ from service.core.context import to_model_messages
 from service.core.errors import PlannerError, StoreConflict, StoreUnavailable
 from service.core.model import ContextEstimate, EventKind, SessionEvent
 from service.core.ports import FinishReason, Purpose, SummaryUpdate, TurnCommit, TurnPatch
-from service.core.tools import error_result
+from service.core.tools import WRITE_TOOLS, error_result
 from service.core.turn import ending as endings
 from service.core.turn.compact import Compactor
 from service.core.turn.ending import Ending, close_stored_turn, closing_commit
@@ -46,7 +48,7 @@ from service.core.turn.model_call import model_request, stream_answer
 from service.core.turn.prompt import Prompt, PromptSource
 from service.core.turn.settings import TurnDependencies
 from service.core.turn.state import Answer, PendingCall, TurnHandle, TurnState
-from service.core.turn.tool_round import ToolRound
+from service.core.turn.tool_round import RoundCommit, ToolRound
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +76,11 @@ class CallModel:
 
 @dataclass(frozen=True)
 class RunTools:
-    """Run the calls of the round just stored."""
+    """Run the calls of the round; ``unstored`` is the round's answer and calls when
+    they are to be stored with the first result (a round of reads)."""
 
     calls: tuple[PendingCall, ...]
+    unstored: RoundCommit | None = None
 
 
 @dataclass(frozen=True)
@@ -172,8 +176,7 @@ class TurnLoop:
             elif isinstance(step, CallModel):
                 step = await self._call_model()
             else:
-                await self._tools.run(step.calls)
-                step = Compact()
+                step = await self._run_tools(step)
 
     def _gate(self, step: Step) -> Step:
         """The one check before every step: a stop request, then at the end of a round an
@@ -250,14 +253,19 @@ class TurnLoop:
                 answer.message_id, answer.text, usage=answer.usage, cut=cut, finish_reason=finish
             )
             return End(endings.COMPLETED, (event,))
-        return RunTools(await self._store_round(answer, calls))
+        return await self._store_round(answer, calls)
 
-    async def _store_round(
-        self, answer: Answer, calls: list[PendingCall]
-    ) -> tuple[PendingCall, ...]:
-        """Store the answer with its calls in one commit (calls beyond
-        ``max_tool_calls_per_answer`` get their refusal in it too); returns the calls to
-        run."""
+    async def _run_tools(self, step: RunTools) -> Step:
+        unstored = await self._tools.run(step.calls, step.unstored)
+        if unstored is not None:
+            # Stopped before any call returned: the ending stores the round.
+            return End(self._handle.stop or endings.CANCELLED, tuple(unstored.events))
+        return Compact()
+
+    async def _store_round(self, answer: Answer, calls: list[PendingCall]) -> RunTools:
+        """The round of ``answer``: its text and calls (calls beyond
+        ``max_tool_calls_per_answer`` with their refusal), committed now when a call
+        writes (or none is to run), else with the first result (decision 0114)."""
         state, settings = self._state, self._deps.settings
         events: list[SessionEvent] = []
         if answer.length:
@@ -288,9 +296,11 @@ class TurnLoop:
             else None
         )
         patch = replace(state.versions, rounds=state.rounds, usage=state.usage)
+        if allowed and not any(call.name in WRITE_TOOLS for call in allowed):
+            return RunTools(tuple(allowed), RoundCommit(events, patch, context))
         await self._commit(events, patch=patch, context=context)
         self._deps.observer.round_completed()
-        return tuple(allowed)
+        return RunTools(tuple(allowed))
 
     def _cut(self, answer: Answer, finish: str) -> tuple[SessionEvent, ...]:
         """The partial answer as streamed, marked cut, when there is text to keep."""
@@ -352,6 +362,7 @@ class TurnLoop:
                     turn,
                     endings.DATABASE_UNAVAILABLE,
                     owner=deps.replica_id,
+                    pending=self._tools.unstored_events(),
                 )
                 return
             # Jitter keeps a replica's closing turns from hitting the database in lockstep.
@@ -360,8 +371,13 @@ class TurnLoop:
 
     # ------------------------------------------------------------------ storage
 
-    async def _commit_results(self, events: list[SessionEvent], patch: TurnPatch | None) -> None:
-        await self._commit(events, patch=patch)
+    async def _commit_results(
+        self,
+        events: list[SessionEvent],
+        patch: TurnPatch | None,
+        context: ContextEstimate | None,
+    ) -> None:
+        await self._commit(events, patch=patch, context=context)
 
     async def _commit_compaction(
         self,

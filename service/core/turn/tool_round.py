@@ -14,8 +14,9 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
 
-from service.core.model import SessionEvent
+from service.core.model import ContextEstimate, SessionEvent
 from service.core.ports import ToolCall, TurnPatch
 from service.core.tools import TOOLS_BY_NAME, WRITE_TOOLS, ToolContext, ToolOutcome, error_result
 from service.core.turn.model_call import time_left
@@ -24,8 +25,20 @@ from service.core.turn.state import PendingCall, TurnState
 
 log = logging.getLogger(__name__)
 
-#: Stores events (and a turn patch) in one commit; raises the loop's ``Abandon``.
-Commit = Callable[[list[SessionEvent], TurnPatch | None], Awaitable[object]]
+#: Stores events (with a turn patch and a context estimate) in one commit; raises the
+#: loop's ``Abandon``.
+Commit = Callable[[list[SessionEvent], TurnPatch | None, ContextEstimate | None], Awaitable[object]]
+
+
+@dataclass(frozen=True)
+class RoundCommit:
+    """A round's answer and calls not yet stored, with the turn patch and the context
+    estimate of their commit (decision 0114: stored with the round's first result)."""
+
+    events: list[SessionEvent]
+    patch: TurnPatch
+    context: ContextEstimate | None
+
 
 _Result = tuple[ToolOutcome, float]
 
@@ -39,12 +52,19 @@ class ToolRound:
         self._state = state
         self._commit = commit
         self._started: set[str] = set()
+        self._unstored: RoundCommit | None = None
 
-    async def run(self, calls: Sequence[PendingCall]) -> None:
-        """Run ``calls``; raises what ``commit`` raises, after stopping every call still
-        running (so no write lands after the turn was closed)."""
+    async def run(
+        self, calls: Sequence[PendingCall], unstored: RoundCommit | None = None
+    ) -> RoundCommit | None:
+        """Run ``calls``, storing ``unstored`` (the round itself) with the first results;
+        returns it when the turn stopped before any call returned (then the ending stores
+        it). Raises what ``commit`` raises, after stopping every call still running (so
+        no write lands after the turn was closed)."""
+        self._unstored = unstored
+        self._started = set()
         if not calls:
-            return
+            return self._unstored
         semaphore = asyncio.Semaphore(self._deps.settings.tool_concurrency)
         context = ToolContext(
             acting=self._state.handle.acting,
@@ -73,6 +93,11 @@ class ToolRound:
                 task.cancel()
             if left:
                 await asyncio.wait(left)
+        return self._unstored
+
+    def unstored_events(self) -> list[SessionEvent]:
+        """The events of the round not stored yet (its answer and calls), if any."""
+        return [] if self._unstored is None else list(self._unstored.events)
 
     def _reserve_write(self) -> bool:
         state = self._state
@@ -138,4 +163,17 @@ class ToolRound:
             if outcome.error_reason == "CREDENTIAL_EXPIRED":
                 state.credential_expired = True
             events.extend(state.events.tool_result(call.call_id, call.name, outcome))
-        await self._commit(events, TurnPatch(writes=state.writes))
+        patch = TurnPatch(writes=state.writes)
+        context: ContextEstimate | None = None
+        first = self._unstored
+        if first is not None:
+            # The round's own commit: its answer and calls, then these results.
+            patch = replace(first.patch, writes=state.writes)
+            if first.context is not None:
+                added = sum(e.message.size_bytes() for e in events if e.message is not None)
+                context = replace(first.context, pending_bytes=first.context.pending_bytes + added)
+            events = [*first.events, *events]
+        await self._commit(events, patch, context)
+        if first is not None:
+            self._unstored = None
+            self._deps.observer.round_completed()
