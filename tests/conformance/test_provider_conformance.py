@@ -5,6 +5,7 @@ through the planner's ``GrpcModelGateway`` client on that gateway."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -41,7 +42,16 @@ from tests.conformance.cases import (
     Refused,
     Whole,
 )
-from tests.conformance.openai_double import OpenAIDouble
+from tests.conformance.openai_double import (
+    OpenAIDouble,
+    Piece,
+    Reply,
+    call_fragment,
+    calls_delta,
+    chunk,
+    event,
+    usage_chunk,
+)
 
 _FINISH_NAMES = {
     gateway_pb2.FINISH_REASON_UNSPECIFIED: "unspecified",
@@ -232,3 +242,58 @@ async def test_through_the_planners_client(
 async def test_every_case_has_a_distinct_name() -> None:
     names = [case.name for case in CASES]
     assert len(names) == len(set(names))
+
+
+# --------------------------------------------------------------------------- every cut
+
+_FULL = [
+    chunk({"role": "assistant", "content": "Let me look."}),
+    chunk(calls_delta(call_fragment(0, "call_1", "get_item", ""))),
+    chunk(calls_delta(call_fragment(0, arguments='{"item_id":'))),
+    chunk(calls_delta(call_fragment(0, arguments='"demo-1"}'))),
+    chunk({}, "tool_calls"),
+    usage_chunk(),
+    "[DONE]",
+]
+_FINISH_AT = 4
+_CUTS = [(k, half) for k in range(len(_FULL)) for half in (False, True)]
+
+
+@pytest.mark.parametrize(
+    ("events", "half"), _CUTS, ids=[f"{k}{'.5' if h else ''}" for k, h in _CUTS]
+)
+async def test_truncation_at_every_point(stack: Stack, events: int, half: bool) -> None:
+    """A body cut after ``events`` whole events (and half of the next one) is a whole
+    answer only when its finish reason arrived; otherwise the gateway says truncated, sends
+    no complete call, and the client raises MODEL_STREAM_TRUNCATED without a call."""
+    pieces = [Piece(event(c)) for c in _FULL[:events]]
+    if half:
+        whole_next = event(_FULL[events])
+        pieces.append(Piece(whole_next[: len(whole_next) // 2]))
+    case = Case(f"cut-{events}", [Reply(pieces=pieces, end="eof")], Whole(), Whole())
+    use(stack, case)
+    request = gateway_pb2.GenerateRequest(
+        project_id="demo",
+        credential_ref="demo-credential",
+        model="double-1",
+        purpose=gateway_pb2.PURPOSE_TURN,
+        messages=[gateway_pb2.Message(role=gateway_pb2.ROLE_USER, text="hi")],
+    )
+    responses = [r async for r in stack.stub.Generate(request, timeout=20)]
+    finish = responses[-1].finish
+    complete = [r for r in responses if r.HasField("tool_call")]
+    whole = events > _FINISH_AT
+    assert _FINISH_NAMES[finish.reason] == ("tool_calls" if whole else "truncated")
+    assert len(complete) == (1 if whole else 0)
+
+    use(stack, case)
+    chunks: list[Any] = []
+    with contextlib.suppress(ModelFailure):
+        async for item in stack.client().stream(model_request(case)):
+            chunks.append(item)
+    calls = [c for c in chunks if isinstance(c, ToolCallChunk)]
+    if whole:
+        assert [c.call.arguments for c in calls] == ['{"item_id":"demo-1"}']
+        assert isinstance(chunks[-1], FinishChunk)
+    else:
+        assert calls == [] and not any(isinstance(c, FinishChunk) for c in chunks)
