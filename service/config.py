@@ -247,7 +247,7 @@ class DependenciesSettings:
     skills: ChannelSettings = _key(factory=ChannelSettings, doc="Skills backend channel.")
     knowledge: ChannelSettings = _key(factory=ChannelSettings, doc="Knowledge backend channel.")
     gateway: ChannelSettings = _key(factory=_gateway_channel, doc="LLM gateway channel.")
-    # Sized for reasoning models (docs/decisions/0140-model-deadlines.md): some think for
+    # Sized for reasoning models (docs/decisions/0140-model-deadlines-and-retries.md): some think for
     # minutes without streaming their reasoning.
     model_first_delta_s: float = _key(
         180.0,

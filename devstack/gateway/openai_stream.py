@@ -8,7 +8,7 @@ end. Each chunk is a ``chat.completion.chunk`` whose ``choices[0].delta`` may ca
 ``finish_reason`` is set once; ``usage`` comes in a last chunk with empty ``choices`` (or,
 on some servers, in the last choice chunk).
 
-What this module decides (docs/decisions/0141-openai-stream-reading.md):
+What this module decides (docs/decisions/0142-openai-stream-reading.md):
 
 - **Tool calls are assembled by id where ids are given and by index otherwise.** A
   fragment with an id continues the call of that id (when its index, if any, agrees); an
