@@ -247,8 +247,8 @@ class DependenciesSettings:
     skills: ChannelSettings = _key(factory=ChannelSettings, doc="Skills backend channel.")
     knowledge: ChannelSettings = _key(factory=ChannelSettings, doc="Knowledge backend channel.")
     gateway: ChannelSettings = _key(factory=_gateway_channel, doc="LLM gateway channel.")
-    # Sized for reasoning models (docs/decisions/0140-model-deadlines-and-retries.md): some think for
-    # minutes without streaming their reasoning.
+    # Sized for reasoning models, some of which think for minutes without streaming
+    # their reasoning (docs/decisions/0140-model-deadlines-and-retries.md).
     model_first_delta_s: float = _key(
         180.0,
         gt=0,
