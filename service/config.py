@@ -26,20 +26,21 @@ environment it is given.
 # ruff: noqa: RUF009  (_key returns dataclasses.field(); no default is shared or mutable)
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import ipaddress
-import math
 import os
 import secrets
 import socket
 import tomllib
-import types
 import typing
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+# ConfigError is this module's error too: every caller of load_settings catches it here.
+from service.config_loading import ConfigError as ConfigError
+from service.config_loading import apply_environment, build
 
 ENV_PREFIX = "BALLET_PLANNER__"
 KiB = 1024
@@ -63,14 +64,6 @@ DEFAULT_SUMMARY_INSTRUCTIONS = (
 )
 
 
-class ConfigError(ValueError):
-    """A configuration key is unknown, has a bad value, or breaks a start-up check.
-
-    The message starts with the key's dotted name, e.g.
-    ``planner.max_rounds: must be >= 1, got 0``.
-    """
-
-
 def _key(
     default: Any = dataclasses.MISSING,
     *,
@@ -81,7 +74,8 @@ def _key(
     choices: tuple[str, ...] | None = None,
     factory: Any = dataclasses.MISSING,
 ) -> Any:
-    """A settings field with its documentation and range, checked by ``_check_ranges``."""
+    """A settings field with its documentation and range; the range is checked when the
+    table is built (``service.config_loading``)."""
     metadata = {"doc": doc, "ge": ge, "gt": gt, "le": le, "choices": choices}
     if factory is not dataclasses.MISSING:
         return field(default_factory=factory, metadata=metadata)
@@ -267,9 +261,20 @@ class DependenciesSettings:
     skills: ChannelSettings = _key(factory=ChannelSettings, doc="Skills backend channel.")
     knowledge: ChannelSettings = _key(factory=ChannelSettings, doc="Knowledge backend channel.")
     gateway: ChannelSettings = _key(factory=_gateway_channel, doc="LLM gateway channel.")
-    model_first_delta_s: float = _key(30.0, gt=0, doc="Deadline for a model's first delta.")
-    model_idle_s: float = _key(60.0, gt=0, doc="Longest silence between two model deltas.")
-    model_total_s: float = _key(300.0, gt=0, doc="Deadline for one whole model call.")
+    # Sized for reasoning models, some of which think for minutes without streaming
+    # their reasoning (docs/decisions/0140-model-deadlines-and-retries.md).
+    model_first_delta_s: float = _key(
+        180.0,
+        gt=0,
+        doc="Deadline for a model's first output of any kind (text, tool-call start or "
+        "argument fragment, reasoning).",
+    )
+    model_idle_s: float = _key(
+        90.0, gt=0, doc="Longest silence between two outputs of a model (any kind)."
+    )
+    model_total_s: float = _key(
+        480.0, gt=0, doc="Deadline for one whole model call, retries included."
+    )
     tool_call_s: float = _key(15.0, gt=0, doc="Deadline for one tool's backend call.")
     project_lookup_s: float = _key(
         5.0, gt=0, doc="Deadline for the project check of CreateSession and re-checks."
@@ -335,17 +340,6 @@ class Settings:
 # --------------------------------------------------------------------------- loading
 
 
-class _EnvValue(str):
-    """A raw string from the environment; remembers its variable for error messages."""
-
-    variable: str
-
-    def __new__(cls, value: str, variable: str) -> _EnvValue:
-        instance = super().__new__(cls, value)
-        instance.variable = variable
-        return instance
-
-
 def load_settings(
     config_file: Path | None = None, environ: Mapping[str, str] | None = None
 ) -> Settings:
@@ -365,137 +359,11 @@ def load_settings(
             raise ConfigError(f"{config_file}: cannot read: {error.strerror}") from error
         except tomllib.TOMLDecodeError as error:
             raise ConfigError(f"{config_file}: not valid TOML: {error}") from error
-    _apply_environment(data, os.environ if environ is None else environ)
-    settings = _build(Settings, data, "")
+    apply_environment(data, os.environ if environ is None else environ, Settings, ENV_PREFIX)
+    settings = build(Settings(), data, "")
     settings = _resolve(settings)
     validate(settings)
     return settings
-
-
-def _apply_environment(data: dict[str, Any], environ: Mapping[str, str]) -> None:
-    for variable in sorted(environ):
-        if not variable.upper().startswith(ENV_PREFIX):
-            continue
-        path = [part.lower() for part in variable[len(ENV_PREFIX) :].split("__")]
-        if not all(path):
-            raise ConfigError(f"{variable}: malformed configuration variable name")
-        dotted = ".".join(path)
-        target = data
-        cls: Any = Settings
-        for index, part in enumerate(path):
-            known = {f.name: f for f in fields(cls)}
-            if part not in known:
-                raise ConfigError(f"{dotted}: unknown key (from {variable})")
-            hint = typing.get_type_hints(cls)[part]
-            last = index == len(path) - 1
-            if dataclasses.is_dataclass(hint):
-                if last:
-                    raise ConfigError(f"{dotted}: is a table; set its keys (from {variable})")
-                child = target.setdefault(part, {})
-                if not isinstance(child, dict):
-                    raise ConfigError(f"{dotted}: is a table, not a value")
-                target, cls = child, hint
-            elif not last:
-                raise ConfigError(f"{dotted}: unknown key (from {variable})")
-            else:
-                target[part] = _EnvValue(environ[variable], variable)
-
-
-def _build(cls: Any, data: Any, prefix: str) -> Any:
-    if not isinstance(data, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'configuration'}: must be a table")
-    known = {f.name: f for f in fields(cls)}
-    for name in data:
-        if name not in known:
-            raise ConfigError(f"{prefix}{name}: unknown key")
-    hints = typing.get_type_hints(cls)
-    values: dict[str, Any] = {}
-    for name, value in data.items():
-        hint = hints[name]
-        key = f"{prefix}{name}"
-        if dataclasses.is_dataclass(hint):
-            values[name] = _build(hint, value, f"{key}.")
-        else:
-            values[name] = _coerce(hint, value, key)
-    built = cls(**values)
-    _check_ranges(built, prefix)
-    return built
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, _EnvValue):
-        return f"{str(value)!r} (from {value.variable})"
-    return repr(value)
-
-
-def _coerce(hint: Any, value: Any, key: str) -> Any:
-    optional = isinstance(hint, types.UnionType) and type(None) in typing.get_args(hint)
-    if optional:
-        (hint,) = [arg for arg in typing.get_args(hint) if arg is not type(None)]
-        if value == "":
-            return None
-    from_env = isinstance(value, _EnvValue)
-    if hint is bool:
-        if from_env:
-            lowered = value.strip().lower()
-            if lowered in {"1", "true", "yes", "on"}:
-                return True
-            if lowered in {"0", "false", "no", "off"}:
-                return False
-        elif isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key}: expected true or false, got {_describe(value)}")
-    if hint is int:
-        if from_env:
-            try:
-                return int(value.strip())
-            except ValueError:
-                pass
-        elif isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key}: expected an integer, got {_describe(value)}")
-    if hint is float:
-        number: float | None = None
-        if from_env:
-            with contextlib.suppress(ValueError):
-                number = float(value.strip())
-        elif isinstance(value, int | float) and not isinstance(value, bool):
-            number = float(value)
-        # nan and inf parse as floats but are no durations or limits.
-        if number is not None and math.isfinite(number):
-            return number
-        raise ConfigError(f"{key}: expected a finite number, got {_describe(value)}")
-    if hint is str:
-        if isinstance(value, str):
-            return str(value)
-        raise ConfigError(f"{key}: expected a string, got {_describe(value)}")
-    if hint is Path:
-        if isinstance(value, str):
-            return Path(str(value))
-        raise ConfigError(f"{key}: expected a path, got {_describe(value)}")
-    if typing.get_origin(hint) is tuple:
-        if from_env:
-            return tuple(part.strip() for part in value.split(",") if part.strip())
-        if isinstance(value, list) and all(isinstance(item, str) for item in value):
-            return tuple(value)
-        raise ConfigError(f"{key}: expected a list of strings, got {_describe(value)}")
-    raise ConfigError(f"{key}: unsupported setting type {hint!r}")  # pragma: no cover
-
-
-def _check_ranges(table: Any, prefix: str) -> None:
-    for item in fields(table):
-        value = getattr(table, item.name)
-        key = f"{prefix}{item.name}"
-        meta = item.metadata
-        if meta.get("ge") is not None and value < meta["ge"]:
-            raise ConfigError(f"{key}: must be >= {meta['ge']:g}, got {value:g}")
-        if meta.get("gt") is not None and value <= meta["gt"]:
-            raise ConfigError(f"{key}: must be > {meta['gt']:g}, got {value:g}")
-        if meta.get("le") is not None and value > meta["le"]:
-            raise ConfigError(f"{key}: must be <= {meta['le']:g}, got {value:g}")
-        if meta.get("choices") and value not in meta["choices"]:
-            allowed = ", ".join(meta["choices"])
-            raise ConfigError(f"{key}: must be one of {allowed}, got {value!r}")
 
 
 def _resolve(settings: Settings) -> Settings:

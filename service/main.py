@@ -153,7 +153,11 @@ def build_turn_machinery(wiring: Wiring) -> TurnMachinery | None:
         token = credential.token()
         return [("x-ballet-service-authorization", f"Bearer {token}")] if token else []
 
-    gateway = GrpcModelGateway(wiring.gateway_channel, metadata=gateway_metadata)
+    gateway = GrpcModelGateway(
+        wiring.gateway_channel,
+        metadata=gateway_metadata,
+        max_answer_bytes=deps.gateway.max_message_bytes,
+    )
     tools = ToolRunner(
         wiring.backends,
         max_result_bytes=planner.tool_result_max_bytes,

@@ -1,7 +1,8 @@
 """The devstack's LLM gateway (SPEC section 9): `ballet.llm.v1.GatewayService` over a
 provider (`scripted`, SPEC section 10, or `openai`), with a per-project usage ledger.
 
-Modules: `base` (the provider port: chunks, `ProviderError`), `scripted`, `openai_provider`,
+Modules: `base` (the provider port: chunks, `ProviderError`), `scripted`, `openai_provider`
+(with `openai_stream`, the Chat Completions stream reader),
 `ledger`, `service` (the servicer and `add_gateway_service`). Nothing here does I/O at
 import time.
 """
@@ -12,8 +13,11 @@ from devstack.gateway.base import (
     Provider,
     ProviderChunk,
     ProviderError,
+    ReasoningChunk,
     TextChunk,
     ToolCallChunk,
+    ToolCallDeltaChunk,
+    ToolCallStartChunk,
     Usage,
 )
 from devstack.gateway.ledger import UsageLedger, UsageRecord, UsageTotals
@@ -27,11 +31,14 @@ __all__ = [
     "Provider",
     "ProviderChunk",
     "ProviderError",
+    "ReasoningChunk",
     "Scenario",
     "ScenarioError",
     "ScriptedProvider",
     "TextChunk",
     "ToolCallChunk",
+    "ToolCallDeltaChunk",
+    "ToolCallStartChunk",
     "Usage",
     "UsageLedger",
     "UsageRecord",

@@ -1,10 +1,14 @@
 """The provider port of the devstack LLM gateway: what a model backend yields and raises.
 
-A provider turns one `ballet.llm.v1.GenerateRequest` into a stream of `ProviderChunk`s in
-the order the gateway contract fixes (proto `GenerateResponse`): text deltas first, then
-complete tool calls, then exactly one `FinishChunk`, always last. The servicer
-(`devstack.gateway.service`) converts the chunks to protobuf and meters the usage; providers
-know nothing of gRPC servicers, the ledger or the recorded requests.
+A provider turns one `ballet.llm.v1.GenerateRequest` into a stream of `ProviderChunk`s as
+the model makes them: text deltas, reasoning activity, tool-call starts and argument
+deltas (or a tool call whose arguments come whole), in any interleaving, then exactly one
+`FinishChunk`, always last. A provider whose upstream stream ended without saying why the
+model stopped finishes with `FinishReason.TRUNCATED`. The servicer
+(`devstack.gateway.service`) checks the order, numbers the calls, converts the chunks to
+protobuf (proto `GenerateResponse`), sends the complete calls when the answer ended whole,
+and meters the usage; providers know nothing of gRPC servicers, the ledger or the
+recorded requests.
 
 Failures are raised as `ProviderError`, which carries the gRPC status the gateway answers
 with and the `google.rpc.ErrorInfo` reason the planner dispatches on (SPEC section 5:
@@ -22,11 +26,16 @@ from typing import Protocol
 import grpc
 from ballet.llm.v1 import gateway_pb2
 
+from ballet_common.redact import scrub
+
 # ErrorInfo reasons a provider may set (google.rpc.ErrorInfo.reason, AIP-193). The planner
 # maps the last three to turn failures of the same name (SPEC section 3, TurnEndReason).
 REASON_RATE_LIMITED = "RATE_LIMITED"
 REASON_QUOTA_EXCEEDED = "QUOTA_EXCEEDED"
 REASON_CREDENTIAL_EXPIRED = "CREDENTIAL_EXPIRED"
+
+#: The longest status message a provider error carries, in characters.
+MESSAGE_MAX_CHARS = 500
 
 
 class FinishReason(enum.Enum):
@@ -37,6 +46,17 @@ class FinishReason(enum.Enum):
     TOOL_CALLS = "tool_calls"
     LENGTH = "length"
     CONTENT_FILTER = "content_filter"
+    #: The model refused; the refusal's text came as `TextChunk`s.
+    REFUSAL = "refusal"
+    #: The upstream stream ended without a finish reason or end marker: the answer is cut.
+    TRUNCATED = "truncated"
+
+    @property
+    def whole(self) -> bool:
+        """True when the answer ended as the model meant it to, so its tool calls are
+        complete and may be run (never after `LENGTH`, `CONTENT_FILTER`, `REFUSAL` or
+        `TRUNCATED`)."""
+        return self in (FinishReason.UNSPECIFIED, FinishReason.STOP, FinishReason.TOOL_CALLS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,9 +75,38 @@ class TextChunk:
 
 
 @dataclass(frozen=True, slots=True)
+class ReasoningChunk:
+    """The model reasoned: `characters` of reasoning (>= 1) and, when the provider exposes
+    it, the text (sent on only when the request asks for it)."""
+
+    characters: int
+    text: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallStartChunk:
+    """A tool call began. `index` is its position in the answer (0 for the first call to
+    start, then 1, 2, ...); `id` is the provider's id, empty when it gave none (the
+    servicer makes one up)."""
+
+    index: int
+    id: str
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallDeltaChunk:
+    """The next piece of the arguments of the started call `index`."""
+
+    index: int
+    arguments: str
+
+
+@dataclass(frozen=True, slots=True)
 class ToolCallChunk:
-    """One complete tool call: `arguments` is JSON text exactly as the model produced it,
-    possibly invalid (the planner turns bad JSON into an error result, SPEC section 5)."""
+    """One tool call whose arguments came whole (the servicer sends it as a start and one
+    delta): `arguments` is JSON text exactly as the model produced it, possibly invalid
+    (the planner turns bad JSON into an error result, SPEC section 5)."""
 
     id: str
     name: str
@@ -66,13 +115,22 @@ class ToolCallChunk:
 
 @dataclass(frozen=True, slots=True)
 class FinishChunk:
-    """The end of the answer; `usage` is None when the provider reported none."""
+    """The end of the answer; `usage` is None when the provider reported none;
+    `provider_reason` is the upstream finish reason verbatim (empty when none)."""
 
     reason: FinishReason
     usage: Usage | None = None
+    provider_reason: str = ""
 
 
-ProviderChunk = TextChunk | ToolCallChunk | FinishChunk
+ProviderChunk = (
+    TextChunk
+    | ReasoningChunk
+    | ToolCallStartChunk
+    | ToolCallDeltaChunk
+    | ToolCallChunk
+    | FinishChunk
+)
 
 
 class ProviderError(Exception):
@@ -80,7 +138,9 @@ class ProviderError(Exception):
 
     Attributes:
         code: the `grpc.StatusCode` to fail the Generate call with (never OK).
-        message: the status message, for humans and logs.
+        message: the status message, for humans and logs: scrubbed of anything that looks
+            like a credential and cut to `MESSAGE_MAX_CHARS` (`ballet_common.redact`),
+            whatever the provider put in it.
         reason: the `google.rpc.ErrorInfo` reason (UPPER_SNAKE, e.g. `RATE_LIMITED`,
             `QUOTA_EXCEEDED`, `CREDENTIAL_EXPIRED`); None means the code's name is used.
         retry_after_s: when known, how long the caller should wait before retrying, in
@@ -99,6 +159,7 @@ class ProviderError(Exception):
             raise ValueError("a ProviderError cannot carry the OK status")
         if retry_after_s is not None and retry_after_s < 0:
             raise ValueError(f"retry_after_s must be >= 0, got {retry_after_s}")
+        message = scrub(message, MESSAGE_MAX_CHARS)
         super().__init__(message)
         self.code: grpc.StatusCode = code
         self.message = message
@@ -126,9 +187,10 @@ class Provider(Protocol):
     def generate(self, request: gateway_pb2.GenerateRequest) -> AsyncIterator[ProviderChunk]:
         """Answer one request as a stream of chunks.
 
-        Implemented as an async generator. Yields zero or more `TextChunk`s, then zero or
-        more `ToolCallChunk`s, then exactly one `FinishChunk`. The caller may stop iterating
-        early (client cancel) and closes the generator.
+        Implemented as an async generator. Yields text, reasoning and tool-call chunks as
+        they come (a call's start before its deltas, starts in index order), then exactly
+        one `FinishChunk`. The caller may stop iterating early (client cancel) and closes
+        the generator.
 
         Raises:
             ProviderError: the call failed, before or after some chunks were yielded.

@@ -17,20 +17,29 @@ Request conversion (`ballet.llm.v1.GenerateRequest` to a Chat Completions body):
   `max_tokens` or `max_completion_tokens` (constructor choice);
 - model: `GenerateRequest.model` when set, else the provider's default.
 
-Streaming: text deltas are yielded as they arrive; tool-call fragments are assembled by
-their `index` (which need not start at 0: id and name come with the first fragment of an
-index, arguments in any number of fragments, split anywhere) and yielded, complete and in
-index order, after the stream ends; usage comes from the final chunk (empty `choices`).
-Finish reasons: stop -> STOP, tool_calls/function_call -> TOOL_CALLS, length -> LENGTH,
-content_filter -> CONTENT_FILTER; a server that says "stop" (or nothing) while calling
-tools (some local servers do) gets TOOL_CALLS.
+Streaming (`devstack.gateway.openai_stream`): the raw SSE body is read, not the SDK's
+parsed stream, so that a body cut before `[DONE]` is seen as cut. Text, `refusal` and
+reasoning (`reasoning_content` or `reasoning`) deltas are yielded as they arrive; tool
+calls are assembled by id where ids are given and by index otherwise and yielded as starts
+and argument deltas; usage comes from whichever chunk carries it. Finish reasons: stop ->
+STOP (TOOL_CALLS when the answer has calls), tool_calls/function_call -> TOOL_CALLS,
+length -> LENGTH, content_filter -> CONTENT_FILTER, a refusal -> REFUSAL, neither a finish
+reason nor `[DONE]` -> TRUNCATED.
 
-Errors (`ProviderError`, code / ErrorInfo reason):
+Errors (`ProviderError`, code / ErrorInfo reason). Provider text in a message is cut to
+`ERROR_TEXT_MAX_CHARS` and scrubbed of credentials (`ballet_common.redact`): a 401 body
+that quotes the key never leaves the gateway.
 
-- connection failure, HTTP 5xx, an error event inside the stream -> UNAVAILABLE;
+- connection failure before an answer -> UNAVAILABLE ("model endpoint unreachable"); a
+  stream that breaks off after it began -> UNAVAILABLE (`PROVIDER_STREAM_BROKEN`, "the
+  model's stream broke off after N events"); an error event inside the stream ->
+  UNAVAILABLE (`PROVIDER_STREAM_ERROR`); a chunk that is not JSON -> UNAVAILABLE
+  (`PROVIDER_STREAM_MALFORMED`): the planner retries these while nothing was shown;
+- HTTP 5xx -> UNAVAILABLE, with the Retry-After delay of a 503 (capped);
 - timeout, HTTP 408 -> DEADLINE_EXCEEDED;
-- HTTP 429 -> RESOURCE_EXHAUSTED / RATE_LIMITED with the Retry-After delay, or
-  QUOTA_EXCEEDED when the error code or type is `insufficient_quota`;
+- HTTP 429 -> RESOURCE_EXHAUSTED / RATE_LIMITED with the Retry-After delay (capped at
+  `RETRY_AFTER_MAX_S`), or QUOTA_EXCEEDED when the error code or type is
+  `insufficient_quota`;
 - HTTP 401 -> UNAUTHENTICATED / CREDENTIAL_EXPIRED: the provider refused the project's
   credential. The HTTP answer cannot tell expired from revoked or mistyped, and all need
   the same fix (a new credential), which is the turn failure the planner reports (SPEC
@@ -46,37 +55,36 @@ section 5, and two layers of retries would multiply the attempts and the latency
 
 from __future__ import annotations
 
+import email.utils
 import json
+import math
 import os
+import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
 import grpc
+import httpx2
 import openai
 from ballet.llm.v1 import gateway_pb2
 from openai.types.chat import (
     ChatCompletionAssistantMessageParam,
-    ChatCompletionChunk,
     ChatCompletionFunctionToolParam,
     ChatCompletionMessageFunctionToolCallParam,
     ChatCompletionMessageParam,
     ChatCompletionToolMessageParam,
 )
 
+from ballet_common.redact import scrub
 from devstack.gateway.base import (
     REASON_CREDENTIAL_EXPIRED,
     REASON_QUOTA_EXCEEDED,
     REASON_RATE_LIMITED,
-    FinishChunk,
-    FinishReason,
     ProviderChunk,
     ProviderError,
-    TextChunk,
-    ToolCallChunk,
-    Usage,
-    new_tool_call_id,
 )
+from devstack.gateway.openai_stream import ChunkReader, read_stream
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
 
@@ -93,15 +101,15 @@ REASON_CONTEXT_LENGTH_EXCEEDED = "CONTEXT_LENGTH_EXCEEDED"
 REASON_MODEL_REQUIRED = "MODEL_REQUIRED"
 REASON_INVALID_TOOL_SCHEMA = "INVALID_TOOL_SCHEMA"
 
-TokenLimitParam = Literal["max_tokens", "max_completion_tokens"]
+REASON_STREAM_BROKEN = "PROVIDER_STREAM_BROKEN"
 
-_FINISH_REASONS: Mapping[str, FinishReason] = {
-    "stop": FinishReason.STOP,
-    "tool_calls": FinishReason.TOOL_CALLS,
-    "function_call": FinishReason.TOOL_CALLS,
-    "length": FinishReason.LENGTH,
-    "content_filter": FinishReason.CONTENT_FILTER,
-}
+#: The longest Retry-After passed on to the planner, in seconds: a provider asking for
+#: more is told to the planner as this much (the planner then decides not to wait).
+RETRY_AFTER_MAX_S = 60.0
+#: How much of a provider's error text a status message quotes, in characters.
+ERROR_TEXT_MAX_CHARS = 300
+
+TokenLimitParam = Literal["max_tokens", "max_completion_tokens"]
 
 
 class ConfigError(ValueError):
@@ -203,6 +211,7 @@ class OpenAIProvider:
         max_retries: int = 0,
     ) -> None:
         self.model = model
+        self.timeout_s = timeout_s
         self.token_limit_param: TokenLimitParam = token_limit_param
         self._client = openai.AsyncOpenAI(
             base_url=base_url,
@@ -227,7 +236,7 @@ class OpenAIProvider:
         await self._client.close()
 
     async def generate(self, request: gateway_pb2.GenerateRequest) -> AsyncIterator[ProviderChunk]:
-        """Stream one Chat Completions answer as provider chunks.
+        """Stream one Chat Completions answer as provider chunks, as they arrive.
 
         Raises:
             ProviderError: see the module docstring for the mapping; INVALID_ARGUMENT
@@ -245,11 +254,11 @@ class OpenAIProvider:
         tools = chat_tools(request)
         limit = request.max_output_tokens if request.max_output_tokens > 0 else None
         use_max_tokens = self.token_limit_param == "max_tokens"
-        assembler = _ToolCallAssembler()
-        finish_reason: str | None = None
-        usage: Usage | None = None
+        reader = ChunkReader()
         try:
-            stream = await self._client.chat.completions.create(
+            # The raw body, not the SDK's parsed stream: only the body tells a stream that
+            # ended with [DONE] from one that was cut (openai_stream's module docstring).
+            async with self._client.chat.completions.with_streaming_response.create(
                 model=model,
                 messages=messages,
                 tools=tools if tools else openai.omit,
@@ -259,81 +268,24 @@ class OpenAIProvider:
                 max_completion_tokens=(
                     limit if limit is not None and not use_max_tokens else openai.omit
                 ),
-            )
-            async with stream:
-                async for chunk in stream:
-                    if chunk.usage is not None:
-                        usage = Usage(
-                            input_tokens=chunk.usage.prompt_tokens,
-                            output_tokens=chunk.usage.completion_tokens,
-                        )
-                    for text in _read_choices(chunk, assembler):
-                        yield TextChunk(text)
-                    for choice in chunk.choices:
-                        if choice.index == 0 and choice.finish_reason is not None:
-                            finish_reason = choice.finish_reason
+            ) as response:
+                async for chunk in read_stream(response.iter_bytes(), reader):
+                    yield chunk
         except openai.OpenAIError as exc:
             raise translate_error(exc) from exc
-        calls = assembler.calls()
-        for call in calls:
-            yield call
-        reason = _FINISH_REASONS.get(finish_reason or "", FinishReason.UNSPECIFIED)
-        if calls and reason in (FinishReason.STOP, FinishReason.UNSPECIFIED):
-            reason = FinishReason.TOOL_CALLS
-        yield FinishChunk(reason=reason, usage=usage)
-
-
-def _read_choices(chunk: ChatCompletionChunk, assembler: _ToolCallAssembler) -> list[str]:
-    # Only choice 0 exists: the request never sets n > 1.
-    texts: list[str] = []
-    for choice in chunk.choices:
-        if choice.index != 0:
-            continue
-        delta = choice.delta
-        if delta.content:
-            texts.append(delta.content)
-        # A refusal is the model's answer to the human; show it as text.
-        if delta.refusal:
-            texts.append(delta.refusal)
-        for fragment in delta.tool_calls or ():
-            function = fragment.function
-            assembler.add(
-                fragment.index,
-                fragment.id,
-                function.name if function else None,
-                function.arguments if function else None,
-            )
-    return texts
-
-
-class _ToolCallAssembler:
-    """Tool-call fragments gathered by index until the stream ends."""
-
-    def __init__(self) -> None:
-        self._ids: dict[int, str] = {}
-        self._names: dict[int, str] = {}
-        self._arguments: dict[int, list[str]] = {}
-
-    def add(self, index: int, call_id: str | None, name: str | None, arguments: str | None) -> None:
-        self._arguments.setdefault(index, [])
-        # Some servers repeat the id and name on later fragments; the first one counts.
-        if call_id and index not in self._ids:
-            self._ids[index] = call_id
-        if name and index not in self._names:
-            self._names[index] = name
-        if arguments:
-            self._arguments[index].append(arguments)
-
-    def calls(self) -> list[ToolCallChunk]:
-        return [
-            ToolCallChunk(
-                # A few compatible servers send no id; the planner needs one to pair results.
-                id=self._ids.get(index) or new_tool_call_id(),
-                name=self._names.get(index, ""),
-                arguments="".join(self._arguments[index]),
-            )
-            for index in sorted(self._arguments)
-        ]
+        except httpx2.TimeoutException as exc:
+            raise ProviderError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"the model's stream stalled: nothing arrived for {self.timeout_s:g} s "
+                f"(after {reader.state.events} events)",
+            ) from exc
+        except httpx2.HTTPError as exc:
+            raise ProviderError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the model's stream broke off after {reader.state.events} events: "
+                f"{type(exc).__name__}: {exc}",
+                reason=REASON_STREAM_BROKEN,
+            ) from exc
 
 
 def chat_messages(request: gateway_pb2.GenerateRequest) -> list[ChatCompletionMessageParam]:
@@ -418,22 +370,31 @@ def _bad_schema(name: str, problem: str) -> ProviderError:
 def translate_error(exc: openai.OpenAIError) -> ProviderError:
     """The `ProviderError` for an SDK error (see the module docstring for the table)."""
     if isinstance(exc, openai.APITimeoutError):
-        return ProviderError(grpc.StatusCode.DEADLINE_EXCEEDED, f"model call timed out: {exc}")
+        return ProviderError(grpc.StatusCode.DEADLINE_EXCEEDED, "the model call timed out")
     if isinstance(exc, openai.APIConnectionError):
-        return ProviderError(grpc.StatusCode.UNAVAILABLE, f"model endpoint unreachable: {exc}")
+        return ProviderError(
+            grpc.StatusCode.UNAVAILABLE, f"model endpoint unreachable: {_quoted(str(exc))}"
+        )
     if isinstance(exc, openai.APIResponseValidationError):
-        return ProviderError(grpc.StatusCode.INTERNAL, f"unexpected model answer: {exc}")
+        return ProviderError(
+            grpc.StatusCode.INTERNAL, f"unexpected model answer: {_quoted(str(exc))}"
+        )
     if isinstance(exc, openai.APIStatusError):
         return _status_error(exc)
     if isinstance(exc, openai.APIError):
-        # An error event inside an accepted stream: the provider broke off the answer.
-        return ProviderError(grpc.StatusCode.UNAVAILABLE, f"model stream failed: {exc.message}")
-    return ProviderError(grpc.StatusCode.UNKNOWN, f"model call failed: {exc}")
+        return ProviderError(
+            grpc.StatusCode.UNAVAILABLE, f"model stream failed: {_quoted(exc.message)}"
+        )
+    return ProviderError(grpc.StatusCode.UNKNOWN, f"model call failed: {_quoted(str(exc))}")
+
+
+def _quoted(text: str) -> str:
+    return scrub(text, ERROR_TEXT_MAX_CHARS)
 
 
 def _status_error(exc: openai.APIStatusError) -> ProviderError:
     status = exc.status_code
-    message = f"model endpoint answered HTTP {status}: {exc.message}"
+    message = f"model endpoint answered HTTP {status}: {_quoted(exc.message)}"
     codes = {exc.code, exc.type}
     if status == 429:
         if "insufficient_quota" in codes:
@@ -444,7 +405,7 @@ def _status_error(exc: openai.APIStatusError) -> ProviderError:
             grpc.StatusCode.RESOURCE_EXHAUSTED,
             message,
             reason=REASON_RATE_LIMITED,
-            retry_after_s=_retry_after_s(exc.response.headers),
+            retry_after_s=retry_after_s(exc.response.headers),
         )
     if status == 401:
         return ProviderError(
@@ -462,21 +423,38 @@ def _status_error(exc: openai.APIStatusError) -> ProviderError:
     if status == 409:
         return ProviderError(grpc.StatusCode.ABORTED, message)
     if status >= 500:
-        return ProviderError(grpc.StatusCode.UNAVAILABLE, message)
+        delay = retry_after_s(exc.response.headers) if status == 503 else None
+        return ProviderError(grpc.StatusCode.UNAVAILABLE, message, retry_after_s=delay)
     return ProviderError(grpc.StatusCode.UNKNOWN, message)
 
 
-def _retry_after_s(headers: Mapping[str, str]) -> float | None:
-    # `retry-after-ms` is OpenAI's precise form; `retry-after` is seconds (an HTTP date
-    # form exists but rate limiters do not send it).
+def retry_after_s(headers: Mapping[str, str], *, now: float | None = None) -> float | None:
+    """The delay a 429 or 503 asks for, in seconds, capped at `RETRY_AFTER_MAX_S`; None
+    when it names none we can read.
+
+    Reads `retry-after-ms` (OpenAI's precise form), then `retry-after` as seconds or as an
+    HTTP date (RFC 9110 section 10.2.3; `now` is the Unix time to count from).
+    """
     for name, divisor in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
         value = headers.get(name)
         if value is None:
             continue
+        seconds: float | None = None
         try:
             seconds = float(value) / divisor
         except ValueError:
-            continue
-        if seconds >= 0:
-            return seconds
+            if name == "retry-after":
+                seconds = _http_date_delay(value, time.time() if now is None else now)
+        if seconds is not None and math.isfinite(seconds) and seconds >= 0:
+            return min(seconds, RETRY_AFTER_MAX_S)
     return None
+
+
+def _http_date_delay(value: str, now: float) -> float | None:
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        return None
+    return max(0.0, when.timestamp() - now)

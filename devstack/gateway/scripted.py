@@ -38,6 +38,26 @@ REPLY (all keys optional; ``{}`` is an empty answer that finishes with STOP):
   becomes the ErrorInfo reason (default: the code name), ``retry_after_ms`` a RetryInfo.
 - ``error_after_deltas``: with ``error``: stream that many deltas first (at most all of
   them), then fail. Without it the error comes before any delta.
+- ``reasoning``: reasoning text streamed before the answer, as reasoning activity (split
+  by ``chunk_chars`` like the text), e.g. to play a model that thinks for a long time
+  (with ``delay_ms``) before its first token.
+- ``refusal``: a refusal streamed after ``text`` (split by ``chunk_chars``); the finish
+  is REFUSAL.
+- ``argument_chunk_chars``: stream each tool call as a start and argument fragments of
+  this many characters (>= 1), ``delay_ms`` before each, instead of whole.
+- ``finish_reason``: ``stop``, ``tool_calls``, ``length``, ``content_filter``,
+  ``refusal`` or ``truncated``: the finish to report instead of the one implied (a
+  ``length`` with tool calls plays a model cut inside its arguments: the gateway sends
+  no complete calls).
+- ``truncate_after_deltas``: stream that many deltas (at most all of them), then end as
+  a provider whose stream stopped without a finish reason (finish TRUNCATED; no
+  complete calls). Not with ``error``.
+
+Deltas, in the order they are streamed: the reasoning pieces, the text pieces, the
+refusal pieces, then the tool calls: with ``argument_chunk_chars`` each call's start and
+its argument fragments, else each whole call as one. ``delay_ms`` is slept before each
+reasoning, text, refusal and argument delta and before each streamed call's start; whole
+calls are preceded by one sleep only when nothing was streamed before them.
 
 Substitutions, in ``text``, ``raw_arguments`` and the string values of ``arguments``
 (nested ones included; in ``arguments`` the substituted value is JSON-escaped):
@@ -49,7 +69,8 @@ Substitutions, in ``text``, ``raw_arguments`` and the string values of ``argumen
   extension of SPEC section 10, so that a rule can pass an id from the human's question
   to a tool; a rule using it must have ``last_text_regex`` with that group.
 
-The finish reason is TOOL_CALLS when the reply has tool calls, else STOP. When no rule
+The finish reason is ``finish_reason`` when given, else REFUSAL with a refusal,
+TOOL_CALLS when the reply has tool calls, else STOP. When no rule
 matches, the call fails with FAILED_PRECONDITION (ErrorInfo reason ``NO_MATCHING_RULE``)
 whose message names the request: purpose, last role, start of the last text.
 """
@@ -76,8 +97,11 @@ from devstack.gateway.base import (
     FinishReason,
     ProviderChunk,
     ProviderError,
+    ReasoningChunk,
     TextChunk,
     ToolCallChunk,
+    ToolCallDeltaChunk,
+    ToolCallStartChunk,
     Usage,
     new_tool_call_id,
 )
@@ -97,8 +121,24 @@ _MATCH_KEYS = frozenset(
     {"purpose", "last_role", "last_text_regex", "tool_name", "tool_results_in_turn"}
 )
 _REPLY_KEYS = frozenset(
-    {"text", "chunk_chars", "tool_calls", "usage", "delay_ms", "error", "error_after_deltas"}
+    {
+        "text",
+        "chunk_chars",
+        "tool_calls",
+        "usage",
+        "delay_ms",
+        "error",
+        "error_after_deltas",
+        "reasoning",
+        "refusal",
+        "argument_chunk_chars",
+        "finish_reason",
+        "truncate_after_deltas",
+    }
 )
+_FINISH_NAMES: Mapping[str, FinishReason] = {
+    reason.value: reason for reason in FinishReason if reason is not FinishReason.UNSPECIFIED
+}
 _TOOL_CALL_KEYS = frozenset({"name", "arguments", "raw_arguments"})
 _USAGE_KEYS = frozenset({"input_tokens", "output_tokens"})
 _ERROR_KEYS = frozenset({"code", "message", "reason", "retry_after_ms"})
@@ -162,6 +202,11 @@ class Reply:
     delay_ms: float = 0.0
     error: ScriptedError | None = None
     error_after_deltas: int = 0
+    reasoning: str = ""
+    refusal: str = ""
+    argument_chunk_chars: int | None = None
+    finish_reason: FinishReason | None = None
+    truncate_after_deltas: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -458,6 +503,9 @@ class _Parser:
             if error is None:
                 raise self.fail(f"{where}.error_after_deltas", "needs 'error' in the same reply")
             after = self.integer(f"{where}.error_after_deltas", data["error_after_deltas"])
+        extra = self.streaming(where, data, match)
+        if error is not None and extra.truncate_after_deltas is not None:
+            raise self.fail(f"{where}.truncate_after_deltas", "give 'error' or this, not both")
         return Reply(
             text=text,
             chunk_chars=chunk_chars,
@@ -466,6 +514,44 @@ class _Parser:
             delay_ms=delay_ms,
             error=error,
             error_after_deltas=after,
+            reasoning=extra.reasoning,
+            refusal=extra.refusal,
+            argument_chunk_chars=extra.argument_chunk_chars,
+            finish_reason=extra.finish_reason,
+            truncate_after_deltas=extra.truncate_after_deltas,
+        )
+
+    def streaming(self, where: str, data: Mapping[str, object], match: Match) -> Reply:
+        """The reply keys that shape the stream (reasoning, refusal, argument streaming,
+        finish reason, truncation), as a partial ``Reply``."""
+        texts: dict[str, str] = {}
+        for key in ("reasoning", "refusal"):
+            if key in data:
+                texts[key] = self.string(f"{where}.{key}", data[key])
+                self.placeholders(f"{where}.{key}", texts[key], match)
+        argument_chunk_chars: int | None = None
+        if "argument_chunk_chars" in data:
+            argument_chunk_chars = self.integer(
+                f"{where}.argument_chunk_chars", data["argument_chunk_chars"], minimum=1
+            )
+        finish: FinishReason | None = None
+        if "finish_reason" in data:
+            name = data["finish_reason"]
+            if not isinstance(name, str) or name not in _FINISH_NAMES:
+                raise self.fail(
+                    f"{where}.finish_reason",
+                    f"expected one of {', '.join(sorted(_FINISH_NAMES))}, got {name!r}",
+                )
+            finish = _FINISH_NAMES[name]
+        truncate: int | None = None
+        if "truncate_after_deltas" in data:
+            truncate = self.integer(f"{where}.truncate_after_deltas", data["truncate_after_deltas"])
+        return Reply(
+            reasoning=texts.get("reasoning", ""),
+            refusal=texts.get("refusal", ""),
+            argument_chunk_chars=argument_chunk_chars,
+            finish_reason=finish,
+            truncate_after_deltas=truncate,
         )
 
     def tool_call(self, where: str, raw: object, match: Match) -> ScriptedToolCall:
@@ -741,17 +827,16 @@ class ScriptedProvider:
         rule, regex_match = found
         reply = rule.reply
         substitute = _Substitution(facts.last_tool_content, regex_match)
-        deltas = _split(substitute(reply.text), reply.chunk_chars)
         # Rendered before the first delta so that every call of the answer is complete.
-        calls = [_render_call(call, substitute) for call in reply.tool_calls]
+        deltas = _deltas(reply, substitute)
         delay_s = reply.delay_ms / 1000.0
-
-        for sent, delta in enumerate(deltas):
-            if reply.error is not None and sent >= reply.error_after_deltas:
+        stop = reply.error_after_deltas if reply.error is not None else reply.truncate_after_deltas
+        for sent, (chunk, sleeps) in enumerate(deltas):
+            if stop is not None and sent >= stop:
                 break
-            if delay_s:
+            if delay_s and sleeps:
                 await self._sleep(delay_s)
-            yield TextChunk(delta)
+            yield chunk
         if reply.error is not None:
             if delay_s:
                 await self._sleep(delay_s)
@@ -762,12 +847,43 @@ class ScriptedProvider:
                 reason=error.reason,
                 retry_after_s=None if error.retry_after_ms is None else error.retry_after_ms / 1000,
             )
+        if reply.truncate_after_deltas is not None:
+            yield FinishChunk(FinishReason.TRUNCATED, reply.usage)
+            return
         if not deltas and delay_s:
             await self._sleep(delay_s)
-        for call in calls:
-            yield call
-        reason = FinishReason.TOOL_CALLS if calls else FinishReason.STOP
+        reason = reply.finish_reason
+        if reason is None:
+            if reply.refusal:
+                reason = FinishReason.REFUSAL
+            elif reply.tool_calls:
+                reason = FinishReason.TOOL_CALLS
+            else:
+                reason = FinishReason.STOP
         yield FinishChunk(reason=reason, usage=reply.usage)
+
+
+def _deltas(reply: Reply, substitute: _Substitution) -> list[tuple[ProviderChunk, bool]]:
+    """The streamed pieces of a reply in order, each with whether ``delay_ms`` is slept
+    before it (see the module docstring)."""
+    out: list[tuple[ProviderChunk, bool]] = []
+    for piece in _split(substitute(reply.reasoning), reply.chunk_chars):
+        out.append((ReasoningChunk(len(piece), piece), True))
+    for piece in _split(substitute(reply.text), reply.chunk_chars):
+        out.append((TextChunk(piece), True))
+    for piece in _split(substitute(reply.refusal), reply.chunk_chars):
+        out.append((TextChunk(piece), True))
+    calls = [_render_call(call, substitute) for call in reply.tool_calls]
+    if reply.argument_chunk_chars is None:
+        first = not out
+        for index, call in enumerate(calls):
+            out.append((call, first and index == 0))
+        return out
+    for index, call in enumerate(calls):
+        out.append((ToolCallStartChunk(index, call.id, call.name), True))
+        for piece in _split(call.arguments, reply.argument_chunk_chars):
+            out.append((ToolCallDeltaChunk(index, piece), True))
+    return out
 
 
 def _as_scenario(scenario: ScenarioData) -> Scenario:

@@ -2,10 +2,15 @@
 
 `Generate` refuses a request without `project_id` or `credential_ref`, with purpose
 unspecified, or with a message whose role is unspecified (INVALID_ARGUMENT); otherwise it
-streams the provider's answer as `GenerateResponse` chunks (text deltas, then tool calls,
-then the finish), meters finished calls in the `UsageLedger`, and turns a `ProviderError`
-into a `google.rpc.Status` with exactly one `ErrorInfo` (domain `llm.ballet`, AIP-193)
-plus a `RetryInfo` when the provider said when to retry.
+streams the provider's answer as `GenerateResponse` chunks as they come (text deltas,
+reasoning activity, tool-call starts and argument deltas), then, when the answer ended
+whole (finish STOP or TOOL_CALLS), the complete calls in index order, then the finish.
+It meters finished calls in the `UsageLedger` (a truncated answer too: the provider
+charged for it), and turns a `ProviderError` into a `google.rpc.Status` with exactly one
+`ErrorInfo` (domain `llm.ballet`, AIP-193) plus a `RetryInfo` when the provider said
+when to retry. Status messages and log lines carry provider text only scrubbed
+(`ballet_common.redact`); reasoning text is sent only when the request asks for it and
+never logged.
 
 Every request received, refused ones included, is appended to `GatewayServicer.requests`
 in arrival order, so tests can assert on exactly what the model saw.
@@ -14,7 +19,9 @@ in arrival order, so tests can assert on exactly what the model saw.
 from __future__ import annotations
 
 import logging
+import traceback
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 import grpc
 from ballet.llm.v1 import gateway_pb2, gateway_pb2_grpc
@@ -22,13 +29,18 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from ballet_common.redact import scrub
 from devstack.gateway.base import (
     FinishChunk,
     FinishReason,
     Provider,
     ProviderError,
+    ReasoningChunk,
     TextChunk,
     ToolCallChunk,
+    ToolCallDeltaChunk,
+    ToolCallStartChunk,
+    new_tool_call_id,
 )
 from devstack.gateway.ledger import UsageLedger, UsageRecord
 
@@ -49,6 +61,8 @@ _FINISH_REASONS = {
     FinishReason.TOOL_CALLS: gateway_pb2.FINISH_REASON_TOOL_CALLS,
     FinishReason.LENGTH: gateway_pb2.FINISH_REASON_LENGTH,
     FinishReason.CONTENT_FILTER: gateway_pb2.FINISH_REASON_CONTENT_FILTER,
+    FinishReason.REFUSAL: gateway_pb2.FINISH_REASON_REFUSAL,
+    FinishReason.TRUNCATED: gateway_pb2.FINISH_REASON_TRUNCATED,
 }
 _PURPOSE_NAMES = {
     gateway_pb2.PURPOSE_TURN: "turn",
@@ -68,7 +82,7 @@ def rich_status(error: ProviderError) -> status_pb2.Status:
         delay = duration_pb2.Duration(seconds=seconds, nanos=min(nanos, 999_999_999))
         details.append(_packed(error_details_pb2.RetryInfo(retry_delay=delay)))
     code: int = error.code.value[0]
-    return status_pb2.Status(code=code, message=error.message, details=details)
+    return status_pb2.Status(code=code, message=scrub(error.message, 500), details=details)
 
 
 def _packed(message: error_details_pb2.ErrorInfo | error_details_pb2.RetryInfo) -> any_pb2.Any:
@@ -129,7 +143,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         request: gateway_pb2.GenerateRequest,
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
-        """Stream one answer: text deltas, then tool calls, then the finish (always last).
+        """Stream one answer as it is made, then the complete calls of a whole answer,
+        then the finish (always last); see the module docstring and proto
+        `GenerateResponse` for the order.
 
         Errors (status with ErrorInfo, domain `llm.ballet`): INVALID_ARGUMENT for a
         refused request; the provider's status for a `ProviderError`; INTERNAL
@@ -140,47 +156,36 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         if refusal is not None:
             await self._abort(context, request, refusal)
         error: ProviderError | None = None
-        finish: FinishChunk | None = None
-        saw_tool_call = False
+        answer = _Answer(include_reasoning_text=request.include_reasoning_text)
         try:
             chunks = self.provider.generate(request)
             try:
                 async for chunk in chunks:
-                    if finish is not None:
-                        raise _out_of_order("a chunk after the finish")
-                    if isinstance(chunk, TextChunk):
-                        if saw_tool_call:
-                            raise _out_of_order("a text delta after a tool call")
-                        yield gateway_pb2.GenerateResponse(
-                            text_delta=gateway_pb2.TextDelta(text=chunk.text)
-                        )
-                    elif isinstance(chunk, ToolCallChunk):
-                        saw_tool_call = True
-                        yield gateway_pb2.GenerateResponse(
-                            tool_call=gateway_pb2.ToolCall(
-                                id=chunk.id, name=chunk.name, arguments=chunk.arguments
-                            )
-                        )
-                    else:
-                        finish = chunk
+                    for response in answer.add(chunk):
+                        yield response
             finally:
                 # Ends the provider's stream (and its HTTP request) when the client
                 # cancels or the provider broke the contract.
                 await _close(chunks)
-            if finish is None:
+            if answer.finish is None:
                 raise _out_of_order("the answer ended without a finish")
         except ProviderError as exc:
             error = exc
         except Exception as exc:
-            # A provider bug must still reach the planner as a status it can read.
-            _log.exception("provider failed: request_id=%s", request.request_id)
+            # A provider bug must still reach the planner as a status it can read. The
+            # exception's text may quote provider output, so only its scrubbed form is
+            # logged; the frames (no values) go to DEBUG.
+            described = scrub(f"{type(exc).__name__}: {exc}")
+            _log.error("provider failed: request_id=%s: %s", request.request_id, described)
+            _log.debug("provider failure at:\n%s", "".join(traceback.format_tb(exc.__traceback__)))
             error = ProviderError(
                 grpc.StatusCode.INTERNAL,
-                f"the provider failed: {type(exc).__name__}: {exc}",
+                f"the provider failed: {described}",
                 reason=REASON_PROVIDER_FAILED,
             )
         if error is not None:
             await self._abort(context, request, error)
+        finish = answer.finish
         assert finish is not None
         self.ledger.record(
             UsageRecord(
@@ -200,7 +205,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             finish.reason.value,
             finish.usage,
         )
-        response_finish = gateway_pb2.Finish(reason=_FINISH_REASONS[finish.reason])
+        if finish.reason.whole:
+            for call in answer.calls:
+                yield gateway_pb2.GenerateResponse(
+                    tool_call=gateway_pb2.ToolCall(
+                        id=call.id, name=call.name, arguments="".join(call.arguments)
+                    )
+                )
+        response_finish = gateway_pb2.Finish(
+            reason=_FINISH_REASONS[finish.reason], provider_reason=finish.provider_reason
+        )
         if finish.usage is not None:
             response_finish.usage.CopyFrom(
                 gateway_pb2.Usage(
@@ -224,6 +238,67 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             error.error_reason,
         )
         await context.abort_with_status(rpc_status.to_status(rich_status(error)))
+
+
+@dataclass
+class _Call:
+    id: str
+    name: str
+    arguments: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Answer:
+    """One answer as the servicer relays it: checks the provider's order, numbers the
+    calls and keeps their arguments for the complete calls sent at the end."""
+
+    include_reasoning_text: bool
+    calls: list[_Call] = field(default_factory=list)
+    finish: FinishChunk | None = None
+
+    def add(self, chunk: object) -> list[gateway_pb2.GenerateResponse]:
+        if self.finish is not None:
+            raise _out_of_order("a chunk after the finish")
+        if isinstance(chunk, TextChunk):
+            if not chunk.text:
+                return []
+            return [gateway_pb2.GenerateResponse(text_delta=gateway_pb2.TextDelta(text=chunk.text))]
+        if isinstance(chunk, ReasoningChunk):
+            if chunk.characters < 1:
+                raise _out_of_order("reasoning activity of no characters")
+            text = chunk.text if self.include_reasoning_text else ""
+            activity = gateway_pb2.ReasoningActivity(characters=chunk.characters, text=text)
+            return [gateway_pb2.GenerateResponse(reasoning=activity)]
+        if isinstance(chunk, ToolCallStartChunk):
+            return [self._start(chunk.index, chunk.id, chunk.name)]
+        if isinstance(chunk, ToolCallDeltaChunk):
+            return self._delta(chunk.index, chunk.arguments)
+        if isinstance(chunk, ToolCallChunk):
+            index = len(self.calls)
+            return [self._start(index, chunk.id, chunk.name), *self._delta(index, chunk.arguments)]
+        if isinstance(chunk, FinishChunk):
+            self.finish = chunk
+            return []
+        raise _out_of_order(f"an unknown chunk {type(chunk).__name__}")
+
+    def _start(self, index: int, call_id: str, name: str) -> gateway_pb2.GenerateResponse:
+        if index != len(self.calls):
+            raise _out_of_order(f"tool call {index} started after {len(self.calls)} calls")
+        if not name:
+            raise _out_of_order(f"tool call {index} has no name")
+        call = _Call(call_id or new_tool_call_id(), name)
+        self.calls.append(call)
+        start = gateway_pb2.ToolCallStart(index=index, id=call.id, name=call.name)
+        return gateway_pb2.GenerateResponse(tool_call_start=start)
+
+    def _delta(self, index: int, arguments: str) -> list[gateway_pb2.GenerateResponse]:
+        if not 0 <= index < len(self.calls):
+            raise _out_of_order(f"arguments of tool call {index}, which has not started")
+        if not arguments:
+            return []
+        self.calls[index].arguments.append(arguments)
+        delta = gateway_pb2.ToolCallDelta(index=index, arguments=arguments)
+        return [gateway_pb2.GenerateResponse(tool_call_delta=delta)]
 
 
 async def _close(chunks: AsyncIterator[object]) -> None:

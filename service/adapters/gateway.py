@@ -1,16 +1,32 @@
 """The ``ballet.llm.v1`` gateway client: the core's ``ModelGateway`` port.
 
-Owns what the loop must not know (STYLE, Pydantic AI's split): the proto conversion,
-the three model deadlines (first delta, idle between deltas, total), the bounded retries,
-and the translation of upstream ``AioRpcError``s into ``ModelFailure`` (SPEC section 5,
-Deadlines and Retries):
+Owns what the loop must not know (STYLE, Pydantic AI's split): the proto conversion, the
+three model deadlines, the bounded retries, and the translation of upstream
+``AioRpcError``s into ``ModelFailure`` (SPEC section 5, Deadlines and Retries; issue 11):
 
-- only ``UNAVAILABLE``, and ``RESOURCE_EXHAUSTED`` whose ``ErrorInfo`` reason is
-  ``RATE_LIMITED`` (honouring ``google.rpc.RetryInfo``), are retried: at most 3 attempts,
-  exponential backoff with full jitter, and only before the first delta;
-- ``RESOURCE_EXHAUSTED`` otherwise is ``QUOTA_EXCEEDED``; a refused credential is
-  ``CREDENTIAL_EXPIRED``; a missed deadline is ``MODEL_TIMEOUT``; what stays unavailable
-  is ``MODEL_UNAVAILABLE``; the rest is ``MODEL_ERROR``.
+- **Deadlines.** The first-output deadline runs until the first progress of any kind
+  (text, a tool-call start or argument fragment, reasoning activity), the idle deadline
+  between two of them, and the total deadline over the whole call, retries included.
+  Reasoning and argument fragments are not yielded to the core: they only keep the call
+  alive. A missed deadline is ``MODEL_TIMEOUT`` with a message naming the deadline and
+  its length.
+- **Complete answers only.** Tool calls are yielded (``ToolCallChunk``) only when the
+  finish says the answer ended whole (stop, tool calls, or unspecified from an older
+  gateway); after ``length``, ``content_filter`` or ``refusal`` the ``FinishChunk`` says
+  why and no call is yielded, so a cut call can never be run. A stream that ends without
+  a finish, or with the gateway's ``truncated``, raises ``MODEL_STREAM_TRUNCATED``.
+- **Retries**: ``UNAVAILABLE``, ``RESOURCE_EXHAUSTED`` whose ``ErrorInfo`` reason is
+  ``RATE_LIMITED``, and a truncated stream; only while nothing was yielded to the core
+  (reasoning alone yields nothing); at most ``RetryPolicy.max_attempts`` attempts; the
+  wait is exponential backoff with full jitter, never below a floor, and at least the
+  ``google.rpc.RetryInfo`` delay. A delay beyond ``RetryPolicy.retry_after_max_s``, or
+  beyond the total deadline, is not waited for: the failure is raised at once.
+- **Reasons**: a message over the channel's receive limit is ``MODEL_OUTPUT_TOO_LARGE``
+  (as is an answer larger than ``max_answer_bytes``); ``RESOURCE_EXHAUSTED`` otherwise is
+  ``QUOTA_EXCEEDED``; a refused credential is ``CREDENTIAL_EXPIRED``; what stays
+  unavailable is ``MODEL_UNAVAILABLE`` (or ``RATE_LIMITED``); the rest is
+  ``MODEL_ERROR``. Every message is scrubbed of credentials and cut short
+  (``ballet_common.redact``) before it is raised, whatever the gateway did.
 
 Model output is stored as received, except that NUL characters (which PostgreSQL text
 cannot hold) become U+FFFD.
@@ -22,28 +38,31 @@ import asyncio
 import random
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 
 import grpc
 from ballet.llm.v1 import gateway_pb2, gateway_pb2_grpc
 from google.rpc import error_details_pb2, status_pb2
 
+from ballet_common.redact import scrub
 from service.core.errors import ModelFailure
 from service.core.model import Usage
 from service.core.ports import (
     FinishChunk,
     FinishReason,
     ModelChunk,
+    ModelDeadlines,
     ModelRequest,
     Purpose,
     Role,
     TextChunk,
     ToolCall,
     ToolCallChunk,
+    ToolCallStartChunk,
 )
 
-MAX_ATTEMPTS = 3
-_BASE_BACKOFF_S = 0.2
-_MAX_BACKOFF_S = 5.0
+#: How many characters of gateway text a ``ModelFailure`` message quotes.
+MESSAGE_MAX_CHARS = 300
 
 _ROLES = {
     Role.USER: gateway_pb2.ROLE_USER,
@@ -59,14 +78,46 @@ _FINISH = {
     gateway_pb2.FINISH_REASON_TOOL_CALLS: FinishReason.TOOL_CALLS,
     gateway_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
     gateway_pb2.FINISH_REASON_CONTENT_FILTER: FinishReason.CONTENT_FILTER,
+    gateway_pb2.FINISH_REASON_REFUSAL: FinishReason.REFUSAL,
 }
+_WHOLE = frozenset({FinishReason.STOP, FinishReason.TOOL_CALLS, FinishReason.UNSPECIFIED})
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How the client retries a model call (SPEC section 5, Retries). Seconds.
+
+    The n-th retry waits ``max(backoff_floor_s, min(backoff_max_s, backoff_base_s *
+    2**(n-1)) * jitter)`` with jitter uniform in [0, 1), and at least the gateway's
+    ``RetryInfo`` delay; a ``RetryInfo`` above ``retry_after_max_s`` is not waited for.
+    """
+
+    max_attempts: int = 3
+    backoff_floor_s: float = 0.5
+    backoff_base_s: float = 1.0
+    backoff_max_s: float = 8.0
+    retry_after_max_s: float = 30.0
+
+
+@dataclass
+class _Attempt:
+    """What one attempt did so far: whether it yielded to the core, and its calls."""
+
+    yielded: bool = False
+    progressed: bool = False
+    answer_bytes: int = 0
+    started: set[int] = field(default_factory=set)
+    calls: list[ToolCall] = field(default_factory=list)
 
 
 class GrpcModelGateway:
     """``ModelGateway`` over a ``grpc.aio`` channel to ``ballet.llm.v1.GatewayService``.
 
     ``metadata`` supplies per-call metadata (the planner's service credential).
-    ``sleep`` and ``jitter`` are injectable so tests need no wall-clock waits.
+    ``max_answer_bytes`` caps one answer's text and tool-call arguments (UTF-8 bytes; None:
+    no cap), e.g. the gateway channel's message limit, which the answer must fit again
+    when it is sent back in the next request. ``sleep`` and ``jitter`` are injectable so
+    tests need no wall-clock waits.
     """
 
     def __init__(
@@ -76,35 +127,55 @@ class GrpcModelGateway:
         metadata: Callable[[], list[tuple[str, str]]] = list,
         sleep: Callable[[float], object] = asyncio.sleep,
         jitter: Callable[[], float] = random.random,
+        retry: RetryPolicy | None = None,
+        max_answer_bytes: int | None = None,
     ) -> None:
         self._stub = gateway_pb2_grpc.GatewayServiceStub(channel)
         self._metadata = metadata
         self._sleep = sleep
         self._jitter = jitter
+        self._retry = retry or RetryPolicy()
+        self._max_answer_bytes = max_answer_bytes
 
     async def stream(self, request: ModelRequest) -> AsyncIterator[ModelChunk]:
         """Stream one answer; raises ``ModelFailure`` (see the module docstring)."""
         proto = to_proto(request)
         deadline = time.monotonic() + request.deadlines.total_s
+        policy = self._retry
         attempt = 0
         while True:
             attempt += 1
-            delivered = False
+            state = _Attempt()
             try:
-                async for chunk in self._attempt(proto, request, deadline):
-                    delivered = True
+                async for chunk in self._attempt(proto, request.deadlines, deadline, state):
                     yield chunk
                 return
             except ModelFailure as failure:
-                if delivered or not failure.retryable or attempt >= MAX_ATTEMPTS:
+                if state.yielded or not failure.retryable:
                     raise
-                backoff = min(_MAX_BACKOFF_S, _BASE_BACKOFF_S * 2 ** (attempt - 1)) * self._jitter()
-                wait = max(backoff, failure.retry_after_s or 0.0)
+                if attempt >= policy.max_attempts:
+                    raise _retried(failure, f"after {attempt} attempts") from failure
+                wait = self._backoff(attempt)
+                asked = failure.retry_after_s
+                if asked is not None and asked > policy.retry_after_max_s:
+                    raise _retried(
+                        failure,
+                        f"not retried: the gateway asked to wait {asked:g} s, more than "
+                        f"{policy.retry_after_max_s:g} s",
+                    ) from failure
+                wait = max(wait, asked or 0.0)
                 if time.monotonic() + wait >= deadline:
-                    raise ModelFailure(
-                        "MODEL_TIMEOUT", "no time left to retry the model"
+                    raise _retried(
+                        failure,
+                        f"not retried: waiting {wait:.1f} s would pass the "
+                        f"{request.deadlines.total_s:g} s deadline of the model call",
                     ) from failure
                 await self._await(self._sleep(wait))
+
+    def _backoff(self, attempt: int) -> float:
+        policy = self._retry
+        backoff = min(policy.backoff_max_s, policy.backoff_base_s * 2.0 ** (attempt - 1))
+        return max(policy.backoff_floor_s, backoff * self._jitter())
 
     @staticmethod
     async def _await(value: object) -> None:
@@ -112,51 +183,149 @@ class GrpcModelGateway:
             await value
 
     async def _attempt(
-        self, proto: gateway_pb2.GenerateRequest, request: ModelRequest, deadline: float
+        self,
+        proto: gateway_pb2.GenerateRequest,
+        deadlines: ModelDeadlines,
+        deadline: float,
+        state: _Attempt,
     ) -> AsyncIterator[ModelChunk]:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise ModelFailure("MODEL_TIMEOUT", "the model call ran out of time")
-        call = self._stub.Generate(proto, timeout=remaining, metadata=self._metadata())
-        first = True
+        if deadline - time.monotonic() <= 0:
+            raise _out_of_time(deadlines)
+        call = self._stub.Generate(
+            proto, timeout=deadline - time.monotonic(), metadata=self._metadata()
+        )
         try:
             while True:
-                wait = request.deadlines.first_delta_s if first else request.deadlines.idle_s
-                wait = min(wait, deadline - time.monotonic())
-                if wait <= 0:
-                    raise ModelFailure("MODEL_TIMEOUT", "the model call ran out of time")
-                try:
-                    response = await asyncio.wait_for(call.read(), timeout=wait)
-                except TimeoutError as error:
-                    what = "first delta" if first else "next delta"
+                response = await self._read(call, deadlines, deadline, state)
+                if response is None:
                     raise ModelFailure(
-                        "MODEL_TIMEOUT", f"the model sent no {what} in {wait:.1f} s"
-                    ) from error
-                if response is grpc.aio.EOF:
+                        "MODEL_STREAM_TRUNCATED",
+                        "the model's answer was cut off: the gateway's stream ended "
+                        "without a finish",
+                        retryable=True,
+                    )
+                state.progressed = True
+                for chunk in self._chunks(response, state):
+                    if not isinstance(chunk, FinishChunk):
+                        state.yielded = True
+                    yield chunk
+                if response.WhichOneof("chunk") == "finish":
                     return
-                first = False
-                kind = response.WhichOneof("chunk")
-                if kind == "text_delta":
-                    yield TextChunk(_storable(response.text_delta.text))
-                elif kind == "tool_call":
-                    tc = response.tool_call
-                    yield ToolCallChunk(
-                        ToolCall(_storable(tc.id), _storable(tc.name), _storable(tc.arguments))
-                    )
-                elif kind == "finish":
-                    usage = (
-                        Usage(
-                            response.finish.usage.input_tokens, response.finish.usage.output_tokens
-                        )
-                        if response.finish.HasField("usage")
-                        else None
-                    )
-                    reason = _FINISH.get(response.finish.reason, FinishReason.UNSPECIFIED)
-                    yield FinishChunk(reason, usage)
         except grpc.aio.AioRpcError as error:
-            raise translate_error(error) from error
+            raise translate_error(error, deadlines, mid_answer=state.yielded) from error
         finally:
             call.cancel()
+
+    @staticmethod
+    async def _read(
+        call: object, deadlines: ModelDeadlines, deadline: float, state: _Attempt
+    ) -> gateway_pb2.GenerateResponse | None:
+        """The next response (None at the end of the stream), within the deadline that
+        applies now."""
+        wait = deadlines.idle_s if state.progressed else deadlines.first_delta_s
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise _out_of_time(deadlines)
+        read = call.read  # type: ignore[attr-defined]
+        try:
+            response = await asyncio.wait_for(read(), timeout=min(wait, left))
+        except TimeoutError as error:
+            if left <= wait:
+                raise _out_of_time(deadlines) from error
+            if not state.progressed:
+                raise ModelFailure(
+                    "MODEL_TIMEOUT",
+                    f"the model sent no output in {wait:g} s (the first-output deadline, "
+                    "dependencies.model_first_delta_s)",
+                ) from error
+            raise ModelFailure(
+                "MODEL_TIMEOUT",
+                f"the model sent nothing for {wait:g} s after its last output (the idle "
+                "deadline, dependencies.model_idle_s)",
+            ) from error
+        if response is grpc.aio.EOF:
+            return None
+        assert isinstance(response, gateway_pb2.GenerateResponse)
+        return response
+
+    def _chunks(self, response: gateway_pb2.GenerateResponse, state: _Attempt) -> list[ModelChunk]:
+        kind = response.WhichOneof("chunk")
+        if kind == "text_delta":
+            text = response.text_delta.text
+            self._count(state, text)
+            return [TextChunk(_storable(text))] if text else []
+        if kind == "tool_call_start":
+            start = response.tool_call_start
+            if start.index in state.started:
+                return []
+            state.started.add(start.index)
+            return [ToolCallStartChunk(start.index, _storable(start.name))]
+        if kind == "tool_call_delta":
+            self._count(state, response.tool_call_delta.arguments)
+            return []
+        if kind == "tool_call":
+            # Held until the finish says the answer ended whole.
+            tc = response.tool_call
+            index = len(state.calls)
+            state.calls.append(
+                ToolCall(_storable(tc.id), _storable(tc.name), _storable(tc.arguments))
+            )
+            if index in state.started:
+                return []
+            # An older gateway sends no starts: the complete call is its start.
+            state.started.add(index)
+            return [ToolCallStartChunk(index, _storable(tc.name))]
+        if kind == "finish":
+            return _finish(response.finish, state)
+        # Reasoning activity, or a kind a newer gateway added: progress only.
+        return []
+
+    def _count(self, state: _Attempt, text: str) -> None:
+        if self._max_answer_bytes is None:
+            return
+        state.answer_bytes += len(text.encode())
+        if state.answer_bytes > self._max_answer_bytes:
+            raise ModelFailure(
+                "MODEL_OUTPUT_TOO_LARGE",
+                f"the model's answer passed {self._max_answer_bytes} bytes, the most the "
+                "gateway channel carries (dependencies.gateway.max_message_bytes)",
+            )
+
+
+def _finish(finish: gateway_pb2.Finish, state: _Attempt) -> list[ModelChunk]:
+    if finish.reason == gateway_pb2.FINISH_REASON_TRUNCATED:
+        raise ModelFailure(
+            "MODEL_STREAM_TRUNCATED",
+            "the model's answer was cut off: the provider's stream ended without a finish reason",
+            retryable=True,
+        )
+    usage = (
+        Usage(finish.usage.input_tokens, finish.usage.output_tokens)
+        if finish.HasField("usage")
+        else None
+    )
+    reason = _FINISH.get(finish.reason, FinishReason.UNSPECIFIED)
+    chunks: list[ModelChunk] = []
+    if reason in _WHOLE:
+        chunks = [ToolCallChunk(call, index) for index, call in enumerate(state.calls)]
+    chunks.append(FinishChunk(reason, usage))
+    return chunks
+
+
+def _out_of_time(deadlines: ModelDeadlines) -> ModelFailure:
+    return ModelFailure(
+        "MODEL_TIMEOUT",
+        f"the model call ran out of time after {deadlines.total_s:g} s (the total deadline, "
+        "dependencies.model_total_s, or what was left of the turn)",
+    )
+
+
+def _retried(failure: ModelFailure, why: str) -> ModelFailure:
+    return ModelFailure(
+        failure.reason,
+        f"{failure.message} ({why})",
+        retry_after_s=failure.retry_after_s,
+    )
 
 
 def _storable(text: str) -> str:
@@ -195,25 +364,57 @@ def to_proto(request: ModelRequest) -> gateway_pb2.GenerateRequest:
     return proto
 
 
-def translate_error(error: grpc.aio.AioRpcError) -> ModelFailure:
-    """The one place an upstream gateway error becomes a ``ModelFailure``."""
+def translate_error(
+    error: grpc.aio.AioRpcError,
+    deadlines: ModelDeadlines | None = None,
+    *,
+    mid_answer: bool = False,
+) -> ModelFailure:
+    """The one place an upstream gateway error becomes a ``ModelFailure``.
+
+    ``deadlines`` names the total deadline in a ``DEADLINE_EXCEEDED`` message;
+    ``mid_answer`` says output was already yielded (the message says the stream broke off,
+    not that the model was never reached). The message is scrubbed (``ballet_common``).
+    """
     code = error.code()
     reason, retry_after = _details(error)
-    message = error.details() or code.name
+    details = scrub(error.details() or code.name, MESSAGE_MAX_CHARS)
     if code == grpc.StatusCode.UNAVAILABLE:
+        message = (
+            f"the model's stream broke off mid-answer: {details}"
+            if mid_answer
+            else f"the model is unavailable: {details}"
+        )
         return ModelFailure("MODEL_UNAVAILABLE", message, retryable=True, retry_after_s=retry_after)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         if reason == "RATE_LIMITED":
-            return ModelFailure("RATE_LIMITED", message, retryable=True, retry_after_s=retry_after)
-        return ModelFailure("QUOTA_EXCEEDED", message)
+            return ModelFailure(
+                "RATE_LIMITED",
+                f"the model's rate limit was reached: {details}",
+                retryable=True,
+                retry_after_s=retry_after,
+            )
+        if not reason and "larger than max" in details:
+            # gRPC's own refusal of a message over the channel's receive limit: the
+            # gateway sent it, but this side would not take it.
+            return ModelFailure(
+                "MODEL_OUTPUT_TOO_LARGE",
+                "the gateway sent a message larger than the channel accepts "
+                f"(dependencies.gateway.max_message_bytes): {details}",
+            )
+        return ModelFailure("QUOTA_EXCEEDED", f"the project's model quota is used up: {details}")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return ModelFailure("MODEL_TIMEOUT", message)
+        if deadlines is not None:
+            return _out_of_time(deadlines)
+        return ModelFailure("MODEL_TIMEOUT", f"the model call ran out of time: {details}")
     if (
         code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
         or reason == "CREDENTIAL_EXPIRED"
     ):
-        return ModelFailure("CREDENTIAL_EXPIRED", message)
-    return ModelFailure("MODEL_ERROR", f"{code.name}: {message}")
+        return ModelFailure(
+            "CREDENTIAL_EXPIRED", f"the provider refused the project's credential: {details}"
+        )
+    return ModelFailure("MODEL_ERROR", f"{code.name}: {details}")
 
 
 def _details(error: grpc.aio.AioRpcError) -> tuple[str, float | None]:

@@ -11,12 +11,37 @@ from ballet.llm.v1 import gateway_pb2, gateway_pb2_grpc
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from devstack.gateway import GatewayServicer, Provider, add_gateway_service
+from devstack.gateway import (
+    GatewayServicer,
+    Provider,
+    ProviderChunk,
+    ToolCallChunk,
+    ToolCallDeltaChunk,
+    ToolCallStartChunk,
+    add_gateway_service,
+)
 
 StartGateway = Callable[[Provider], Awaitable["GatewayHarness"]]
 """The `start_gateway` fixture: start a gateway over a provider, get its harness."""
 
 PURPOSES = {"turn": gateway_pb2.PURPOSE_TURN, "compaction": gateway_pb2.PURPOSE_COMPACTION}
+
+
+def assembled_calls(chunks: Sequence[ProviderChunk]) -> list[tuple[str, str, str]]:
+    """The tool calls of a provider's chunks as (id, name, arguments), in index order,
+    checking the order the provider port promises (a start before its deltas, starts
+    numbered 0, 1, ...)."""
+    calls: list[list[str]] = []
+    for chunk in chunks:
+        if isinstance(chunk, ToolCallStartChunk):
+            assert chunk.index == len(calls), chunks
+            calls.append([chunk.id, chunk.name, ""])
+        elif isinstance(chunk, ToolCallDeltaChunk):
+            assert chunk.index < len(calls), chunks
+            calls[chunk.index][2] += chunk.arguments
+        elif isinstance(chunk, ToolCallChunk):
+            calls.append([chunk.id, chunk.name, chunk.arguments])
+    return [(i, n, a) for i, n, a in calls]
 
 
 def human(text: str) -> gateway_pb2.Message:

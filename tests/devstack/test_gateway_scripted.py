@@ -212,7 +212,8 @@ async def test_tool_calls_get_fresh_ids_compact_json_and_finish_tool_calls(
         ],
     )
     first = await gw.generate(request(human("hi")))
-    assert first.kinds == ["text_delta", "tool_call", "tool_call", "tool_call", "finish"]
+    streamed = ["tool_call_start", "tool_call_delta"] * 3
+    assert first.kinds == ["text_delta", *streamed, "tool_call", "tool_call", "tool_call", "finish"]
     assert [(c.name, c.arguments) for c in first.tool_calls] == [
         ("list_items", '{"kind":"epic","state":"open"}'),
         ("list_runnable", "{}"),
@@ -563,3 +564,113 @@ async def test_demo_scenario_explains_itself_and_summarizes(start_gateway: Start
     summary = await gw.generate(request(human("q"), assistant("a"), purpose="compaction"))
     assert summary.text
     assert summary.finish.reason == gateway_pb2.FINISH_REASON_STOP
+
+
+# --- stream-shaping reply keys (issue 11) --------------------------------------------------
+
+
+async def test_reasoning_then_streamed_arguments_on_the_wire(start_gateway: StartGateway) -> None:
+    gw = await scripted(
+        start_gateway,
+        [
+            {
+                "reply": {
+                    "reasoning": "thinking hard",
+                    "chunk_chars": 5,
+                    "tool_calls": [{"name": "list_items", "arguments": {"kind": "epic"}}],
+                    "argument_chunk_chars": 4,
+                }
+            }
+        ],
+    )
+    answer = await gw.generate(request(human("hi")))
+    reasoning = [r.reasoning for r in answer.responses if r.WhichOneof("chunk") == "reasoning"]
+    # Sizes only: the request did not ask for the reasoning text.
+    assert [r.characters for r in reasoning] == [5, 5, 3] and not any(r.text for r in reasoning)
+    deltas = [
+        r.tool_call_delta.arguments
+        for r in answer.responses
+        if r.WhichOneof("chunk") == "tool_call_delta"
+    ]
+    assert "".join(deltas) == '{"kind":"epic"}' and len(deltas) == 4
+    assert [(c.name, c.arguments) for c in answer.tool_calls] == [("list_items", '{"kind":"epic"}')]
+    assert answer.kinds[:4] == ["reasoning"] * 3 + ["tool_call_start"]
+    with_text = request(human("hi"))
+    with_text.include_reasoning_text = True
+    answer = await gw.generate(with_text)
+    texts = [r.reasoning.text for r in answer.responses if r.WhichOneof("chunk") == "reasoning"]
+    assert "".join(texts) == "thinking hard"
+
+
+@pytest.mark.parametrize(
+    ("reply", "reason", "calls"),
+    [
+        ({"refusal": "I can't help with that."}, gateway_pb2.FINISH_REASON_REFUSAL, 0),
+        (
+            {"text": "cut", "tool_calls": [{"name": "t"}], "finish_reason": "length"},
+            gateway_pb2.FINISH_REASON_LENGTH,
+            0,
+        ),
+        (
+            {"text": "hidden", "finish_reason": "content_filter"},
+            gateway_pb2.FINISH_REASON_CONTENT_FILTER,
+            0,
+        ),
+        (
+            {"tool_calls": [{"name": "t"}], "finish_reason": "stop"},
+            gateway_pb2.FINISH_REASON_STOP,
+            1,
+        ),
+    ],
+    ids=["refusal", "length-inside-calls", "content-filter", "stop-with-calls"],
+)
+async def test_finish_reason_and_refusal(
+    start_gateway: StartGateway, reply: dict[str, Any], reason: int, calls: int
+) -> None:
+    gw = await scripted(start_gateway, [{"reply": reply}])
+    answer = await gw.generate(request(human("hi")))
+    assert answer.finish.reason == reason
+    # A cut answer's calls are never sent complete (proto GenerateResponse).
+    assert len(answer.tool_calls) == calls
+    if "refusal" in reply:
+        assert answer.text == reply["refusal"]
+
+
+@pytest.mark.parametrize("after", [0, 1, 2, 3, 4])
+async def test_truncate_after_deltas_ends_truncated_without_calls(
+    start_gateway: StartGateway, after: int
+) -> None:
+    gw = await scripted(
+        start_gateway,
+        [
+            {
+                "reply": {
+                    "text": "ab",
+                    "chunk_chars": 1,
+                    "tool_calls": [{"name": "get_item", "arguments": {"item_id": "x"}}],
+                    "argument_chunk_chars": 8,
+                    "truncate_after_deltas": after,
+                    "usage": {"input_tokens": 3, "output_tokens": 1},
+                }
+            }
+        ],
+    )
+    answer = await gw.generate(request(human("hi")))
+    assert answer.finish.reason == gateway_pb2.FINISH_REASON_TRUNCATED
+    assert answer.tool_calls == []
+    assert len(answer.responses) == after + 1
+
+
+def test_stream_keys_are_validated() -> None:
+    for reply, where in [
+        ({"finish_reason": "eos"}, "finish_reason"),
+        ({"argument_chunk_chars": 0}, "argument_chunk_chars"),
+        ({"truncate_after_deltas": -1}, "truncate_after_deltas"),
+        (
+            {"error": {"code": "UNAVAILABLE", "message": "x"}, "truncate_after_deltas": 1},
+            "not both",
+        ),
+        ({"reasoning": 3}, "reasoning"),
+    ]:
+        with pytest.raises(ScenarioError, match=where):
+            Scenario.parse([{"reply": reply}])

@@ -15,7 +15,8 @@ from devstack.gateway import (
     ProviderChunk,
     ScriptedProvider,
     TextChunk,
-    ToolCallChunk,
+    ToolCallDeltaChunk,
+    ToolCallStartChunk,
     Usage,
     UsageLedger,
     UsageRecord,
@@ -177,13 +178,12 @@ class Broken:
     "provider",
     [
         Broken(),
-        Scripted(
-            ToolCallChunk("c", "t", "{}"), TextChunk("late text"), FinishChunk(FinishReason.STOP)
-        ),
+        Scripted(ToolCallDeltaChunk(0, "{}"), FinishChunk(FinishReason.STOP)),
+        Scripted(ToolCallStartChunk(1, "c", "t"), FinishChunk(FinishReason.STOP)),
         Scripted(TextChunk("no finish")),
         Scripted(FinishChunk(FinishReason.STOP), TextChunk("after the end")),
     ],
-    ids=["raises", "text-after-tool-call", "no-finish", "chunk-after-finish"],
+    ids=["raises", "delta-before-start", "start-out-of-order", "no-finish", "chunk-after-finish"],
 )
 async def test_provider_bugs_are_internal_errors(
     start_gateway: StartGateway, provider: Broken | Scripted

@@ -118,6 +118,48 @@ log_content = true
     assert settings.logging.content_enabled
 
 
+PARTIAL_OVERRIDES = [
+    ("dependencies.gateway.address", "127.0.0.1:7001"),
+    ("dependencies.tracker.address", "127.0.0.1:7002"),
+    ("dependencies.model_idle_s", 30.0),
+    ("planner.max_rounds", 3),
+    ("server.grace_s", 5.0),
+    ("limits.turns_per_human", 2),
+    ("database.pool_size", 3),
+    ("auth.leeway_s", 10.0),
+    ("logging.level", "DEBUG"),
+]
+#: Keys resolved at load time rather than defaulted.
+RESOLVED = {"server.replica_id", "database.url"}
+
+
+@pytest.mark.parametrize("source", ["environment", "file"])
+@pytest.mark.parametrize(("dotted", "value"), PARTIAL_OVERRIDES)
+def test_a_partial_override_of_a_table_keeps_its_other_keys(
+    source: str, dotted: str, value: object, tmp_path: Path
+) -> None:
+    """Every table, nested ones included, starts from its own defaults: setting one key
+    of ``[dependencies.gateway]`` once reset the gateway channel's 32 MiB limit to the
+    4 MiB of a plain channel (issue 11)."""
+    *tables, key = dotted.split(".")
+    if source == "environment":
+        variable = "BALLET_PLANNER__" + "__".join(part.upper() for part in dotted.split("."))
+        settings = load({variable: str(value)}, None, tmp_path)
+    else:
+        literal = f'"{value}"' if isinstance(value, str) else str(value)
+        settings = load({}, f"[{'.'.join(tables)}]\n{key} = {literal}\n", tmp_path)
+    expected = Settings()
+    for dotted_key, _field in iter_keys():
+        if dotted_key in RESOLVED:
+            continue
+        got: object = settings
+        want: object = expected
+        for part in dotted_key.split("."):
+            got, want = getattr(got, part), getattr(want, part)
+        assert got == (value if dotted_key == dotted else want), dotted_key
+    assert settings.dependencies.gateway.max_message_bytes == 32 * 1024 * 1024
+
+
 @pytest.mark.parametrize(
     ("env", "message"),
     [

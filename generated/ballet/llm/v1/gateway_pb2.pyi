@@ -87,6 +87,12 @@ class _FinishReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FinishRe
     """The output token limit was reached."""
     FINISH_REASON_CONTENT_FILTER: _FinishReason.ValueType  # 4
     """The provider filtered the answer."""
+    FINISH_REASON_REFUSAL: _FinishReason.ValueType  # 5
+    """The model refused to answer; the refusal's text came as text deltas."""
+    FINISH_REASON_TRUNCATED: _FinishReason.ValueType  # 6
+    """The provider's stream ended without saying why the model stopped (no finish reason
+    and no end marker): the answer is incomplete, and no complete tool call is sent.
+    """
 
 class FinishReason(_FinishReason, metaclass=_FinishReasonEnumTypeWrapper):
     """Why the model stopped."""
@@ -101,6 +107,12 @@ FINISH_REASON_LENGTH: FinishReason.ValueType  # 3
 """The output token limit was reached."""
 FINISH_REASON_CONTENT_FILTER: FinishReason.ValueType  # 4
 """The provider filtered the answer."""
+FINISH_REASON_REFUSAL: FinishReason.ValueType  # 5
+"""The model refused to answer; the refusal's text came as text deltas."""
+FINISH_REASON_TRUNCATED: FinishReason.ValueType  # 6
+"""The provider's stream ended without saying why the model stopped (no finish reason
+and no end marker): the answer is incomplete, and no complete tool call is sent.
+"""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
 @_typing.final
@@ -151,7 +163,10 @@ class ToolCall(_message.Message):
     NAME_FIELD_NUMBER: _builtins.int
     ARGUMENTS_FIELD_NUMBER: _builtins.int
     id: _builtins.str
-    """The call's identifier, unique in the conversation."""
+    """The call's identifier. In a response it is the provider's id, which may repeat an
+    id of an earlier answer; in a request, the id the provider gave the call in the
+    answer that message carries.
+    """
     name: _builtins.str
     """The tool's name."""
     arguments: _builtins.str
@@ -276,6 +291,7 @@ class GenerateRequest(_message.Message):
     TOOLS_FIELD_NUMBER: _builtins.int
     MAX_OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    INCLUDE_REASONING_TEXT_FIELD_NUMBER: _builtins.int
     project_id: _builtins.str
     """The project the call is metered to; required."""
     credential_ref: _builtins.str
@@ -290,6 +306,11 @@ class GenerateRequest(_message.Message):
     """The most tokens to generate; 0 means the provider's default."""
     request_id: _builtins.str
     """An identifier of the call for logs and metering."""
+    include_reasoning_text: _builtins.bool
+    """True to receive the model's reasoning text in ReasoningActivity.text where the
+    provider exposes it; false (the default) sends only its size, so that reasoning is
+    never stored or logged unless asked for.
+    """
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___Message]:
         """The conversation, oldest first."""
@@ -310,10 +331,11 @@ class GenerateRequest(_message.Message):
         tools: _abc.Iterable[Global___ToolDeclaration] | None = ...,
         max_output_tokens: _builtins.int = ...,
         request_id: _builtins.str = ...,
+        include_reasoning_text: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["credential_ref", b"credential_ref", "max_output_tokens", b"max_output_tokens", "messages", b"messages", "model", b"model", "project_id", b"project_id", "purpose", b"purpose", "request_id", b"request_id", "system_prompt", b"system_prompt", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["credential_ref", b"credential_ref", "include_reasoning_text", b"include_reasoning_text", "max_output_tokens", b"max_output_tokens", "messages", b"messages", "model", b"model", "project_id", b"project_id", "purpose", b"purpose", "request_id", b"request_id", "system_prompt", b"system_prompt", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -321,24 +343,51 @@ Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
 
 @_typing.final
 class GenerateResponse(_message.Message):
-    """One piece of a streamed answer."""
+    """One piece of a streamed answer.
+
+    Order: a call's ToolCallStart comes before its ToolCallDeltas, starts come in index
+    order (0, 1, ...), and a call's deltas come in the order of its argument text; text
+    deltas, reasoning activity and the deltas of different calls may interleave. After the
+    last delta come the complete tool calls, in index order, and only when the answer ended
+    whole (finish STOP or TOOL_CALLS): a cut answer's calls are never sent complete, so
+    they cannot be run. The Finish is always last; a stream that ends without one is
+    truncated. Every piece is progress: a client's first-output and idle deadlines count
+    each of them.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     TEXT_DELTA_FIELD_NUMBER: _builtins.int
     TOOL_CALL_FIELD_NUMBER: _builtins.int
     FINISH_FIELD_NUMBER: _builtins.int
+    TOOL_CALL_START_FIELD_NUMBER: _builtins.int
+    TOOL_CALL_DELTA_FIELD_NUMBER: _builtins.int
+    REASONING_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def text_delta(self) -> Global___TextDelta:
         """A piece of the answer's text."""
 
     @_builtins.property
     def tool_call(self) -> Global___ToolCall:
-        """A complete tool call."""
+        """A complete tool call: the n-th tool_call of an answer is the call whose
+        ToolCallStart had index n, with the same id and name and all of its arguments.
+        """
 
     @_builtins.property
     def finish(self) -> Global___Finish:
         """The end of the answer, always last."""
+
+    @_builtins.property
+    def tool_call_start(self) -> Global___ToolCallStart:
+        """A tool call began: its name is known, its arguments follow as deltas."""
+
+    @_builtins.property
+    def tool_call_delta(self) -> Global___ToolCallDelta:
+        """A piece of a started tool call's arguments."""
+
+    @_builtins.property
+    def reasoning(self) -> Global___ReasoningActivity:
+        """The model reasoned (thought) before or while answering."""
 
     def __init__(
         self,
@@ -346,16 +395,105 @@ class GenerateResponse(_message.Message):
         text_delta: Global___TextDelta | None = ...,
         tool_call: Global___ToolCall | None = ...,
         finish: Global___Finish | None = ...,
+        tool_call_start: Global___ToolCallStart | None = ...,
+        tool_call_delta: Global___ToolCallDelta | None = ...,
+        reasoning: Global___ReasoningActivity | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "finish", b"finish", "text_delta", b"text_delta", "tool_call", b"tool_call"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "finish", b"finish", "reasoning", b"reasoning", "text_delta", b"text_delta", "tool_call", b"tool_call", "tool_call_delta", b"tool_call_delta", "tool_call_start", b"tool_call_start"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "finish", b"finish", "text_delta", b"text_delta", "tool_call", b"tool_call"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "finish", b"finish", "reasoning", b"reasoning", "text_delta", b"text_delta", "tool_call", b"tool_call", "tool_call_delta", b"tool_call_delta", "tool_call_start", b"tool_call_start"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_chunk: _TypeAlias = _typing.Literal["text_delta", "tool_call", "finish"]  # noqa: Y015
+    _WhichOneofReturnType_chunk: _TypeAlias = _typing.Literal["text_delta", "tool_call", "finish", "tool_call_start", "tool_call_delta", "reasoning"]  # noqa: Y015
     _WhichOneofArgType_chunk: _TypeAlias = _typing.Literal["chunk", b"chunk"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_chunk) -> _WhichOneofReturnType_chunk | None: ...
 
 Global___GenerateResponse: _TypeAlias = GenerateResponse  # noqa: Y015
+
+@_typing.final
+class ToolCallStart(_message.Message):
+    """The start of a tool call in a streamed answer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    """The call's position in the answer: 0 for the first call to start, then 1, 2, ...,
+    whatever numbering the provider used.
+    """
+    id: _builtins.str
+    """The provider's id of the call (one is made up when the provider sent none); it may
+    repeat an id of an earlier answer, so it is only good for speaking to the provider.
+    """
+    name: _builtins.str
+    """The tool's name."""
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        id: _builtins.str = ...,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "index", b"index", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolCallStart: _TypeAlias = ToolCallStart  # noqa: Y015
+
+@_typing.final
+class ToolCallDelta(_message.Message):
+    """A piece of a tool call's arguments."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    ARGUMENTS_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    """The index of the call, as in its ToolCallStart."""
+    arguments: _builtins.str
+    """The next piece of the arguments' JSON text, split anywhere."""
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        arguments: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments", b"arguments", "index", b"index"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolCallDelta: _TypeAlias = ToolCallDelta  # noqa: Y015
+
+@_typing.final
+class ReasoningActivity(_message.Message):
+    """Reasoning the model did since the previous ReasoningActivity."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHARACTERS_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    characters: _builtins.int
+    """How many characters of reasoning the provider streamed (at least 1)."""
+    text: _builtins.str
+    """The reasoning text itself, only when the request set include_reasoning_text."""
+    def __init__(
+        self,
+        *,
+        characters: _builtins.int = ...,
+        text: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["characters", b"characters", "text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReasoningActivity: _TypeAlias = ReasoningActivity  # noqa: Y015
 
 @_typing.final
 class TextDelta(_message.Message):
@@ -387,8 +525,13 @@ class Finish(_message.Message):
 
     REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
+    PROVIDER_REASON_FIELD_NUMBER: _builtins.int
     reason: Global___FinishReason.ValueType
     """Why the model stopped."""
+    provider_reason: _builtins.str
+    """The provider's own finish reason, verbatim (e.g. "stop", "length", "eos"); empty
+    when it gave none.
+    """
     @_builtins.property
     def usage(self) -> Global___Usage:
         """The usage the provider reported; unset when it reported none."""
@@ -398,10 +541,11 @@ class Finish(_message.Message):
         *,
         reason: Global___FinishReason.ValueType = ...,
         usage: Global___Usage | None = ...,
+        provider_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["provider_reason", b"provider_reason", "reason", b"reason", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

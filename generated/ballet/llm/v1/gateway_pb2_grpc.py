@@ -49,7 +49,9 @@ class GatewayServiceServicer:
     """
 
     def Generate(self, request, context):
-        """Streams one model answer: text deltas, then complete tool calls, then the finish.
+        """Streams one model answer as it is made: text deltas, tool-call starts and argument
+        deltas, reasoning activity, then the complete tool calls, then the finish (see
+        GenerateResponse for the order).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

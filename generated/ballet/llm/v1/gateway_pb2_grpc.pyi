@@ -36,7 +36,10 @@ class GatewayServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> GatewayServiceAsyncStub: ...
     Generate: _grpc.UnaryStreamMultiCallable[_gateway_pb2.GenerateRequest, _gateway_pb2.GenerateResponse]
-    """Streams one model answer: text deltas, then complete tool calls, then the finish."""
+    """Streams one model answer as it is made: text deltas, tool-call starts and argument
+    deltas, reasoning activity, then the complete tool calls, then the finish (see
+    GenerateResponse for the order).
+    """
 
 @_typing.type_check_only
 class GatewayServiceAsyncStub(GatewayServiceStub):
@@ -46,7 +49,10 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     Generate: _aio.UnaryStreamMultiCallable[_gateway_pb2.GenerateRequest, _gateway_pb2.GenerateResponse]  # type: ignore[assignment]
-    """Streams one model answer: text deltas, then complete tool calls, then the finish."""
+    """Streams one model answer as it is made: text deltas, tool-call starts and argument
+    deltas, reasoning activity, then the complete tool calls, then the finish (see
+    GenerateResponse for the order).
+    """
 
 class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
     """Ballet's LLM gateway: every model call goes through it, with the project's credential,
@@ -59,6 +65,9 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _gateway_pb2.GenerateRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_gateway_pb2.GenerateResponse], _abc.AsyncIterator[_gateway_pb2.GenerateResponse]]:
-        """Streams one model answer: text deltas, then complete tool calls, then the finish."""
+        """Streams one model answer as it is made: text deltas, tool-call starts and argument
+        deltas, reasoning activity, then the complete tool calls, then the finish (see
+        GenerateResponse for the order).
+        """
 
 def add_GatewayServiceServicer_to_server(servicer: GatewayServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
