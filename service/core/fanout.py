@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from service.core.errors import NotFound, PlannerError, ResourceExhausted
-from service.core.model import EventKind, SessionEvent, TextDelta
+from service.core.model import EventKind, SessionEvent, TextDelta, ToolCallProgress
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,15 @@ class StreamQueue:
             if self.closed:
                 return False
         return bool(self._pending)
+
+    def offer_transient(self, item: object) -> None:
+        """Accept an item that is neither stored nor replayed (tool-call progress); it is
+        dropped when the queue is at its bounds, never ending the stream."""
+        if self.closed or len(self._items) >= self.max_events:
+            return
+        self._items.append(item)
+        self._bytes += event_size(item)
+        self._ready.set()
 
     def offer_delta(self, delta: TextDelta) -> None:
         """Accept a text delta, merging it into a queued delta of the same answer."""
@@ -307,6 +316,12 @@ class Hub:
             self._answers[delta.session_id] = (delta, [delta.text])
         for queue in tuple(self._queues.get(delta.session_id, ())):
             queue.offer_delta(delta)
+
+    def publish_progress(self, progress: ToolCallProgress) -> None:
+        """Deliver a tool call's progress to this process's streams of the session; a
+        stream whose queue is full misses it (it is transient, like a delta)."""
+        for queue in tuple(self._queues.get(progress.session_id, ())):
+            queue.offer_transient(progress)
 
     def clear_answer(self, session_id: str) -> None:
         """Forget a streaming answer that ended without an assistant message."""

@@ -262,6 +262,19 @@ class TextDelta:
 
 
 @dataclass(frozen=True)
+class ToolCallProgress:
+    """A tool call the model began writing: its name is known, its arguments may still
+    be streaming. Not stored, never replayed (like ``TextDelta``); ``tool_call_id`` is the
+    planner's id the call will be stored under, ``index`` its position in the answer."""
+
+    session_id: str
+    turn_id: str
+    tool_call_id: str
+    tool_name: str
+    index: int
+
+
+@dataclass(frozen=True)
 class Turn:
     """One turn (SPEC section 3, ``GetTurn``; section 5, ownership and recovery).
 

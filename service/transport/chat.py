@@ -40,7 +40,7 @@ from service.core.errors import (
     Unavailable,
 )
 from service.core.fanout import Hub, StreamEnd, StreamQueue
-from service.core.model import EventKind, Session, SessionEvent, TextDelta
+from service.core.model import EventKind, Session, SessionEvent, TextDelta, ToolCallProgress
 from service.core.ports import SessionStore
 from service.core.sessions import Caller, SessionRules, check_request_id
 from service.core.streams import StreamRegistry
@@ -189,6 +189,8 @@ class TurnRpcs:
                         return
                 elif isinstance(item, TextDelta):
                     yield convert.text_delta_to_proto(item)
+                elif isinstance(item, ToolCallProgress):
+                    yield convert.tool_call_progress_to_proto(item)
                 else:
                     assert isinstance(item, chat_pb2.ChatResponse)
                     yield item

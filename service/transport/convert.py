@@ -25,6 +25,7 @@ from service.core.model import (
     Session,
     SessionEvent,
     TextDelta,
+    ToolCallProgress,
     Turn,
     TurnEndedData,
     TurnEndReason,
@@ -110,6 +111,8 @@ def message_to_proto(message: Message) -> resources_pb2.Message:
         create_time=timestamp(message.create_time),
         up_to=message.up_to,
         estimated_tokens=message.estimated_tokens,
+        finish_reason=message.finish_reason,
+        provider_tool_call_id=message.provider_call_id,
     )
     if message.usage is not None:
         result.usage.CopyFrom(usage_to_proto(message.usage))
@@ -193,6 +196,15 @@ def event_to_proto(event: SessionEvent) -> chat_pb2.ChatResponse:
         response.turn_ended.error_message = ended.error_message
     else:  # pragma: no cover - EventKind is closed
         raise ValueError(f"unknown event kind {kind!r}")
+    return response
+
+
+def tool_call_progress_to_proto(progress: ToolCallProgress) -> chat_pb2.ChatResponse:
+    """A ``tool_call_progress`` event: not stored, sequence 0 (SPEC 3, like text deltas)."""
+    response = chat_pb2.ChatResponse(session_id=progress.session_id, turn_id=progress.turn_id)
+    response.tool_call_progress.tool_call_id = progress.tool_call_id
+    response.tool_call_progress.tool_name = progress.tool_name
+    response.tool_call_progress.index = progress.index
     return response
 
 

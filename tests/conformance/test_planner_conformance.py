@@ -7,9 +7,8 @@ Time: the model deadlines are the defaults divided by ``SCALE`` (and the streams
 with them), so "90 s of argument streaming with the default settings" is 0.9 s of
 streaming against deadlines of a hundredth of the defaults. Nothing else is scaled.
 
-Expectations that need the lead's turn redesign (a cut reason stored on the assistant
-message, the turn ending on a cut ``length``/``content_filter`` answer) are written as
-the target and marked ``xfail(strict=True)``.
+A cut answer's reason is stored on the assistant message (``finish_reason``; decision
+0112).
 """
 
 from __future__ import annotations
@@ -52,7 +51,6 @@ IDLE_S = DEFAULTS.model_idle_s / SCALE
 PACE_S = 0.05
 #: 90 s of output at the defaults' scale.
 NINETY_S = 90.0 / SCALE
-NEEDS_REDESIGN = "needs the turn redesign: the core must act on the finish reason"
 
 M = resources_pb2
 
@@ -278,10 +276,6 @@ async def test_partial_arguments_are_never_executed(planner: Planner, finish: st
     assert planner.stack.call_log.for_method("GetItem") == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=NEEDS_REDESIGN + " (an answer cut inside its arguments is not a completed turn)",
-)
 async def test_length_inside_arguments_does_not_complete_the_turn(planner: Planner) -> None:
     cut = ok(
         chunk(calls_delta(call_fragment(0, "call_x", "get_item", '{"item_id": "de'))),
@@ -291,12 +285,9 @@ async def test_length_inside_arguments_does_not_complete_the_turn(planner: Plann
     )
     turn = await planner.turn([cut])
     assert turn.ended.reason != M.TURN_END_REASON_COMPLETED
+    assert turn.ended.error_info.reason == "MODEL_STREAM_TRUNCATED"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=NEEDS_REDESIGN + " (a length/content_filter answer is stored cut, with its reason)",
-)
 @pytest.mark.parametrize("finish", ["length", "content_filter"])
 async def test_length_and_content_filter_reach_the_client_as_a_cut_answer(
     planner: Planner, finish: str
@@ -305,7 +296,11 @@ async def test_length_and_content_filter_reach_the_client_as_a_cut_answer(
     turn = await planner.turn([cut])
     assistant = events(turn.received, "assistant_message")[-1].assistant_message.message
     assert assistant.text == "Partial answ" and assistant.cut
-    assert finish.upper() in (turn.ended.error_info.reason + turn.ended.error_message).upper()
+    # Decision 0112: the turn completed; the answer says why it is cut.
+    assert assistant.finish_reason == finish
+    assert turn.ended.reason == M.TURN_END_REASON_COMPLETED
+    stored = [m for m in await turn.transcript() if m.message_id == assistant.message_id]
+    assert stored == [assistant]
 
 
 # --------------------------------------------------------------------------- Done when 4

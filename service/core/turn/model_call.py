@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from service.core.errors import ModelFailure
 from service.core.ids import new_id
-from service.core.model import TextDelta
+from service.core.model import TextDelta, ToolCallProgress
 from service.core.ports import (
     FinishChunk,
     ModelDeadlines,
@@ -112,7 +112,17 @@ async def stream_answer(
                         )
                     )
             elif isinstance(chunk, ToolCallStartChunk):
-                _call_at(answer, chunk.index, chunk.name)
+                call = _call_at(answer, chunk.index, chunk.name)
+                if relay:
+                    deps.hub.publish_progress(
+                        ToolCallProgress(
+                            handle.session_id,
+                            handle.turn_id,
+                            call.call_id,
+                            call.name,
+                            chunk.index,
+                        )
+                    )
             elif isinstance(chunk, ToolCallChunk):
                 call = _call_at(answer, chunk.index, chunk.call.name, completing=True)
                 call.name = chunk.call.name

@@ -161,6 +161,7 @@ class ChatResponse(_message.Message):
     COMPACTED_FIELD_NUMBER: _builtins.int
     TURN_ENDED_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    TOOL_CALL_PROGRESS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The session the event belongs to."""
     turn_id: _builtins.str
@@ -217,6 +218,10 @@ class ChatResponse(_message.Message):
     def error(self) -> _status_pb2.Status:
         """A client message was refused, or the stream ends with this error (a reply)."""
 
+    @_builtins.property
+    def tool_call_progress(self) -> Global___ToolCallProgress:
+        """The model began writing a tool call (not stored)."""
+
     def __init__(
         self,
         *,
@@ -236,12 +241,13 @@ class ChatResponse(_message.Message):
         compacted: Global___Compacted | None = ...,
         turn_ended: Global___TurnEnded | None = ...,
         error: _status_pb2.Status | None = ...,
+        tool_call_progress: Global___ToolCallProgress | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["assistant_message", b"assistant_message", "changeset_proposed", b"changeset_proposed", "compacted", b"compacted", "error", b"error", "event", b"event", "knowledge_written", b"knowledge_written", "message_accepted", b"message_accepted", "session_opened", b"session_opened", "text_delta", b"text_delta", "tool_call_finished", b"tool_call_finished", "tool_call_started", b"tool_call_started", "turn_ended", b"turn_ended", "turn_started", b"turn_started"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["assistant_message", b"assistant_message", "changeset_proposed", b"changeset_proposed", "compacted", b"compacted", "error", b"error", "event", b"event", "knowledge_written", b"knowledge_written", "message_accepted", b"message_accepted", "session_opened", b"session_opened", "text_delta", b"text_delta", "tool_call_finished", b"tool_call_finished", "tool_call_progress", b"tool_call_progress", "tool_call_started", b"tool_call_started", "turn_ended", b"turn_ended", "turn_started", b"turn_started"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["assistant_message", b"assistant_message", "changeset_proposed", b"changeset_proposed", "compacted", b"compacted", "error", b"error", "event", b"event", "knowledge_written", b"knowledge_written", "message_accepted", b"message_accepted", "request_id", b"request_id", "sequence", b"sequence", "session_id", b"session_id", "session_opened", b"session_opened", "text_delta", b"text_delta", "tool_call_finished", b"tool_call_finished", "tool_call_started", b"tool_call_started", "turn_ended", b"turn_ended", "turn_id", b"turn_id", "turn_started", b"turn_started"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assistant_message", b"assistant_message", "changeset_proposed", b"changeset_proposed", "compacted", b"compacted", "error", b"error", "event", b"event", "knowledge_written", b"knowledge_written", "message_accepted", b"message_accepted", "request_id", b"request_id", "sequence", b"sequence", "session_id", b"session_id", "session_opened", b"session_opened", "text_delta", b"text_delta", "tool_call_finished", b"tool_call_finished", "tool_call_progress", b"tool_call_progress", "tool_call_started", b"tool_call_started", "turn_ended", b"turn_ended", "turn_id", b"turn_id", "turn_started", b"turn_started"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["session_opened", "message_accepted", "turn_started", "text_delta", "assistant_message", "tool_call_started", "tool_call_finished", "changeset_proposed", "knowledge_written", "compacted", "turn_ended", "error"]  # noqa: Y015
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["session_opened", "message_accepted", "turn_started", "text_delta", "assistant_message", "tool_call_started", "tool_call_finished", "changeset_proposed", "knowledge_written", "compacted", "turn_ended", "error", "tool_call_progress"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 
@@ -350,6 +356,41 @@ class TextDelta(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TextDelta: _TypeAlias = TextDelta  # noqa: Y015
+
+@_typing.final
+class ToolCallProgress(_message.Message):
+    """A tool call the model has begun writing, sent as soon as its name is known, before its
+    arguments are complete and before the call is stored. Like a text delta it is not
+    stored, never replayed, has sequence 0, and may reach only streams on the replica
+    running the turn. The tool_call_started event that stores the call carries the same
+    tool_call_id.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOOL_CALL_ID_FIELD_NUMBER: _builtins.int
+    TOOL_NAME_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
+    tool_call_id: _builtins.str
+    """The identifier the call will be stored under (the planner's own)."""
+    tool_name: _builtins.str
+    """The tool's name."""
+    index: _builtins.int
+    """The call's position in the model's answer, from 0."""
+    def __init__(
+        self,
+        *,
+        tool_call_id: _builtins.str = ...,
+        tool_name: _builtins.str = ...,
+        index: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "tool_call_id", b"tool_call_id", "tool_name", b"tool_name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolCallProgress: _TypeAlias = ToolCallProgress  # noqa: Y015
 
 @_typing.final
 class AssistantMessage(_message.Message):

@@ -230,6 +230,8 @@ class Message(_message.Message):
     CREATE_TIME_FIELD_NUMBER: _builtins.int
     UP_TO_FIELD_NUMBER: _builtins.int
     ESTIMATED_TOKENS_FIELD_NUMBER: _builtins.int
+    FINISH_REASON_FIELD_NUMBER: _builtins.int
+    PROVIDER_TOOL_CALL_ID_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The session the message belongs to."""
     sequence: _builtins.int
@@ -241,7 +243,9 @@ class Message(_message.Message):
     kind: Global___MessageKind.ValueType
     """What kind of message this is."""
     cut: _builtins.bool
-    """True when the text is a partial answer cut by cancellation or failure."""
+    """True when the text is a partial answer: cut by the provider (finish_reason says
+    why), or by a cancel or a failure (the turn's end says which).
+    """
     text: _builtins.str
     """The text of a human or assistant message."""
     tool_call_id: _builtins.str
@@ -260,6 +264,15 @@ class Message(_message.Message):
     """For a compaction marker, the sequence of the last message the summary covers."""
     estimated_tokens: _builtins.int
     """For a compaction marker, the estimated context size that triggered it, in tokens."""
+    finish_reason: _builtins.str
+    """Why an assistant answer did not end normally: "length" (the output limit),
+    "content_filter" (the provider's filter), "refusal" (the model refused) or
+    "truncated" (the stream ended without a finish); empty otherwise.
+    """
+    provider_tool_call_id: _builtins.str
+    """For a tool call, the identifier the model's provider gave it; tool_call_id is the
+    planner's own, unique in the session (providers reuse theirs).
+    """
     @_builtins.property
     def usage(self) -> Global___Usage:
         """The usage reported for an assistant answer."""
@@ -288,10 +301,12 @@ class Message(_message.Message):
         create_time: _timestamp_pb2.Timestamp | None = ...,
         up_to: _builtins.int = ...,
         estimated_tokens: _builtins.int = ...,
+        finish_reason: _builtins.str = ...,
+        provider_tool_call_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "cut", b"cut", "estimated_tokens", b"estimated_tokens", "human_id", b"human_id", "kind", b"kind", "message_id", b"message_id", "sequence", b"sequence", "session_id", b"session_id", "text", b"text", "tool_arguments", b"tool_arguments", "tool_call_id", b"tool_call_id", "tool_error", b"tool_error", "tool_name", b"tool_name", "tool_result", b"tool_result", "turn_id", b"turn_id", "up_to", b"up_to", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "cut", b"cut", "estimated_tokens", b"estimated_tokens", "finish_reason", b"finish_reason", "human_id", b"human_id", "kind", b"kind", "message_id", b"message_id", "provider_tool_call_id", b"provider_tool_call_id", "sequence", b"sequence", "session_id", b"session_id", "text", b"text", "tool_arguments", b"tool_arguments", "tool_call_id", b"tool_call_id", "tool_error", b"tool_error", "tool_name", b"tool_name", "tool_result", b"tool_result", "turn_id", b"turn_id", "up_to", b"up_to", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
