@@ -3,7 +3,7 @@
 A turn's units of work (open the turn, commit its events) and a Chat stream's (read the
 session, take and release a stream slot) run here: one statement and one round trip
 each, on an autocommit psycopg connection from this module's pool, calling the
-server-side functions of migration 0004 or a single statement. Everything else of the
+server-side functions of migration 0005 or a single statement. Everything else of the
 store stays on SQLAlchemy (``repository.py``), where its statements are rare enough that
 building them costs nothing that matters, and on SQLite the whole store is SQLAlchemy.
 
@@ -57,7 +57,7 @@ from service.core.ports import (
     TurnStartOutcome,
 )
 
-#: The SQLSTATE the functions of migration 0004 raise when a condition fails.
+#: The SQLSTATE the functions of migration 0005 raise when a condition fails.
 CONFLICT_SQLSTATE = "BP409"
 
 _SESSION = """
@@ -186,7 +186,7 @@ class PgHotPath:
             )
 
     def units(self, events: Sequence[SessionEvent]) -> dict[str, Any]:
-        """The ``events`` and ``messages`` arguments of a function of migration 0004."""
+        """The ``events`` and ``messages`` arguments of a function of migration 0005."""
         rows: list[dict[str, Any]] = []
         for index, event in enumerate(events):
             if event.message is not None:
