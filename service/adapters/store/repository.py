@@ -76,6 +76,7 @@ from service.core.errors import (
     StoreConflict,
     StoreUnavailable,
 )
+from service.core.estimate import messages_tokens
 from service.core.model import (
     MESSAGE_EVENTS,
     ContextEstimate,
@@ -205,7 +206,7 @@ class SqlSessionStore:
             "summary_up_to": 0,
             "last_sequence": 0,
             "context_base_tokens": None,
-            "context_pending_bytes": 0,
+            "context_pending_tokens": 0,
             "create_request_id": new.request_id,
             "create_request_hash": new.request_hash,
         }
@@ -595,14 +596,14 @@ class SqlSessionStore:
         in ``commit.session_id`` and is RUNNING; ``owner``, when set, owns it;
         ``lease_expired_before``, when set, is after its lease's end. The session row is
         updated when anything of it changes: the counter (events), ``summary``, and the
-        context estimate (``context``, or when None the stored messages' UTF-8 bytes
-        added to ``pending_bytes``). A ``turn_patch`` with ``end_reason`` ends the turn
+        context estimate (``context``, or when None the stored messages' estimated tokens
+        added to ``pending_tokens``). A ``turn_patch`` with ``end_reason`` ends the turn
         (state ENDED, ``end_time`` = ``commit.now``), which frees the session for the next.
         Raises ``ValueError`` for events of another session or turn, or a naive ``now``.
         """
         _utc(commit.now)
         _check_events(commit.session_id, commit.turn_id, commit.events)
-        added = _message_bytes(commit.events)
+        added = _message_tokens(commit.events)
         touches_session = (
             bool(commit.events)
             or commit.summary is not None
@@ -696,12 +697,12 @@ class SqlSessionStore:
         if events:
             values["last_sequence"] = sessions.c.last_sequence + len(events)
         if context is None:
-            added = _message_bytes(events)
+            added = _message_tokens(events)
             if added:
-                values["context_pending_bytes"] = sessions.c.context_pending_bytes + added
+                values["context_pending_tokens"] = sessions.c.context_pending_tokens + added
         else:
             values["context_base_tokens"] = context.base_tokens
-            values["context_pending_bytes"] = context.pending_bytes
+            values["context_pending_tokens"] = context.pending_tokens
         if summary is not None:
             values["summary"] = summary.summary
             values["summary_up_to"] = summary.up_to
@@ -861,8 +862,8 @@ def _utc(moment: datetime) -> datetime:
     return moment.astimezone(UTC)
 
 
-def _message_bytes(events: Iterable[SessionEvent]) -> int:
-    return sum(event.message.size_bytes() for event in events if event.message is not None)
+def _message_tokens(events: Iterable[SessionEvent]) -> int:
+    return messages_tokens(event.message for event in events if event.message is not None)
 
 
 def _numbered(events: Sequence[SessionEvent], last_sequence: int) -> list[SessionEvent]:
