@@ -23,8 +23,9 @@ for thousands of tokens. ``check_summary`` rejects, in this order:
 5. an implausibly short text: fewer tokens (``service/core/estimate.py``) than
    ``SHORT_SHARE`` of the tokens it replaces (the earlier summary and the messages it
    folds in), with that floor capped at ``SHORT_CAP_TOKENS``. Replacing 1,000 tokens
-   takes at least 20; replacing 2,500 or more takes at least 50 (about 35 English words,
-   or 50 Chinese characters).
+   takes at least 10; replacing 3,200 or more takes at least 32 (about 25 English words,
+   or 30 Chinese characters): lenient for a terse summarizer, but "OK.", "Done." or a
+   bare heading standing for a long history is rejected.
 
 A rejection's ``reason`` is a bounded label for the failure counter; nothing here logs or
 returns the text itself (SPEC section 8).
@@ -43,9 +44,9 @@ from service.core.ports import FinishReason
 #: Finishes after which an answer is whole.
 NORMAL_FINISHES = frozenset({FinishReason.STOP, FinishReason.UNSPECIFIED})
 #: A summary must be at least this share of the tokens it replaces...
-SHORT_SHARE = 0.02
+SHORT_SHARE = 0.01
 #: ...but never needs more than this many tokens to be plausible.
-SHORT_CAP_TOKENS = 50
+SHORT_CAP_TOKENS = 32
 #: A text this short is checked for a refusal anywhere in it, not only at its start.
 SHORT_TEXT_CHARS = 400
 #: How much of a text's start is read for an opening refusal or error.

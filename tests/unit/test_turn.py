@@ -15,8 +15,8 @@ import pytest
 
 from service.core import prompts
 from service.core.context import SUMMARY_TAG, to_model_messages
-from service.core.estimate import message_tokens
 from service.core.errors import FailedPrecondition, InvalidArgument, ModelFailure, ToolFailure
+from service.core.estimate import message_tokens
 from service.core.fanout import Hub
 from service.core.model import (
     CompactedData,
