@@ -12,6 +12,7 @@ planner and the devstack.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -249,11 +250,16 @@ class TrackerBackends(FakeBackends):
         super().__init__()
         self.proposed: list[dict[str, Any]] = []
         self.changesets_down = False
+        self.hold_changesets: asyncio.Event | None = None
+        self.changesets_reached = asyncio.Event()
 
     async def invoke(self, call: BackendCall) -> BackendResult:
         if call.tool != "list_changesets":
             return await super().invoke(call)
         self.calls.append(call)
+        self.changesets_reached.set()
+        if self.hold_changesets is not None:
+            await self.hold_changesets.wait()
         if self.changesets_down:
             from service.core.errors import ToolFailure
 
@@ -275,14 +281,18 @@ class Rig:
     backends: TrackerBackends
     observer: Recorder
 
-    async def run(self, text: str) -> str:
+    async def send(self, text: str) -> str:
         session = await self.store.get_session("s1")
         assert session is not None
         accepted = await self.service.send_message(
             SendRequest(session, "alice", "acme", "token", text, f"r-{len(self.store.turns)}")
         )
-        await self.service.wait_for_end(accepted.turn.turn_id)
         return accepted.turn.turn_id
+
+    async def run(self, text: str) -> str:
+        turn_id = await self.send(text)
+        await self.service.wait_for_end(turn_id)
+        return turn_id
 
     def requests(self, purpose: Purpose = Purpose.TURN) -> list[ModelRequest]:
         return [r for r in self.gateway.requests if r.purpose is purpose]
@@ -488,3 +498,30 @@ async def test_the_summary_is_never_sent_in_the_humans_role() -> None:
     (_, second) = rig.requests(Purpose.COMPACTION)
     assert f"<earlier_summary>\n{A_SUMMARY}\n</earlier_summary>" in second.system_prompt
     assert f"<{SUMMARY_TAG}>\n{A_SUMMARY}\n</{SUMMARY_TAG}>" in rig.requests()[-1].system_prompt
+
+
+async def test_a_cancel_ends_a_turn_whose_pending_changesets_read_hangs() -> None:
+    """SPEC 3: a cancel takes effect within a second; a tracker that never answers the
+    pending-changesets read (after a compaction) must not hold the turn."""
+    rig = make(summarizer({"text": A_SUMMARY, "usage": (500, 30)}), compact_at_tokens=500)
+    await rig.run("first")
+    rig.backends.hold_changesets = asyncio.Event()
+    turn_id = await rig.send("second")
+    await rig.backends.changesets_reached.wait()
+    turn = await rig.service.cancel(rig.session, turn_id)
+    ended = await rig.service.wait_for_end(turn.turn_id)
+    assert ended.end_reason is TurnEndReason.CANCELLED
+    assert len(rig.requests()) == 1, "no model call after the cancel"
+
+
+async def test_a_pending_changesets_read_past_its_deadline_is_said_so() -> None:
+    rig = make(
+        summarizer({"text": A_SUMMARY, "usage": (500, 30)}),
+        compact_at_tokens=500,
+        dependency_timeout_s=0.05,
+    )
+    await rig.run("first")
+    rig.backends.hold_changesets = asyncio.Event()
+    turn_id = await rig.run("second")
+    assert rig.store.turns[turn_id].end_reason is TurnEndReason.COMPLETED
+    assert "could not be read (DEADLINE_EXCEEDED)" in rig.requests()[-1].system_prompt

@@ -13,6 +13,7 @@ project rarely has more.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import Any
@@ -34,8 +35,34 @@ MAX_PAGES = 10
 
 
 async def pending_changesets(deps: TurnDependencies, state: TurnState) -> PendingChangesets:
-    """This session's proposed changesets, newest first. Never raises but
-    ``CancelledError``: a failure is a ``PendingChangesets`` with its ``error``."""
+    """This session's proposed changesets, newest first, read within
+    ``dependency_timeout_s`` in all; a stop request (cancel, shutdown, timeout) ends the
+    read at once. Never raises but ``CancelledError``: a failure, a timeout or a stop is
+    a ``PendingChangesets`` with its ``error``."""
+    stopping = state.handle.stopping
+    if stopping.is_set():
+        return PendingChangesets(error="STOPPED")
+    loop = asyncio.get_running_loop()
+    read = loop.create_task(_read(deps, state))
+    stop = loop.create_task(stopping.wait())
+    try:
+        async with asyncio.timeout(deps.settings.dependency_timeout_s):
+            await asyncio.wait({read, stop}, return_when=asyncio.FIRST_COMPLETED)
+    except TimeoutError:
+        pass
+    finally:
+        stop.cancel()
+        if not read.done():
+            read.cancel()
+            await asyncio.wait({read})
+    if read.cancelled():
+        reason = "STOPPED" if stopping.is_set() else "DEADLINE_EXCEEDED"
+        log.warning("pending changesets not read (%s)", reason, extra=state.handle.log_fields())
+        return PendingChangesets(error=reason)
+    return read.result()
+
+
+async def _read(deps: TurnDependencies, state: TurnState) -> PendingChangesets:
     acting = state.handle.acting
     context = ToolContext(
         acting=acting,
