@@ -525,3 +525,27 @@ async def test_a_pending_changesets_read_past_its_deadline_is_said_so() -> None:
     turn_id = await rig.run("second")
     assert rig.store.turns[turn_id].end_reason is TurnEndReason.COMPLETED
     assert "could not be read (DEADLINE_EXCEEDED)" in rig.requests()[-1].system_prompt
+
+
+async def test_a_page_cut_to_16_kib_lists_what_fit_and_says_more_may_exist() -> None:
+    """A hostile tracker page: proposed changesets so large that the tool layer cuts the
+    result (``{"truncated": true, ...}``); the block lists what fit and says so."""
+    rig = make(summarizer({"text": A_SUMMARY, "usage": (500, 30)}), compact_at_tokens=500)
+    bulky = changeset("cs-mine", "planner:s1")
+    bulky["operations"] = [
+        {"create_item": {"kind": "ticket", "title": f"Ticket {n} " + "x" * 150}}
+        for n in range(50)
+    ]
+    unnamed = {k: v for k, v in changeset("cs-anon", "planner:s1").items() if k != "recorded_by"}
+    rig.backends.proposed = [bulky, unnamed] + [
+        changeset(f"cs-{n}", "planner:s1", "Another") for n in range(18)
+    ]
+    await rig.run("first")
+    await rig.run("second")
+    system = rig.requests()[-1].system_prompt
+    pending = system.split(f"<{PENDING_TAG}>\n", 1)[1].split(f"\n</{PENDING_TAG}>", 1)[0]
+    assert pending.startswith("- cs-mine: Split PAN-4 (50 operations: create ticket")
+    assert "and 40 more)" in pending
+    assert "cs-anon" not in pending, "no recorded_by, not this session's"
+    assert pending.endswith("- and possibly more: call list_changesets with status proposed "
+                            "for all of them")  # fmt: skip
