@@ -105,7 +105,7 @@ class TurnState:
     ``messages`` are the messages after the summary (what the model sees besides the
     system prompt), the turn's own included as they are stored; ``context`` is the
     running context estimate (SPEC 6). ``context_block`` is the system-side context
-    after a compaction (the summary and the pending changesets; ``context.context_block``), with
+    after a compaction (the summary and the pending changesets, decision 0172), with
     its estimated ``context_block_tokens``; ``request_estimate`` is the estimate of the
     next request when it was made without reported usage (for the estimator's error
     metric), else None. The compaction step keeps these three.
