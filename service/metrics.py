@@ -28,6 +28,8 @@ from service.config import split_address
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 #: A call cancelled by the client or the server (a stream closed while it yields).
 _CANCELLED: tuple[type[BaseException], ...] = (asyncio.CancelledError, GeneratorExit)
+#: Estimate / reported tokens: 1 is exact; the estimator aims within 0.85 to 1.15.
+ESTIMATE_RATIO_BUCKETS = (0.5, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0, 1.05, 1.1, 1.15, 1.2, 1.3, 1.5, 2)
 RPC_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 60)
 
 
@@ -37,7 +39,8 @@ class Metrics:
     Counters (``_total`` is added by prometheus_client):
 
     - ``ballet_planner_compactions_total``: compactions stored (seed: Context compaction);
-      ``ballet_planner_compaction_failures_total``: failed ones (logged, nothing stored).
+      ``ballet_planner_compaction_failures_total{reason}``: failed ones (logged, nothing
+      stored but the turn's compaction usage), by ``service.core.summaries`` reason.
     - ``ballet_planner_turns_total{reason}``: turns ended, by ``TurnEndReason`` value.
     - ``ballet_planner_rounds_total``: tool rounds run.
     - ``ballet_planner_tool_calls_total{tool,outcome}``: ``ok`` or an error reason.
@@ -50,7 +53,10 @@ class Metrics:
     ``ballet_planner_model_call_seconds{purpose,outcome}``,
     ``ballet_planner_tool_call_seconds{tool}``, ``ballet_planner_turn_seconds{reason}``,
     ``ballet_planner_grpc_server_handling_seconds{grpc_method}``; and
-    ``ballet_planner_turn_rounds`` (rounds per turn).
+    ``ballet_planner_turn_rounds`` (rounds per turn), and
+    ``ballet_planner_context_estimate_ratio{purpose}``: the calibrated estimate of a
+    request made without reported usage over the input tokens then reported (1 is
+    exact), so a provider whose tokenizer drifts from the rates shows.
 
     Gauges: ``ballet_planner_open_streams``, ``ballet_planner_running_turns`` (on this
     replica), ``ballet_planner_dev_mode`` (1 in dev mode), ``ballet_planner_database_up``
@@ -68,7 +74,17 @@ class Metrics:
         )
         self.compaction_failures = Counter(
             "ballet_planner_compaction_failures",
-            "Compaction calls that failed; the model call went on uncompacted.",
+            "Compactions that failed, by reason (model, refusal, error, too_short, empty, "
+            "finish_<reason>); the model call went on uncompacted.",
+            ["reason"],
+            registry=registry,
+        )
+        self.context_estimate_ratio = Histogram(
+            "ballet_planner_context_estimate_ratio",
+            "The context estimate made without reported usage over the input tokens the "
+            "provider then reported, by purpose (decision 0171).",
+            ["purpose"],
+            buckets=ESTIMATE_RATIO_BUCKETS,
             registry=registry,
         )
         self.turns = Counter(

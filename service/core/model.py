@@ -113,17 +113,21 @@ class Session:
 
 @dataclass(frozen=True)
 class ContextEstimate:
-    """The running context estimate of a session (seed: Context compaction; SPEC 6).
+    """The running context estimate of a session, in tokens (seed: Context compaction;
+    SPEC 6; decision 0171).
 
     ``base_tokens`` is the usage (input + output) reported for the latest turn-purpose
-    answer, or after a compaction the summary's output tokens; None when nothing is
-    known yet. ``pending_bytes`` counts the UTF-8 bytes of the messages stored after that
-    point (all messages when ``base_tokens`` is None), so the estimate costs O(new
+    answer: everything that request sent and the answer, the system prompt and tool
+    declarations included. None when no usage is known: a new session, after a
+    compaction, or a provider that reports none; the estimate then adds the fixed prompt
+    and the summary at their current size. ``pending_tokens`` is the calibrated estimate
+    (``service.core.estimate.message_tokens``) of the messages stored after that point
+    (after the summary when ``base_tokens`` is None), so the estimate costs O(new
     messages), never O(transcript).
     """
 
     base_tokens: int | None = None
-    pending_bytes: int = 0
+    pending_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -144,7 +144,7 @@ class TurnCommit:
     The store numbers ``events`` from the session counter, inserts them and their
     messages, applies ``turn_patch``, sets ``summary`` and ``context`` on the session, and
     notifies other replicas after commit. When ``context`` is None the store adds the
-    UTF-8 size of the stored messages to the session's ``pending_bytes`` instead.
+    estimated tokens of the stored messages to the session's ``pending_tokens`` instead.
 
     Conditions, checked in the transaction (``StoreConflict`` and nothing stored when one
     fails): the turn is RUNNING; when ``owner`` is set, that replica owns it; when

@@ -24,6 +24,7 @@ from service.core.errors import (
     StoreConflict,
     ToolFailure,
 )
+from service.core.estimate import message_tokens
 from service.core.model import (
     ContextEstimate,
     EventKind,
@@ -261,9 +262,9 @@ class FakeStore:
             self.events[session_id].append(numbered)
             if numbered.message is not None:
                 self.messages[session_id].append(numbered.message)
-                added += numbered.message.size_bytes()
+                added += message_tokens(numbered.message)
         estimate = context or replace(
-            session.context, pending_bytes=session.context.pending_bytes + added
+            session.context, pending_tokens=session.context.pending_tokens + added
         )
         self.sessions[session_id] = replace(session, last_sequence=sequence, context=estimate)
         return stored

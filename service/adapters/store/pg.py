@@ -304,7 +304,7 @@ class PgSessionStore(SqlSessionStore):
                 "human_index": human_index,
                 "per_human": start.limits.per_human,
                 "per_project": start.limits.per_project,
-                "added_bytes": units.message_bytes(start.events),
+                "added_tokens": units.message_tokens(start.events),
                 **self._hot.units(start.events),
             },
         )
@@ -353,9 +353,9 @@ class PgSessionStore(SqlSessionStore):
                     if context is None
                     else {
                         "base_tokens": context.base_tokens,
-                        "pending_bytes": context.pending_bytes,
+                        "pending_tokens": context.pending_tokens,
                     },
-                    "added_bytes": units.message_bytes(commit.events),
+                    "added_tokens": units.message_tokens(commit.events),
                     **self._hot.units(commit.events),
                 },
             )

@@ -176,7 +176,7 @@ class SqlSessionStore:
             "summary_up_to": 0,
             "last_sequence": 0,
             "context_base_tokens": None,
-            "context_pending_bytes": 0,
+            "context_pending_tokens": 0,
             "create_request_id": new.request_id,
             "create_request_hash": new.request_hash,
         }
@@ -489,8 +489,8 @@ class SqlSessionStore:
         the turn exists in it and is RUNNING; ``owner``, when set, owns it;
         ``lease_expired_before``, when set, is after its lease's end. The session row is
         locked and updated: the counter (events), ``summary``, and the context estimate
-        (``context``, or when None the stored messages' UTF-8 bytes added to
-        ``pending_bytes``). A ``turn_patch`` with ``end_reason`` ends the turn (state
+        (``context``, or when None the stored messages' estimated tokens added to
+        ``pending_tokens``). A ``turn_patch`` with ``end_reason`` ends the turn (state
         ENDED, ``end_time`` = ``commit.now``), which frees the session for the next.
         Raises ``ValueError`` for events of another session or turn, or a naive ``now``.
         """

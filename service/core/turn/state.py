@@ -103,8 +103,12 @@ class TurnState:
     """The mutable state of one turn; owned by its loop alone.
 
     ``messages`` are the messages after the summary (what the model sees besides the
-    summary), the turn's own included as they are stored; ``context`` is the running
-    context estimate (SPEC 6).
+    system prompt), the turn's own included as they are stored; ``context`` is the
+    running context estimate (SPEC 6). ``context_block`` is the system-side context
+    after a compaction (the summary and the pending changesets, decision 0172), with
+    its estimated ``context_block_tokens``; ``request_estimate`` is the estimate of the
+    next request when it was made without reported usage (for the estimator's error
+    metric), else None. The compaction step keeps these three.
     """
 
     handle: TurnHandle
@@ -119,6 +123,9 @@ class TurnState:
     compaction_usage: Usage = field(default_factory=Usage)
     writes: int = 0
     compaction_failed: bool = False
+    context_block: str = ""
+    context_block_tokens: int = 0
+    request_estimate: int | None = None
     credential_expired: bool = False
     versions: TurnPatch = field(default_factory=TurnPatch)
 

@@ -16,6 +16,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 
+from service.core.estimate import messages_tokens
 from service.core.model import ContextEstimate, SessionEvent
 from service.core.ports import ToolCall, TurnPatch
 from service.core.tools import TOOLS_BY_NAME, WRITE_TOOLS, ToolContext, ToolOutcome, error_result
@@ -170,8 +171,10 @@ class ToolRound:
             # The round's own commit: its answer and calls, then these results.
             patch = replace(first.patch, writes=state.writes)
             if first.context is not None:
-                added = sum(e.message.size_bytes() for e in events if e.message is not None)
-                context = replace(first.context, pending_bytes=first.context.pending_bytes + added)
+                added = messages_tokens(e.message for e in events if e.message is not None)
+                context = replace(
+                    first.context, pending_tokens=first.context.pending_tokens + added
+                )
             events = [*first.events, *events]
         await self._commit(events, patch, context)
         if first is not None:
