@@ -3,7 +3,7 @@
 Subcommands: ``serve`` (the production service), ``migrate`` (bring the database schema
 to this release), ``token`` (a dev JWT from the data directory's secret) and ``health``
 (readiness and liveness probe), ``dev`` (the devstack and the planner together,
-``service.devmode``) and ``chat`` (the terminal client, ``service.chat_client``). Each
+``devstack.dev``) and ``chat`` (the terminal client, ``service.chat_client``). Each
 subcommand is one ``_add_<name>`` function registering its parser and handler, so adding
 one touches nothing else.
 
@@ -276,7 +276,19 @@ def _dev(args: argparse.Namespace) -> int:
     if args.provider == "openai" and args.scenario is not None:
         print("ballet-planner dev: --scenario is for --provider scripted", file=sys.stderr)
         return 2
-    from service.devmode import DevError, DevOptions, dev_settings, run_dev
+    try:
+        # The one import of the devstack in the planner's code (issue 10): lazy, so that
+        # an image without the devstack serves, and says so here.
+        from devstack.dev import DevError, DevOptions, dev_settings, run_dev
+    except ModuleNotFoundError as error:
+        if error.name is None or error.name.partition(".")[0] != "devstack":
+            raise
+        print(
+            "ballet-planner dev: the devstack is not installed here (a production image "
+            "leaves it out); install the full package to run dev",
+            file=sys.stderr,
+        )
+        return 2
     from service.logs import configure_logging
     from service.main import StartupError
 

@@ -480,6 +480,16 @@ async def _open_database(settings: Settings) -> Any:
     return make_engine(url, pool_size=settings.database.pool_size)
 
 
+async def migrate_database(url: str) -> None:
+    """Upgrade the schema of the database at ``url`` (a SQLAlchemy URL) to this release,
+    as ``ballet-planner migrate`` does; the public way for other tools (the devstack's
+    ``dev``) to do it. Raises ``StartupError`` when the database is unreachable."""
+    try:
+        await migrate(url)
+    except StoreUnavailable as error:
+        raise StartupError(f"the database is unreachable: {error}") from error
+
+
 def _checked_out(engine: Any) -> int:
     """Connections checked out of the engine's pool right now (0 for a pool that does
     not count them)."""

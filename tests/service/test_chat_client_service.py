@@ -19,9 +19,9 @@ import pytest
 from ballet.planner.v1 import chat_pb2, resources_pb2
 from ballet.planner.v1 import planner_service_pb2 as pb
 
+from devstack.dev import DevApp, DevOptions, start_dev
 from service.adapters.channels import make_channel
 from service.chat_client import ChatClient, ChatOptions
-from service.devmode import DevApp, DevOptions, start_dev
 
 SCENARIO = {"rules": [{"reply": {"text": "Noted.", "chunk_chars": 2}}]}
 
