@@ -416,9 +416,12 @@ SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
+    from service.version import version
+
     parser = argparse.ArgumentParser(
         prog="ballet-planner", description="Ballet Planner: the conversational planning service."
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in SUBCOMMANDS:
         add(commands)
