@@ -20,6 +20,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from service import datadir
 from service.config import ConfigError, Settings, is_loopback, load_settings, split_address
 
 Handler = Callable[[argparse.Namespace], int]
@@ -102,7 +103,7 @@ def _add_token(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "token",
         help="print a dev token",
         description="Print a dev JWT for a user, signed with the data directory's dev "
-        "secret (generated if absent). Dev mode only.",
+        "secret, which the planner (serve or dev) creates at its first start. Dev mode only.",
     )
     parser.add_argument("--user", required=True, help="the subject (human id)")
     parser.add_argument(
@@ -120,6 +121,12 @@ def _add_token(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="a scope (repeatable); makes a service principal, e.g. planner.sessions.read",
     )
     parser.add_argument("--org", default="acme", help="organization id (default acme)")
+    parser.add_argument(
+        "--create-secret",
+        action="store_true",
+        help="create the data directory's dev secret if it has none (a planner already "
+        "running on that directory will not accept the tokens)",
+    )
     parser.set_defaults(handler=_token)
 
 
@@ -136,8 +143,33 @@ def _token(args: argparse.Namespace) -> int:
         print("ballet-planner token: --ttl must be a positive number of seconds", file=sys.stderr)
         return 2
     scopes = [scope for value in args.scope for scope in value.split()]
+    try:
+        if args.create_secret:
+            datadir.prepare(data_dir, datadir.WITH_OPTION)
+        datadir.check_folder(data_dir, datadir.WITH_OPTION)
+        # A secret made here signs tokens that no running planner accepts, so it is only
+        # made when asked for.
+        secret = dev_secret(data_dir, create=args.create_secret)
+    except datadir.DataDirError as error:
+        print(f"ballet-planner token: {error}", file=sys.stderr)
+        return 2
+    except FileNotFoundError:
+        print(
+            f"ballet-planner token: no dev secret in {data_dir}: start the planner "
+            "(`ballet-planner serve` or `dev`) with this data directory first, or pass "
+            "--create-secret to make one",
+            file=sys.stderr,
+        )
+        return 2
+    except OSError as error:
+        print(
+            "ballet-planner token: "
+            + str(datadir.unusable(data_dir, error, "read the dev secret", datadir.WITH_OPTION)),
+            file=sys.stderr,
+        )
+        return 2
     token = mint_dev_token(
-        dev_secret(data_dir), args.user, organization_id=args.org, ttl_s=args.ttl, scopes=scopes
+        secret, args.user, organization_id=args.org, ttl_s=args.ttl, scopes=scopes
     )
     print(token)
     return 0
@@ -306,6 +338,12 @@ def _dev(args: argparse.Namespace) -> int:
         devstack_address=args.devstack_address,
     )
     settings = dev_settings(options)
+    try:
+        # Checked, not created: a start that fails later leaves no folder behind.
+        datadir.check_folder(settings.data_dir, datadir.WITH_OPTION)
+    except datadir.DataDirError as error:
+        print(f"ballet-planner dev: cannot start: {error}", file=sys.stderr)
+        return 1
     configure_logging(settings.logging)
     try:
         asyncio.run(run_dev(options, settings))

@@ -36,6 +36,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from service import datadir
 from service.adapters.backends import GrpcToolBackends
 from service.adapters.bus import NullNotifier, PgNotifier
 from service.adapters.channels import ChannelTls, make_channel
@@ -429,7 +430,7 @@ def _server_credentials(settings: Settings) -> Any | None:
 def _verifier(settings: Settings, metrics: Metrics) -> TokenVerifier:
     auth = settings.auth
     if auth.jwks_path is None:
-        keys = KeySet(dev_secret=dev_secret(settings.data_dir))
+        keys = KeySet(dev_secret=_dev_secret(settings))
         log.warning(
             "dev mode: no auth.jwks_path, bearer tokens are checked with the HS256 dev "
             "secret of the data directory; serving on loopback only"
@@ -445,6 +446,14 @@ def _verifier(settings: Settings, metrics: Metrics) -> TokenVerifier:
     return TokenVerifier(keys, audience=PLANNER_AUDIENCE, issuers=issuers, leeway_s=auth.leeway_s)
 
 
+def _dev_secret(settings: Settings) -> bytes:
+    try:
+        return dev_secret(settings.data_dir)
+    except OSError as error:
+        problem = datadir.unusable(settings.data_dir, error, "use the dev secret")
+        raise StartupError(str(problem)) from error
+
+
 def _service_credential(settings: Settings) -> ServiceCredential:
     token_file = settings.dependencies.service_token_file
     if token_file is not None:
@@ -452,7 +461,7 @@ def _service_credential(settings: Settings) -> ServiceCredential:
             raise ConfigError(f"dependencies.service_token_file: {token_file} is not a file")
         return ServiceCredential(token_file=token_file)
     if settings.dev_mode:
-        return ServiceCredential(dev_secret=dev_secret(settings.data_dir))
+        return ServiceCredential(dev_secret=_dev_secret(settings))
     # Production without a token file: config validation made sure every backend channel
     # has a client certificate, the planner's mTLS identity.
     return ServiceCredential()
@@ -525,6 +534,11 @@ async def start_planner(
     used, e.g. an unreadable certificate) and ``StartupError`` (database unreachable or
     behind, address in use).
     """
+    if settings.dev_mode or settings.database.is_sqlite:
+        try:
+            datadir.prepare(settings.data_dir)
+        except datadir.DataDirError as error:
+            raise StartupError(str(error)) from None
     metrics = Metrics()
     verifier = _verifier(settings, metrics)
     clock = clock or SystemClock()
