@@ -204,16 +204,17 @@ def _health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    settings = _settings(args.config) if args.config else None
-    address = args.address or (settings.server.address if settings else None)
-    address = address or os.environ.get("BALLET_PLANNER__SERVER__ADDRESS") or DEFAULT_ADDRESS
+    # The same settings as serve (file and environment), so a probe given only the
+    # environment asks the address and TLS the server uses.
+    settings = _settings(args.config)
+    address = args.address or settings.server.address
     host, port = split_address(address, "--address")
     if host in ("0.0.0.0", "::", ""):
         host = "127.0.0.1"
     target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     ca_file = args.tls_ca
     use_tls = ca_file is not None
-    if settings is not None and settings.server.tls_cert is not None:
+    if settings.server.tls_cert is not None:
         use_tls = True
         ca_file = ca_file or settings.server.tls_ca or settings.server.tls_cert
     if use_tls:

@@ -77,6 +77,10 @@ log = logging.getLogger(__name__)
 
 #: The service name health checking reports besides the overall ``""``.
 SERVICE_NAME = planner_service_pb2.DESCRIPTOR.services_by_name["PlannerService"].full_name
+#: A health service name that stays SERVING while the process serves, whatever the
+#: database does: the target of liveness probes that can only ask for SERVING, such as
+#: Kubernetes' native gRPC probe (docs/decisions/0163-deployment.md).
+LIVENESS_SERVICE = "liveness"
 #: A database ping slower than this counts as a failure (seconds).
 PING_TIMEOUT_S = 5.0
 
@@ -626,6 +630,7 @@ async def start_planner(
             await turns.start()
         await server.start()
         await app._set_health(True)
+        await health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         metrics.database_up.set(1)
         app._monitor = asyncio.get_running_loop().create_task(
             app._watch_database(settings.server.health_check_interval_s), name="health-monitor"
