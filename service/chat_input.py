@@ -116,7 +116,9 @@ class LineSource:
                 ready = [self._wake_read]
             if self._wake_read in ready:
                 return
-            # readline takes the terminal from here (it saves and restores the mode).
+            # Back to the human's mode before readline starts: readline takes the mode it
+            # finds as the one to restore, and shows nothing typed when echo is off.
+            termios.tcsetattr(fd, termios.TCSANOW, self._saved)
             prompt = self._prompt()
             if prompt:
                 # The chat showed the prompt; input() shows it again with the line.

@@ -258,7 +258,9 @@ def test_the_terminal_edits_the_line_and_recalls_history(dev: DevProcess) -> Non
         terminal.expect(r"a new session starts with your first message")
         terminal.expect(r"> ")
         # "epis?", two left arrows (before "s"), "c", Enter: "epics?".
-        terminal.keys("What are the open epis?" + LEFT + LEFT + "c" + ENTER)
+        terminal.keys("What are the open epis?")
+        terminal.expect(r"What are the open epis\?")  # echoed as typed: readline shows it
+        terminal.keys(LEFT + LEFT + "c" + ENTER)
         session = terminal.expect(r"new session (\S+) in project demo").group(1)
         terminal.expect(r'-> list_items \{"kind":"epic"\}')  # the scenario saw "epics"
         terminal.expect(r"\[COMPLETED: 1 round\]")
