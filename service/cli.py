@@ -84,7 +84,11 @@ def _migrate(args: argparse.Namespace) -> int:
     from service.core.errors import StoreUnavailable
 
     if settings.database.is_sqlite:
-        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            datadir.prepare(settings.data_dir)
+        except datadir.DataDirError as error:
+            print(f"ballet-planner migrate: {error}", file=sys.stderr)
+            return 1
     try:
         asyncio.run(migrate(settings.database.url))
         status = asyncio.run(schema_status(settings.database.url))

@@ -1,7 +1,7 @@
 """First-run errors (issue 16): an unusable data directory is one clear line for
-``serve``, ``token`` and ``dev``, never a traceback; ``token`` mints only from a secret the
-planner made, unless ``--create-secret`` asks for one; every ``.ballet-*`` data directory
-the README creates is ignored by git."""
+``serve``, ``token``, ``dev`` and ``migrate``, never a traceback; ``token`` mints only
+from a secret the planner made, unless ``--create-secret`` asks for one; every
+``.ballet-*`` data directory the README creates is ignored by git."""
 
 from __future__ import annotations
 
@@ -46,6 +46,13 @@ def test_serve_with_an_unusable_data_directory_says_so_in_one_line(tmp_path: Pat
         assert result.returncode == 1, result.stderr
         _one_line(result, expected)
         assert "BALLET_PLANNER__DATA_DIR" in result.stderr
+
+
+def test_migrate_with_an_unusable_data_directory_says_so_in_one_line(tmp_path: Path) -> None:
+    for data_dir, expected in list(_unusable_dirs(tmp_path).items())[:2]:
+        result = run(["migrate"], tmp_path, BALLET_PLANNER__DATA_DIR=data_dir)
+        assert result.returncode == 1, result.stderr
+        _one_line(result, expected)
 
 
 def test_token_with_an_unusable_data_directory_says_so_in_one_line(tmp_path: Path) -> None:
