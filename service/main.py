@@ -36,6 +36,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from service import datadir
 from service.adapters.backends import GrpcToolBackends
 from service.adapters.bus import NullNotifier, PgNotifier
 from service.adapters.channels import ChannelTls, make_channel
@@ -76,6 +77,10 @@ log = logging.getLogger(__name__)
 
 #: The service name health checking reports besides the overall ``""``.
 SERVICE_NAME = planner_service_pb2.DESCRIPTOR.services_by_name["PlannerService"].full_name
+#: A health service name that stays SERVING while the process serves, whatever the
+#: database does: the target of liveness probes that can only ask for SERVING, such as
+#: Kubernetes' native gRPC probe (docs/decisions/0163-deployment.md).
+LIVENESS_SERVICE = "liveness"
 #: A database ping slower than this counts as a failure (seconds).
 PING_TIMEOUT_S = 5.0
 
@@ -433,7 +438,7 @@ def _server_credentials(settings: Settings) -> Any | None:
 def _verifier(settings: Settings, metrics: Metrics) -> TokenVerifier:
     auth = settings.auth
     if auth.jwks_path is None:
-        keys = KeySet(dev_secret=dev_secret(settings.data_dir))
+        keys = KeySet(dev_secret=_dev_secret(settings))
         log.warning(
             "dev mode: no auth.jwks_path, bearer tokens are checked with the HS256 dev "
             "secret of the data directory; serving on loopback only"
@@ -449,6 +454,14 @@ def _verifier(settings: Settings, metrics: Metrics) -> TokenVerifier:
     return TokenVerifier(keys, audience=PLANNER_AUDIENCE, issuers=issuers, leeway_s=auth.leeway_s)
 
 
+def _dev_secret(settings: Settings) -> bytes:
+    try:
+        return dev_secret(settings.data_dir)
+    except OSError as error:
+        problem = datadir.unusable(settings.data_dir, error, "use the dev secret")
+        raise StartupError(str(problem)) from error
+
+
 def _service_credential(settings: Settings) -> ServiceCredential:
     token_file = settings.dependencies.service_token_file
     if token_file is not None:
@@ -456,7 +469,7 @@ def _service_credential(settings: Settings) -> ServiceCredential:
             raise ConfigError(f"dependencies.service_token_file: {token_file} is not a file")
         return ServiceCredential(token_file=token_file)
     if settings.dev_mode:
-        return ServiceCredential(dev_secret=dev_secret(settings.data_dir))
+        return ServiceCredential(dev_secret=_dev_secret(settings))
     # Production without a token file: config validation made sure every backend channel
     # has a client certificate, the planner's mTLS identity.
     return ServiceCredential()
@@ -492,6 +505,16 @@ async def _open_database(settings: Settings) -> Database:
         raise StartupError(f"the database is unreachable: {error}") from error
 
 
+async def migrate_database(url: str) -> None:
+    """Upgrade the schema of the database at ``url`` (a SQLAlchemy URL) to this release,
+    as ``ballet-planner migrate`` does; the public way for other tools (the devstack's
+    ``dev``) to do it. Raises ``StartupError`` when the database is unreachable."""
+    try:
+        await migrate(url)
+    except StoreUnavailable as error:
+        raise StartupError(f"the database is unreachable: {error}") from error
+
+
 def _bind(server: Any, address: str, credentials: Any | None) -> int:
     try:
         if credentials is None:
@@ -520,6 +543,11 @@ async def start_planner(
     used, e.g. an unreadable certificate) and ``StartupError`` (database unreachable or
     behind, address in use).
     """
+    if settings.dev_mode or settings.database.is_sqlite:
+        try:
+            datadir.prepare(settings.data_dir)
+        except datadir.DataDirError as error:
+            raise StartupError(str(error)) from None
     metrics = Metrics()
     verifier = _verifier(settings, metrics)
     clock = clock or SystemClock()
@@ -608,6 +636,7 @@ async def start_planner(
             await turns.start()
         await server.start()
         await app._set_health(True)
+        await health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         metrics.database_up.set(1)
         app._monitor = asyncio.get_running_loop().create_task(
             app._watch_database(settings.server.health_check_interval_s), name="health-monitor"

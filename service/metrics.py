@@ -14,15 +14,27 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import platform
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+    start_http_server,
+)
 
 from service.config import split_address
+from service.version import version
 
 #: Latency buckets in seconds, from a fast tool call to a long model answer.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -58,6 +70,13 @@ class Metrics:
     request made without reported usage over the input tokens then reported (1 is
     exact), so a provider whose tokenizer drifts from the rates shows.
 
+    Build and runtime: ``ballet_planner_build_info{version,python}`` (always 1: the
+    planner's version, as ``ballet-planner --version`` prints it, and Python's), and the
+    standard collectors of prometheus_client: ``process_*`` (CPU seconds, resident and
+    virtual memory, open and maximum file descriptors, start time; on Linux),
+    ``python_info`` and ``python_gc_*`` (collections, collected and uncollectable
+    objects per generation).
+
     Gauges: ``ballet_planner_open_streams``, ``ballet_planner_running_turns`` (on this
     replica), ``ballet_planner_dev_mode`` (1 in dev mode), ``ballet_planner_database_up``
     (1 while the health monitor's ping answers), ``ballet_planner_database_connections_in_use``
@@ -67,6 +86,16 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         registry = self.registry
+        # The same collectors prometheus_client puts in its global registry, in ours.
+        ProcessCollector(registry=registry)
+        PlatformCollector(registry=registry)
+        GCCollector(registry=registry)  # registers nothing off CPython
+        self.build_info = Info(
+            "ballet_planner_build",
+            "The planner's build: its version and the Python it runs on.",
+            registry=registry,
+        )
+        self.build_info.info({"version": version(), "python": platform.python_version()})
         self.compactions = Counter(
             "ballet_planner_compactions",
             "Context compactions stored (seed: Context compaction).",

@@ -167,7 +167,10 @@ def test_health_without_a_server(tmp_path: Path) -> None:
 
 
 def test_token_is_signed_with_the_data_dirs_secret(tmp_path: Path) -> None:
-    result = run(["token", "--user", "alice", "--data-dir", "state", "--ttl", "60"], tmp_path)
+    result = run(
+        ["token", "--user", "alice", "--data-dir", "state", "--ttl", "60", "--create-secret"],
+        tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     secret = (tmp_path / "state" / "dev-secret").read_text().strip().encode()
     claims = jwt.decode(
