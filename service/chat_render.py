@@ -150,6 +150,8 @@ class Renderer:
         self.sent: list[str] = []
         #: The model last shown; a turn naming another one shows it again.
         self.model = ""
+        #: Tool calls already shown from their progress (their arguments come later).
+        self.calls_shown: set[str] = set()
 
     def write(self, text: str) -> None:
         """Write ``text`` and flush (the terminal shows deltas as they come)."""
@@ -182,8 +184,7 @@ class Renderer:
             message = response.assistant_message.message
             rest = self.stitcher.finish(message.message_id, message.text)
             self.write(rest)
-            if message.cut:
-                self.write(" [cut]")
+            self.write(cut_note(message))
             self.end_line()
         elif kind == "message_accepted":
             message = response.message_accepted.message
@@ -196,9 +197,17 @@ class Renderer:
             if model and model != self.model:
                 self.model = model
                 self.line(f"  (model {model})")
+        elif kind == "tool_call_progress":
+            progress = response.tool_call_progress
+            self.calls_shown.add(progress.tool_call_id)
+            self.line(f"  -> {progress.tool_name} …")
         elif kind == "tool_call_started":
             message = response.tool_call_started.message
-            self.line(f"  -> {message.tool_name} {short(message.tool_arguments or '{}')}")
+            arguments = short(message.tool_arguments or "{}")
+            if message.tool_call_id in self.calls_shown:
+                self.line(f"     {arguments}")
+            else:
+                self.line(f"  -> {message.tool_name} {arguments}")
         elif kind == "tool_call_finished":
             message = response.tool_call_finished.message
             summary = summarize_result(message.tool_result, message.tool_error)
@@ -226,7 +235,7 @@ class Renderer:
             self.line(f"{message.human_id or 'human'}: {message.text}")
         elif message.kind == resources_pb2.MESSAGE_KIND_ASSISTANT:
             if message.text:
-                self.line(message.text + (" [cut]" if message.cut else ""))
+                self.line(message.text + cut_note(message))
         elif message.kind == resources_pb2.MESSAGE_KIND_TOOL_CALL:
             self.line(f"  -> {message.tool_name} {short(message.tool_arguments or '{}')}")
         elif message.kind == resources_pb2.MESSAGE_KIND_TOOL_RESULT:
@@ -234,6 +243,24 @@ class Renderer:
             self.line(f"  <- {message.tool_name}: {summary}")
         elif message.kind == resources_pb2.MESSAGE_KIND_COMPACTION:
             self.line(f"  (compacted up to #{message.up_to})")
+
+
+#: How the reasons an answer did not end normally read (``Message.finish_reason``).
+_FINISHES = {
+    "length": "the output limit",
+    "content_filter": "the provider's content filter",
+    "truncated": "the model's stream broke off",
+}
+
+
+def cut_note(message: resources_pb2.Message) -> str:
+    """`` [cut: the output limit]``, `` [refused]``, `` [cut]`` or nothing."""
+    if message.finish_reason == "refusal":
+        return " [refused]"
+    if not message.cut:
+        return ""
+    why = _FINISHES.get(message.finish_reason, message.finish_reason)
+    return f" [cut: {why}]" if why else " [cut]"
 
 
 def describe_turn_end(ended: chat_pb2.TurnEnded) -> str:

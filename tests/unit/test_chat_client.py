@@ -185,3 +185,42 @@ def test_the_model_shown_is_the_one_the_turn_names() -> None:
             chat_pb2.ChatResponse(turn_started=chat_pb2.TurnStarted(model=model, max_rounds=3))
         )
     assert out.getvalue() == "  (model qwen2.5:7b)\n  (model gpt-4o-mini)\n"
+
+
+@pytest.mark.parametrize(
+    ("finish", "cut", "note"),
+    [
+        ("length", True, " [cut: the output limit]"),
+        ("content_filter", True, " [cut: the provider's content filter]"),
+        ("truncated", True, " [cut: the model's stream broke off]"),
+        ("refusal", False, " [refused]"),
+        ("", False, ""),
+    ],
+)
+def test_an_answer_that_did_not_end_normally_says_why(finish: str, cut: bool, note: str) -> None:
+    out = io.StringIO()
+    answer = message(
+        resources_pb2.MESSAGE_KIND_ASSISTANT, text="Half", cut=cut, finish_reason=finish
+    )
+    Renderer(out).render(
+        chat_pb2.ChatResponse(assistant_message=chat_pb2.AssistantMessage(message=answer))
+    )
+    assert out.getvalue() == f"Half{note}\n"
+
+
+def test_a_tool_call_shows_as_soon_as_its_name_is_known() -> None:
+    out = io.StringIO()
+    renderer = Renderer(out)
+    progress = chat_pb2.ToolCallProgress(tool_call_id="c1", tool_name="get_item", index=0)
+    renderer.render(chat_pb2.ChatResponse(tool_call_progress=progress))
+    assert out.getvalue() == "  -> get_item …\n"
+    call = message(
+        resources_pb2.MESSAGE_KIND_TOOL_CALL,
+        tool_call_id="c1",
+        tool_name="get_item",
+        tool_arguments='{"item_id":"PAN-4"}',
+    )
+    renderer.render(
+        chat_pb2.ChatResponse(tool_call_started=chat_pb2.ToolCallStarted(message=call))
+    )
+    assert out.getvalue().endswith('     {"item_id":"PAN-4"}\n')
