@@ -150,8 +150,6 @@ class Renderer:
         self.sent: list[str] = []
         #: The model last shown; a turn naming another one shows it again.
         self.model = ""
-        #: Tool calls already shown from their progress (their arguments come later).
-        self.calls_shown: set[str] = set()
 
     def write(self, text: str) -> None:
         """Write ``text`` and flush (the terminal shows deltas as they come)."""
@@ -198,16 +196,11 @@ class Renderer:
                 self.model = model
                 self.line(f"  (model {model})")
         elif kind == "tool_call_progress":
-            progress = response.tool_call_progress
-            self.calls_shown.add(progress.tool_call_id)
-            self.line(f"  -> {progress.tool_name} …")
+            # The call's name, at once; its arguments come with tool_call_started.
+            self.line(f"  -> {response.tool_call_progress.tool_name} …")
         elif kind == "tool_call_started":
             message = response.tool_call_started.message
-            arguments = short(message.tool_arguments or "{}")
-            if message.tool_call_id in self.calls_shown:
-                self.line(f"     {arguments}")
-            else:
-                self.line(f"  -> {message.tool_name} {arguments}")
+            self.line(f"  -> {message.tool_name} {short(message.tool_arguments or '{}')}")
         elif kind == "tool_call_finished":
             message = response.tool_call_finished.message
             summary = summarize_result(message.tool_result, message.tool_error)

@@ -223,4 +223,4 @@ def test_a_tool_call_shows_as_soon_as_its_name_is_known() -> None:
     renderer.render(
         chat_pb2.ChatResponse(tool_call_started=chat_pb2.ToolCallStarted(message=call))
     )
-    assert out.getvalue().endswith('     {"item_id":"PAN-4"}\n')
+    assert out.getvalue().endswith('  -> get_item {"item_id":"PAN-4"}\n')
