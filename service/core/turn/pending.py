@@ -39,24 +39,23 @@ async def pending_changesets(deps: TurnDependencies, state: TurnState) -> Pendin
     ``dependency_timeout_s`` in all; a stop request (cancel, shutdown, timeout) ends the
     read at once. Never raises but ``CancelledError``: a failure, a timeout or a stop is
     a ``PendingChangesets`` with its ``error``."""
-    stopping = state.handle.stopping
-    if stopping.is_set():
+    handle = state.handle
+    if handle.stopping:
         return PendingChangesets(error="STOPPED")
-    loop = asyncio.get_running_loop()
-    read = loop.create_task(_read(deps, state))
-    stop = loop.create_task(stopping.wait())
+    read = asyncio.get_running_loop().create_task(_read(deps, state))
+    forget = handle.on_stop(read.cancel)
     try:
         async with asyncio.timeout(deps.settings.dependency_timeout_s):
-            await asyncio.wait({read, stop}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({read})
     except TimeoutError:
         pass
     finally:
-        stop.cancel()
+        forget()
         if not read.done():
             read.cancel()
             await asyncio.wait({read})
     if read.cancelled():
-        reason = "STOPPED" if stopping.is_set() else "DEADLINE_EXCEEDED"
+        reason = "STOPPED" if handle.stopping else "DEADLINE_EXCEEDED"
         log.warning("pending changesets not read (%s)", reason, extra=state.handle.log_fields())
         return PendingChangesets(error=reason)
     return read.result()

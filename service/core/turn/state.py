@@ -5,6 +5,7 @@ the turn used, the answer streaming now)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from service.core.model import ContextEstimate, Message, Session, Turn, Usage
@@ -27,15 +28,36 @@ class TurnHandle:
         self.acting = acting
         self.human_sequence = human_sequence
         self.stop: Ending | None = None
-        self.stopping = asyncio.Event()
         self.done = asyncio.Event()
+        self._on_stop: list[Callable[[], object]] = []
 
     def request_stop(self, ending: Ending) -> None:
         """Ask the loop to end the turn with ``ending`` at its next step (at once while
         the model streams or tools run)."""
         if self.stop is None:
             self.stop = ending
-        self.stopping.set()
+        callbacks, self._on_stop = self._on_stop, []
+        for callback in callbacks:
+            callback()
+
+    @property
+    def stopping(self) -> bool:
+        """Whether a stop was requested."""
+        return self.stop is not None
+
+    def on_stop(self, callback: Callable[[], object]) -> Callable[[], None]:
+        """Call ``callback`` once when a stop is requested (at once if one was); returns
+        a function that forgets it. Cheaper than a task waiting on an event."""
+        if self.stop is not None:
+            callback()
+            return _nothing
+        self._on_stop.append(callback)
+
+        def forget() -> None:
+            if callback in self._on_stop:
+                self._on_stop.remove(callback)
+
+        return forget
 
     @property
     def turn_id(self) -> str:
@@ -53,6 +75,10 @@ class TurnHandle:
             "project": self.session.project_id,
             "actor": self.acting.actor,
         }
+
+
+def _nothing() -> None:
+    pass
 
 
 @dataclass

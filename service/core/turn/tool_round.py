@@ -110,8 +110,13 @@ class ToolRound:
     async def _collect(self, pending: dict[asyncio.Task[_Result], PendingCall]) -> None:
         """Store results as calls complete; on a stop, abandon reads and give started
         writes ``cancel_grace`` seconds. ``pending`` loses the calls stored."""
-        stopping = self._state.handle.stopping
-        stopper = asyncio.get_running_loop().create_task(stopping.wait())
+        stopper: asyncio.Future[_Result] = asyncio.get_running_loop().create_future()
+
+        def stop() -> None:
+            if not stopper.done():
+                stopper.set_result((error_result("STOPPED", ""), 0.0))
+
+        forget = self._state.handle.on_stop(stop)
         try:
             while pending:
                 done, _ = await asyncio.wait(
@@ -123,6 +128,7 @@ class ToolRound:
                 if stopper in done:
                     break
         finally:
+            forget()
             stopper.cancel()
         writes = {
             task
