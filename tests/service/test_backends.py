@@ -84,7 +84,9 @@ def connect(stack: DevStack) -> tuple[grpc.aio.Channel, GrpcToolBackends]:
         tracker=channel,
         skills=channel,
         knowledge=channel,
-        service_token=stack.planner_credential,
+        tracker_credential=stack.planner_credential,
+        skills_credential=stack.planner_credential,
+        knowledge_credential=stack.planner_credential,
     )
     return channel, backends
 
@@ -448,7 +450,12 @@ async def test_without_the_planner_credential_the_actor_is_not_honoured(stack: D
     channel = make_channel(stack.address, tls=None, insecure=False)
     try:
         backends = GrpcToolBackends(
-            tracker=channel, skills=channel, knowledge=channel, service_token=lambda: ""
+            tracker=channel,
+            skills=channel,
+            knowledge=channel,
+            tracker_credential=lambda: "",
+            skills_credential=lambda: "",
+            knowledge_credential=lambda: "",
         )
         planner = Planner(stack, channel, backends)
         assert not (await planner.run("list_skills", {})).is_error
