@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,8 @@ from service.core.backend_types import (
     ItemState,
     KnowledgeEntry,
     KnowledgeKind,
+    ProjectHit,
+    ProjectSearchResult,
     Skill,
     SkillContent,
     SkillScope,
@@ -52,6 +55,8 @@ ACTING = Acting(human_id="alice", organization_id="acme", token="tok", session_i
 #: Bump TOOL_SCHEMA_VERSION and record the new fingerprint when the tools change.
 FINGERPRINTS = {
     "tools-2026-11-1": "54f0867bcd7895d2b84c2541d960c9e5479aa0899c9f2d8d4045cb038b2c9be8",
+    # update_knowledge's version got its int64 maximum (issue 14).
+    "tools-2026-12-1": "d33f11eeb47aa2403c80c5b54f3d1a2bd9ad581adc2b3c37da0cb4605550e01c",
 }
 
 
@@ -406,9 +411,11 @@ async def test_a_bug_in_a_backend_is_an_error_result_not_an_exception(harness: H
 
 
 async def test_an_unserializable_result_is_an_error_result(harness: Harness) -> None:
-    bad: Any = object()  # not JSON: an adapter bug the runner must survive
-    harness.backends.answers["get_item"] = Item("T-1", ItemKind.TICKET, bad, ItemState.OPEN, 1)
-    outcome = await harness.run("get_item", {"item_id": "T-1"})
+    # The adapter keeps scores finite; a NaN that got through anyway is not sent as
+    # "NaN", which is not JSON.
+    nan = ProjectHit(math.nan, "s", item=Item("T-1", ItemKind.TICKET, "t", ItemState.OPEN, 1))
+    harness.backends.answers["search_project"] = ProjectSearchResult((nan,), True, True)
+    outcome = await harness.run("search_project", {"query": "x"})
     assert error_of(outcome)["reason"] == "BACKEND_ERROR"
 
 

@@ -12,8 +12,9 @@ MAX_RESULT_BYTES = 16 * 1024
 
 
 def dumps(value: Any) -> str:
-    """Compact JSON in UTF-8 (not ``\\u`` escapes): the model pays for every byte."""
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    """Compact JSON in UTF-8 (not ``\\u`` escapes): the model pays for every byte. NaN and
+    infinities are refused (``ValueError``): they are not JSON."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
 
 def _size(text: str) -> int:

@@ -20,6 +20,7 @@ from service.core.model import JsonObject
 from service.core.tools.unit import (
     BODY_CHARS,
     DATA_NOT_INSTRUCTIONS,
+    INT64_MAX,
     KNOWLEDGE_READ,
     KNOWLEDGE_WRITE,
     TITLE_CHARS,
@@ -217,11 +218,9 @@ UPDATE_KNOWLEDGE = Tool(
     schema=object_schema(
         {
             "entry_id": string("The entry to change."),
-            "version": {
-                "type": "integer",
-                "minimum": 1,
-                "description": "The version you read.",
-            },
+            # The contract's version is an int64; the bound makes a larger number an
+            # error result naming the field (issue 14), not a failure in the encoding.
+            "version": integer("The version you read.", 1, INT64_MAX),
             "title": string("A new title.", max_length=TITLE_CHARS),
             "body": string("A new body, in markdown.", max_length=BODY_CHARS),
             "status": string("A new status.", max_length=32),

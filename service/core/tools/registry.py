@@ -15,7 +15,7 @@ from service.core.tools.unit import Tool
 #: The version of the tool names, descriptions and schemas; recorded on each turn (SPEC
 #: section 5 step 2). Bump it whenever a declaration changes: a unit test pins a
 #: fingerprint of ``declarations()``.
-TOOL_SCHEMA_VERSION = "tools-2026-11-1"
+TOOL_SCHEMA_VERSION = "tools-2026-12-1"
 
 TOOLS: tuple[Tool, ...] = (*tracker.TOOLS, *skills.TOOLS, *knowledge.TOOLS)
 TOOLS_BY_NAME: Mapping[str, Tool] = {tool.name: tool for tool in TOOLS}

@@ -5,17 +5,23 @@ and the conversation continues"); SPEC section 4 (policy refusal, write cap, req
 and section 5 step 5 (validation, error results, the 16 KiB cut). ``ToolRunner.run``
 checks, in this order:
 
-1. the arguments are a JSON object (``INVALID_ARGUMENTS``);
+1. the arguments are a JSON object of well-formed Unicode, nested at most
+   ``MAX_ARGUMENT_DEPTH`` deep (``INVALID_ARGUMENTS``; an integral number such as
+   ``10.0`` is the integer 10, decision 0131);
 2. the tool exists (``UNKNOWN_TOOL``);
 3. for ``propose_changeset``, no operation touches an execution policy
    (``POLICY_CHANGE_NOT_ALLOWED``, before anything else is looked at, so the backend
    never sees it);
-4. the JSON Schema (``INVALID_ARGUMENTS``, naming the path; unknown fields are rejected);
+4. the JSON Schema (``INVALID_ARGUMENTS``, naming the path; unknown fields are rejected,
+   and a number beyond the backend field's range is refused here);
 5. the turn's write cap (``WRITE_LIMIT_REACHED``);
 6. the tool's backend work, within the tool deadline (``DEADLINE_EXCEEDED``).
 
 What the model gets back is always JSON text (``ToolOutcome.content``): the tool's own
 shape, ``{"error": {"reason", "message"}}``, or a cut result (``cut.cut_to_fit``).
+Nothing here logs an argument value: an unexpected failure is logged at ERROR with the
+session id, the tool's name and where it failed (SPEC section 8; issue 14), its
+traceback at DEBUG.
 """
 
 from __future__ import annotations
@@ -23,8 +29,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from decimal import Decimal
+from pathlib import PurePath
 from typing import Any
 
 from jsonschema.exceptions import ValidationError, best_match
@@ -42,6 +51,10 @@ _log = logging.getLogger(__name__)
 
 #: The default deadline of one tool's backend work, in seconds (SPEC section 5, Deadlines).
 DEFAULT_TOOL_TIMEOUT_S = 10.0
+#: The deepest nesting of arrays and objects arguments may have. The deepest schema needs
+#: 4 ($.operations[i].create_item); the bound keeps recursive checks far from Python's
+#: recursion limit.
+MAX_ARGUMENT_DEPTH = 32
 # The runner's own timer fires a little after the backend's deadline (at most this much),
 # so the backend's DEADLINE_EXCEEDED normally wins and the timer only guards a backend
 # that ignores deadlines.
@@ -90,10 +103,13 @@ def error_result(reason: str, message: str) -> ToolOutcome:
     """An error result: ``{"error": {"reason": reason, "message": message}}``.
 
     The turn loop uses it too, for calls it refuses or abandons (``TOO_MANY_CALLS``,
-    ``CANCELLED``, ``INTERRUPTED``), so every error result has the same shape.
+    ``CANCELLED``, ``INTERRUPTED``), so every error result has the same shape. The
+    message is cut to 1,000 characters, and a lone surrogate (from arguments quoted back)
+    becomes ``?``, so the text always encodes as UTF-8.
     """
     if len(message) > _MAX_ERROR_MESSAGE_CHARS:
         message = message[: _MAX_ERROR_MESSAGE_CHARS - 1] + "…"
+    message = message.encode("utf-8", "replace").decode("utf-8")
     content = dumps({"error": {"reason": reason, "message": message}})
     return ToolOutcome(content=content, is_error=True, error_reason=reason)
 
@@ -132,10 +148,14 @@ class ToolRunner:
             return await self._run(call, context)
         except ToolFailure as failure:
             return error_result(failure.reason, failure.message)
-        except Exception:
-            # A bug here must not end the conversation (seed: Authority); log without the
-            # arguments, which may hold human content (SPEC section 8).
-            _log.exception("tool %s failed unexpectedly", call.name)
+        except Exception as error:
+            # A bug here must not end the conversation (seed: Authority). The arguments
+            # may hold human content and any exception text may quote them, so neither is
+            # logged above DEBUG (SPEC section 8; issue 14).
+            tool = call.name if call.name in TOOLS_BY_NAME else "(unknown)"
+            fields = {"session": context.acting.session_id}
+            _log.error("tool %s failed unexpectedly: %s", tool, _where(error), extra=fields)
+            _log.debug("tool %s failure", tool, exc_info=True, extra=fields)
             return error_result("BACKEND_ERROR", "the tool failed unexpectedly")
 
     async def _run(self, call: ToolCall, context: ToolContext) -> ToolOutcome:
@@ -200,6 +220,17 @@ def _deadline(tool: Tool) -> ToolFailure:
     return ToolFailure("DEADLINE_EXCEEDED", "the backend did not answer in time")
 
 
+def _where(error: BaseException) -> str:
+    """The exception's type and the innermost frame it was raised in: no message, since
+    a message may quote argument values."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return type(error).__name__
+    frame = frames[-1]
+    where = f"{PurePath(frame.filename).name}:{frame.lineno}"
+    return f"{type(error).__name__} in {frame.name} ({where})"
+
+
 # --------------------------------------------------------------------------- checks
 
 
@@ -207,11 +238,33 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+def _number(text: str) -> int | float | Decimal:
+    """A JSON number written with a fraction or an exponent: an integer when its value is
+    integral (``10.0``, ``1e2``; decision 0131), else a float.
+
+    JSON Schema counts such a number as an integer, so the schema accepts it; the
+    backends' integer fields would not, so it becomes one here. The exact decimal value
+    decides: ``1.0000000000000000001`` rounds to the float 1.0, which a schema would take
+    for an integer, so it stays an exact ``Decimal`` (a number, not an integer).
+    Magnitudes beyond 2**64 stay floats (no schema allows them), so a number like
+    ``1e999999`` never becomes a huge integer.
+    """
+    approximate = float(text)
+    if not approximate.is_integer() or abs(approximate) > 2**64:
+        return approximate
+    exact = Decimal(text)
+    if exact == exact.to_integral_value():
+        return int(exact)
+    return exact
+
+
 def parse_arguments(text: str) -> JsonObject:
     """Parse a tool call's arguments; raises ``ToolFailure`` (``INVALID_ARGUMENTS``) when
-    they are not JSON (``NaN`` and ``Infinity`` included) or not an object."""
+    they are not JSON (``NaN`` and ``Infinity`` included), not an object, nested deeper
+    than ``MAX_ARGUMENT_DEPTH``, or hold a string that is not well-formed Unicode (a lone
+    surrogate escape such as ``"\\ud800"``, which no backend could encode)."""
     try:
-        value = json.loads(text, parse_constant=_reject_constant)
+        value = json.loads(text, parse_constant=_reject_constant, parse_float=_number)
     except (ValueError, RecursionError) as error:
         raise ToolFailure(
             "INVALID_ARGUMENTS", f"the arguments are not valid JSON: {error}"
@@ -221,7 +274,41 @@ def parse_arguments(text: str) -> JsonObject:
             "INVALID_ARGUMENTS",
             f"the arguments must be a JSON object, not {_json_type(value)}",
         )
+    _check_structure(value)
     return value
+
+
+def _check_structure(arguments: JsonObject) -> None:
+    stack: list[tuple[Any, str, int]] = [(arguments, "$", 1)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, dict | list) and depth > MAX_ARGUMENT_DEPTH:
+            raise ToolFailure(
+                "INVALID_ARGUMENTS", f"{path}: nested more than {MAX_ARGUMENT_DEPTH} levels deep"
+            )
+        if isinstance(value, dict):
+            for key, child in value.items():
+                child_path = f"{path}.{key}" if key.isidentifier() else f"{path}[{key!r}]"
+                if not _well_formed(key):
+                    raise ToolFailure(
+                        "INVALID_ARGUMENTS", f"{child_path}: the key is not valid Unicode"
+                    )
+                stack.append((child, child_path, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((child, f"{path}[{i}]", depth + 1) for i, child in enumerate(value))
+        elif isinstance(value, str) and not _well_formed(value):
+            raise ToolFailure(
+                "INVALID_ARGUMENTS",
+                f"{path}: not valid Unicode (a lone surrogate such as \\ud800)",
+            )
+
+
+def _well_formed(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def touches_policy(arguments: JsonObject) -> bool:
@@ -248,7 +335,10 @@ def validate_arguments(tool: str, arguments: JsonObject) -> None:
     """Validate against the tool's JSON Schema; raises ``ToolFailure``
     (``INVALID_ARGUMENTS``) naming the JSON path of the most relevant error, e.g.
     ``$.operations[0].create_item: 'title' is a required property``."""
-    errors: Sequence[ValidationError] = list(VALIDATORS[tool].iter_errors(arguments))
+    try:
+        errors: Sequence[ValidationError] = list(VALIDATORS[tool].iter_errors(arguments))
+    except RecursionError:
+        raise ToolFailure("INVALID_ARGUMENTS", "$: the arguments are nested too deeply") from None
     if not errors:
         return
     error = best_match(errors)
