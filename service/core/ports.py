@@ -12,35 +12,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Protocol
 
-from service.core.backend_types import (
-    Acting as Acting,
-)
-from service.core.backend_types import (
-    Changeset,
-    ChangesetPage,
-    ChangesetProposal,
-    ChangesetQuery,
-    Item,
-    ItemPage,
-    ItemQuery,
-    KnowledgeEntry,
-    KnowledgeEntryChange,
-    KnowledgeHits,
-    KnowledgeSearch,
-    NewKnowledgeEntry,
-    ProjectSearch,
-    ProjectSearchResult,
-    RunnableQuery,
-    SkillContent,
-    SkillPage,
-    SkillQuery,
-)
-from service.core.backend_types import (
-    ProjectInfo as ProjectInfo,
-)
-from service.core.backend_types import (
-    SkillDocument as SkillDocument,
-)
+from service.core import backend_types as backend
 from service.core.model import (
     ContextEstimate,
     Message,
@@ -50,6 +22,11 @@ from service.core.model import (
     TurnEndReason,
     Usage,
 )
+
+#: Defined with the backends' other types; named here too, where the ports' users look.
+Acting = backend.Acting
+ProjectInfo = backend.ProjectInfo
+SkillDocument = backend.SkillDocument
 
 # --------------------------------------------------------------------------- storage
 
@@ -553,40 +530,42 @@ class ToolBackends(Protocol):
     async def read_skill(
         self, acting: Acting, project_id: str, name: str, timeout_s: float
     ) -> SkillDocument: ...
-    async def list_items(self, acting: Acting, query: ItemQuery, timeout_s: float) -> ItemPage: ...
+    async def list_items(
+        self, acting: Acting, query: backend.ItemQuery, timeout_s: float
+    ) -> backend.ItemPage: ...
     async def get_item(
         self, acting: Acting, project_id: str, item_id: str, timeout_s: float
-    ) -> Item: ...
+    ) -> backend.Item: ...
     async def list_runnable_tickets(
-        self, acting: Acting, query: RunnableQuery, timeout_s: float
-    ) -> ItemPage: ...
+        self, acting: Acting, query: backend.RunnableQuery, timeout_s: float
+    ) -> backend.ItemPage: ...
     async def search_project(
-        self, acting: Acting, search: ProjectSearch, timeout_s: float
-    ) -> ProjectSearchResult: ...
+        self, acting: Acting, search: backend.ProjectSearch, timeout_s: float
+    ) -> backend.ProjectSearchResult: ...
     async def list_changesets(
-        self, acting: Acting, query: ChangesetQuery, timeout_s: float
-    ) -> ChangesetPage: ...
+        self, acting: Acting, query: backend.ChangesetQuery, timeout_s: float
+    ) -> backend.ChangesetPage: ...
     async def propose_changeset(
-        self, acting: Acting, proposal: ChangesetProposal, timeout_s: float
-    ) -> Changeset: ...
+        self, acting: Acting, proposal: backend.ChangesetProposal, timeout_s: float
+    ) -> backend.Changeset: ...
     async def list_skills(
-        self, acting: Acting, query: SkillQuery, timeout_s: float
-    ) -> SkillPage: ...
+        self, acting: Acting, query: backend.SkillQuery, timeout_s: float
+    ) -> backend.SkillPage: ...
     async def read_skill_content(
         self, acting: Acting, project_id: str, name: str, timeout_s: float
-    ) -> SkillContent: ...
+    ) -> backend.SkillContent: ...
     async def search_knowledge(
-        self, acting: Acting, search: KnowledgeSearch, timeout_s: float
-    ) -> KnowledgeHits: ...
+        self, acting: Acting, search: backend.KnowledgeSearch, timeout_s: float
+    ) -> backend.KnowledgeHits: ...
     async def get_knowledge_entry(
         self, acting: Acting, entry_id: str, timeout_s: float
-    ) -> KnowledgeEntry: ...
+    ) -> backend.KnowledgeEntry: ...
     async def create_knowledge_entry(
-        self, acting: Acting, entry: NewKnowledgeEntry, timeout_s: float
-    ) -> KnowledgeEntry: ...
+        self, acting: Acting, entry: backend.NewKnowledgeEntry, timeout_s: float
+    ) -> backend.KnowledgeEntry: ...
     async def update_knowledge_entry(
-        self, acting: Acting, change: KnowledgeEntryChange, timeout_s: float
-    ) -> KnowledgeEntry: ...
+        self, acting: Acting, change: backend.KnowledgeEntryChange, timeout_s: float
+    ) -> backend.KnowledgeEntry: ...
 
 
 # --------------------------------------------------------------------------- clock
