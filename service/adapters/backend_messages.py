@@ -115,6 +115,7 @@ def _integer(name: str, value: int, bounds: tuple[int, int]) -> int:
 
 
 def list_items_request(query: ItemQuery) -> tracker_pb2.ListItemsRequest:
+    """``ListItems``; raises ``ToolFailure`` for a ``page_size`` beyond int32."""
     return tracker_pb2.ListItemsRequest(
         project_id=query.project_id,
         kind=_ITEM_KINDS[query.kind or ItemKind.UNSPECIFIED],
@@ -127,6 +128,7 @@ def list_items_request(query: ItemQuery) -> tracker_pb2.ListItemsRequest:
 
 
 def list_runnable_request(query: RunnableQuery) -> tracker_pb2.ListRunnableTicketsRequest:
+    """``ListRunnableTickets``; raises ``ToolFailure`` for a ``page_size`` beyond int32."""
     return tracker_pb2.ListRunnableTicketsRequest(
         project_id=query.project_id,
         page_size=_integer("page_size", query.page_size, _INT32),
@@ -135,6 +137,7 @@ def list_runnable_request(query: RunnableQuery) -> tracker_pb2.ListRunnableTicke
 
 
 def search_project_request(search: ProjectSearch) -> tracker_pb2.SearchProjectRequest:
+    """``SearchProject``; raises ``ToolFailure`` for a ``limit`` beyond int32."""
     return tracker_pb2.SearchProjectRequest(
         project_id=search.project_id,
         query=search.query,
@@ -143,6 +146,7 @@ def search_project_request(search: ProjectSearch) -> tracker_pb2.SearchProjectRe
 
 
 def list_changesets_request(query: ChangesetQuery) -> tracker_pb2.ListChangesetsRequest:
+    """``ListChangesets``; raises ``ToolFailure`` for a ``page_size`` beyond int32."""
     return tracker_pb2.ListChangesetsRequest(
         project_id=query.project_id,
         status=_CHANGESET_STATUSES[query.status or ChangesetStatus.UNSPECIFIED],
@@ -192,6 +196,7 @@ def _operation_message(operation: ChangesetOperation) -> tracker_pb2.ChangesetOp
 
 
 def propose_changeset_request(proposal: ChangesetProposal) -> tracker_pb2.ProposeChangesetRequest:
+    """``ProposeChangeset``; raises ``ToolFailure`` for a ``priority`` beyond int32."""
     return tracker_pb2.ProposeChangesetRequest(
         request_id=proposal.request_id,
         project_id=proposal.project_id,
@@ -202,6 +207,7 @@ def propose_changeset_request(proposal: ChangesetProposal) -> tracker_pb2.Propos
 
 
 def list_skills_request(query: SkillQuery) -> skills_pb2.ListSkillsRequest:
+    """``ListSkills``; raises ``ToolFailure`` for a ``page_size`` beyond int32."""
     return skills_pb2.ListSkillsRequest(
         project_id=query.project_id,
         page_size=_integer("page_size", query.page_size, _INT32),
@@ -210,6 +216,7 @@ def list_skills_request(query: SkillQuery) -> skills_pb2.ListSkillsRequest:
 
 
 def search_knowledge_request(search: KnowledgeSearch) -> knowledge_pb2.SearchKnowledgeRequest:
+    """``SearchKnowledge``; raises ``ToolFailure`` for a ``limit`` beyond int32."""
     return knowledge_pb2.SearchKnowledgeRequest(
         query=search.query,
         kind=_KNOWLEDGE_KINDS[search.kind or KnowledgeKind.UNSPECIFIED],
@@ -220,6 +227,7 @@ def search_knowledge_request(search: KnowledgeSearch) -> knowledge_pb2.SearchKno
 def create_knowledge_request(
     entry: NewKnowledgeEntry,
 ) -> knowledge_pb2.CreateKnowledgeEntryRequest:
+    """``CreateKnowledgeEntry``, with the planner's call id as ``request_id``."""
     return knowledge_pb2.CreateKnowledgeEntryRequest(
         request_id=entry.request_id,
         kind=_KNOWLEDGE_KINDS[entry.kind],
@@ -234,6 +242,7 @@ def create_knowledge_request(
 def update_knowledge_request(
     change: KnowledgeEntryChange,
 ) -> knowledge_pb2.UpdateKnowledgeEntryRequest:
+    """``UpdateKnowledgeEntry``; raises ``ToolFailure`` for a ``version`` beyond int64."""
     return knowledge_pb2.UpdateKnowledgeEntryRequest(
         request_id=change.request_id,
         entry_id=change.entry_id,
@@ -264,6 +273,7 @@ def _score(value: float) -> float:
 
 
 def item(message: tracker_pb2.Item) -> Item:
+    """An item as the core sees it (times, enums and the policy normalized)."""
     policy = None
     if message.HasField("policy"):
         # Map order is not defined on the wire; sorted, the output is the same every time.
@@ -296,6 +306,7 @@ def item_page(items: Iterable[tracker_pb2.Item], next_page_token: str, total_siz
 
 
 def project_search_result(response: tracker_pb2.SearchProjectResponse) -> ProjectSearchResult:
+    """Search hits with finite scores; a hit of no known kind is dropped."""
     hits: list[ProjectHit] = []
     for hit in response.results:
         which = hit.WhichOneof("hit")
@@ -350,6 +361,7 @@ def _operation(message: tracker_pb2.ChangesetOperation) -> ChangesetOperation | 
 
 
 def changeset(message: tracker_pb2.Changeset) -> Changeset:
+    """A changeset; operations of a kind this planner does not know are dropped."""
     operations = (_operation(operation) for operation in message.operations)
     return Changeset(
         changeset_id=message.changeset_id,
@@ -392,6 +404,7 @@ def skill_content(response: skills_pb2.ReadSkillResponse) -> SkillContent:
 
 
 def knowledge_entry(message: knowledge_pb2.KnowledgeEntry) -> KnowledgeEntry:
+    """A knowledge entry (an unset message gives an empty one)."""
     return KnowledgeEntry(
         entry_id=message.entry_id,
         kind=_KNOWLEDGE_KIND_OF.get(message.kind, KnowledgeKind.UNSPECIFIED),
