@@ -564,7 +564,11 @@ async def start_planner(
                 tracker=outbound["tracker"],
                 skills=outbound["skills"],
                 knowledge=outbound["knowledge"],
-                service_token=credential.token,
+                # One credential for every backend until each audience has its own
+                # (issue 14).
+                tracker_credential=credential.token,
+                skills_credential=credential.token,
+                knowledge_credential=credential.token,
             )
         authenticator = Authenticator(verifier)
         projects = ProjectAccess(
