@@ -15,12 +15,24 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 
+from service.core.backend_types import (
+    Acting,
+    Changeset,
+    ChangesetPage,
+    ChangesetQuery,
+    ChangesetStatus,
+    CreateItem,
+    DependencyChange,
+    ItemKind,
+    ItemState,
+    UpdateItem,
+)
 from service.core.compaction import chunk_blocks, render_transcript
 from service.core.context import (
     PENDING_TAG,
@@ -30,12 +42,11 @@ from service.core.context import (
     context_block,
     data_block,
 )
+from service.core.errors import ToolFailure
 from service.core.estimate import declarations_tokens, messages_tokens, text_tokens
 from service.core.fanout import Hub
 from service.core.model import EventKind, Message, MessageKind, Session, TurnEndReason, Usage
 from service.core.ports import (
-    BackendCall,
-    BackendResult,
     FinishReason,
     ModelRequest,
     Purpose,
@@ -45,7 +56,7 @@ from service.core.summaries import check_summary
 from service.core.tools import ToolRunner, declarations
 from service.core.turn import NullObserver, SendRequest, TurnDependencies, TurnService
 from service.core.turn import TurnSettings as Settings
-from tests.unit.fakes import FakeBackends, FakeClock, FakeStore, ScriptedGateway
+from tests.unit.fakes import BackendCall, FakeBackends, FakeClock, FakeStore, ScriptedGateway
 
 NOW = datetime(2026, 12, 1, tzinfo=UTC)
 REFUSAL = "I'm sorry, but I can't help with that request."
@@ -242,35 +253,31 @@ class Recorder(NullObserver):
 
 
 class TrackerBackends(FakeBackends):
-    """``FakeBackends`` with a tracker of changesets: ``proposed`` holds the
-    ``list_changesets`` shapes it serves, newest first; ``changesets_down`` makes that
-    tool fail like a backend that is down."""
+    """``FakeBackends`` with a tracker of changesets: ``proposed`` holds the changesets
+    ``list_changesets`` serves, newest first; ``changesets_down`` makes that RPC fail like
+    a backend that is down."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.proposed: list[dict[str, Any]] = []
+        self.proposed: list[Changeset] = []
         self.changesets_down = False
         self.hold_changesets: asyncio.Event | None = None
         self.changesets_reached = asyncio.Event()
 
-    async def invoke(self, call: BackendCall) -> BackendResult:
-        if call.tool != "list_changesets":
-            return await super().invoke(call)
-        self.calls.append(call)
+    async def list_changesets(
+        self, acting: Acting, query: ChangesetQuery, timeout_s: float
+    ) -> ChangesetPage:
+        self.calls.append(BackendCall("list_changesets", acting, query.project_id, query))
         self.changesets_reached.set()
         if self.hold_changesets is not None:
             await self.hold_changesets.wait()
         if self.changesets_down:
-            from service.core.errors import ToolFailure
-
             raise ToolFailure("BACKEND_UNAVAILABLE", "the tracker is down")
-        assert call.arguments["status"] == "proposed"
-        size = call.arguments["page_size"]
-        start = int(call.arguments.get("page_token") or 0)
-        page: dict[str, Any] = {"changesets": self.proposed[start : start + size]}
-        if start + size < len(self.proposed):
-            page["next_page_token"] = str(start + size)
-        return BackendResult(page)
+        assert query.status is ChangesetStatus.PROPOSED
+        start = int(query.page_token or 0)
+        page = tuple(self.proposed[start : start + query.page_size])
+        more = start + query.page_size < len(self.proposed)
+        return ChangesetPage(page, next_page_token=str(start + query.page_size) if more else "")
 
 
 @dataclass
@@ -430,19 +437,20 @@ async def test_without_usage_the_estimate_keeps_the_fixed_prompt_after_a_compact
     assert [e[0] for e in rig.observer.estimates].count("compaction") == 1
 
 
-def changeset(changeset_id: str, recorded_by: str, title: str = "Split PAN-4") -> dict[str, Any]:
-    return {
-        "changeset_id": changeset_id,
-        "status": "proposed",
-        "title": title,
-        "author_id": "alice",
-        "recorded_by": recorded_by,
-        "operations": [
-            {"create_item": {"kind": "ticket", "title": "Backfill test", "ref": "bf"}},
-            {"update_item": {"item_id": "PAN-4", "state": "closed", "priority": 1}},
-            {"add_dependency": {"item_id": "PAN-5", "blocked_by_id": "bf"}},
-        ],
-    }
+def changeset(changeset_id: str, recorded_by: str, title: str = "Split PAN-4") -> Changeset:
+    return Changeset(
+        changeset_id=changeset_id,
+        status=ChangesetStatus.PROPOSED,
+        title=title,
+        description="",
+        author_id="alice",
+        recorded_by=recorded_by,
+        operations=(
+            CreateItem(ItemKind.TICKET, "Backfill test", priority=2, ref="bf"),
+            UpdateItem("PAN-4", state=ItemState.CLOSED, priority=1),
+            DependencyChange("PAN-5", "bf"),
+        ),
+    )
 
 
 async def test_pending_changesets_are_listed_outside_the_summary_after_a_compaction() -> None:
@@ -531,12 +539,13 @@ async def test_a_page_cut_to_16_kib_lists_what_fit_and_says_more_may_exist() -> 
     """A hostile tracker page: proposed changesets so large that the tool layer cuts the
     result (``{"truncated": true, ...}``); the block lists what fit and says so."""
     rig = make(summarizer({"text": A_SUMMARY, "usage": (500, 30)}), compact_at_tokens=500)
-    bulky = changeset("cs-mine", "planner:s1")
-    bulky["operations"] = [
-        {"create_item": {"kind": "ticket", "title": f"Ticket {n} " + "x" * 150}}
-        for n in range(50)
-    ]
-    unnamed = {k: v for k, v in changeset("cs-anon", "planner:s1").items() if k != "recorded_by"}
+    bulky = replace(
+        changeset("cs-mine", "planner:s1"),
+        operations=tuple(
+            CreateItem(ItemKind.TICKET, f"Ticket {n} " + "x" * 150, priority=2) for n in range(50)
+        ),
+    )
+    unnamed = replace(changeset("cs-anon", "planner:s1"), recorded_by="")
     rig.backends.proposed = [bulky, unnamed] + [
         changeset(f"cs-{n}", "planner:s1", "Another") for n in range(18)
     ]
