@@ -59,7 +59,9 @@ from service.core.backend_types import (
     SkillQuery,
 )
 from service.core.errors import NotFound, PlannerError, ToolFailure, Unauthenticated, Unavailable
+from service.core.model import JsonObject
 from service.core.ports import ToolBackends
+from service.core.tools.tracker import full_item
 
 #: Metadata key of the recorded actor, ``planner:<session_id>`` (SPEC section 4).
 ACTOR_HEADER = "x-ballet-actor"
@@ -418,3 +420,11 @@ class GrpcToolBackends:
 if TYPE_CHECKING:
     # mypy checks here that the class implements the port, method by method (issue 10).
     _PORT: type[ToolBackends] = GrpcToolBackends
+
+
+def _full_item(message: tracker_pb2.Item) -> JsonObject:
+    """A tracker ``Item`` message as the ``get_item`` tool shows it (``{"item": ...}``'s
+    value). Tools outside the service that must produce the planner's exact tool result
+    from a tracker answer (the peer benchmark) use it; the service itself goes through
+    ``service.core.tools``."""
+    return full_item(messages.item(message))

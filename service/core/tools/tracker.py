@@ -145,6 +145,11 @@ async def _get_item(call: Invocation, args: JsonObject) -> ToolResult:
     item = await call.backends.get_item(
         call.acting, call.project_id, args["item_id"], call.timeout_s
     )
+    return ToolResult({"item": full_item(item)})
+
+
+def full_item(item: Item) -> JsonObject:
+    """The ``item`` of ``get_item``'s output (its description says the shape)."""
     output = _compact_item(item)
     output["description"] = item.description
     output["acceptance_criteria"] = item.acceptance_criteria
@@ -154,7 +159,7 @@ async def _get_item(call: Invocation, args: JsonObject) -> ToolResult:
         output["policy"] = {"mode": item.policy.mode, "settings": dict(item.policy.settings)}
     set_time(output, "create_time", item.create_time)
     set_time(output, "update_time", item.update_time)
-    return ToolResult({"item": output})
+    return output
 
 
 GET_ITEM = Tool(
