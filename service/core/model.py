@@ -6,13 +6,14 @@ dataclasses; the store and the transport translate them at their edges.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, TypeVar
 
 JsonObject: TypeAlias = dict[str, Any]
+
+_T = TypeVar("_T")
 
 
 class MessageKind(StrEnum):
@@ -246,8 +247,20 @@ class SessionEvent:
 
     def with_sequence(self, sequence: int) -> SessionEvent:
         """Return a copy numbered ``sequence``, its message numbered the same."""
-        message = dataclasses.replace(self.message, sequence=sequence) if self.message else None
-        return dataclasses.replace(self, sequence=sequence, message=message)
+        # Every commit numbers each of its events: a copy of the fields, not
+        # dataclasses.replace, which re-runs __init__ over every field (ten times slower).
+        if self.message is None:
+            return _copied(self, sequence=sequence)
+        return _copied(self, sequence=sequence, message=_copied(self.message, sequence=sequence))
+
+
+def _copied(value: _T, **changes: object) -> _T:
+    """A copy of the frozen dataclass ``value`` with ``changes``, without ``__init__``."""
+    fields = dict(value.__dict__)
+    fields.update(changes)
+    copied = object.__new__(type(value))
+    object.__setattr__(copied, "__dict__", fields)
+    return copied
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ from service.core.errors import (
 )
 from service.core.model import Session, SessionEvent, Turn
 from service.core.ports import (
+    ContextSnapshot,
     LeaseStatus,
     OpenStream,
     StartOutcomeKind,
@@ -64,6 +65,9 @@ _SESSION = """
 SELECT s.*, (SELECT t.turn_id FROM turns t
              WHERE t.session_id = s.session_id AND t.state = 'running') AS running_turn_id
 FROM sessions s WHERE s.session_id = %s
+"""
+_CONTEXT_MESSAGES = """
+SELECT * FROM messages WHERE session_id = %s AND sequence > %s ORDER BY sequence
 """
 _RENEW_LEASE = """
 UPDATE turns SET lease_expires_at = %s
@@ -162,6 +166,19 @@ class PgHotPath:
     async def get_session(self, session_id: str) -> Session | None:
         row = await self.one(_SESSION, (session_id,))
         return None if row is None else codec.session_from_row(row)
+
+    async def context(self, session_id: str) -> ContextSnapshot | None:
+        """The session and its messages after the summary, on one connection."""
+        async with self._conn() as conn:
+            cursor = conn.cursor(row_factory=dict_row)
+            await cursor.execute(_SESSION, (session_id,))
+            row = await cursor.fetchone()
+            if row is None:
+                return None
+            session = codec.session_from_row(row)
+            await cursor.execute(_CONTEXT_MESSAGES, (session_id, session.summary_up_to))
+            rows = await cursor.fetchall()
+        return ContextSnapshot(session, [codec.message_from_row(r) for r in rows])
 
     async def call(self, function: str, argument: Mapping[str, Any]) -> Any:
         """``SELECT function(argument)`` with ``argument`` as ``jsonb``; its value."""
@@ -286,6 +303,9 @@ class PgSessionStore(SqlSessionStore):
     async def get_session(self, session_id: str) -> Session | None:
         """The session, or None (one statement)."""
         return await self._hot.get_session(session_id)
+
+    async def _read_context(self, session_id: str) -> ContextSnapshot | None:
+        return await self._hot.context(session_id)
 
     async def renew_lease(self, turn_id: str, owner: str, until: datetime) -> LeaseStatus:
         """See ``SqlSessionStore.renew_lease`` (one statement)."""

@@ -387,6 +387,14 @@ class SqlSessionStore:
         cached = self._cache.get(session_id)
         if cached is not None:
             return cached
+        snapshot = await self._read_context(session_id)
+        if snapshot is None:
+            return None
+        self._cache.put(snapshot)
+        return self._cache.get(session_id) or snapshot
+
+    async def _read_context(self, session_id: str) -> ContextSnapshot | None:
+        """``load_context`` from the database (a subclass may read it another way)."""
         async with self._read() as conn:
             session = await _session(conn, session_id)
             if session is None:
@@ -405,11 +413,9 @@ class SqlSessionStore:
                 .mappings()
                 .all()
             )
-        snapshot = ContextSnapshot(
+        return ContextSnapshot(
             session=session, messages=[codec.message_from_row(row) for row in rows]
         )
-        self._cache.put(snapshot)
-        return self._cache.get(session_id) or snapshot
 
     # ------------------------------------------------------------------ turns
 
