@@ -82,8 +82,9 @@ async def serve(config: DevStackConfig) -> None:
     timings = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in report.timings.items())
     lines.append(f"  loaded in {sum(report.timings.values()):.2f} s ({timings})")
     lines.append(
-        '  token: python -c "from pathlib import Path; from service.tokens import dev_secret, '
-        f"mint_dev_token; print(mint_dev_token(dev_secret(Path('{config.data_dir}')), 'alice'))\""
+        '  token: python -c "from pathlib import Path; '
+        "from ballet_common.tokens import dev_secret, mint_dev_token; "
+        f"print(mint_dev_token(dev_secret(Path('{config.data_dir}')), 'alice'))\""
     )
     print("\n".join(lines), flush=True)
     try:

@@ -124,7 +124,12 @@ def _add_token(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def _token(args: argparse.Namespace) -> int:
-    from service.tokens import dev_secret, mint_dev_token
+    from ballet_common.tokens import (
+        PLANNER_AUDIENCE,
+        dev_secret,
+        mint_dev_service_token,
+        mint_dev_token,
+    )
 
     data_dir = args.data_dir or Path(
         os.environ.get("BALLET_PLANNER__DATA_DIR", "") or DEFAULT_DATA_DIR
@@ -136,9 +141,20 @@ def _token(args: argparse.Namespace) -> int:
         print("ballet-planner token: --ttl must be a positive number of seconds", file=sys.stderr)
         return 2
     scopes = [scope for value in args.scope for scope in value.split()]
-    token = mint_dev_token(
-        dev_secret(data_dir), args.user, organization_id=args.org, ttl_s=args.ttl, scopes=scopes
-    )
+    if scopes:
+        # Service principals come from the service-token issuer, never a human's token.
+        token = mint_dev_service_token(
+            dev_secret(data_dir),
+            args.user,
+            audiences=(PLANNER_AUDIENCE,),
+            scopes=scopes,
+            organization_id=args.org,
+            ttl_s=args.ttl,
+        )
+    else:
+        token = mint_dev_token(
+            dev_secret(data_dir), args.user, organization_id=args.org, ttl_s=args.ttl
+        )
     print(token)
     return 0
 
@@ -336,8 +352,8 @@ def _add_chat(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
 
 
 def _chat(args: argparse.Namespace) -> int:
+    from ballet_common.tokens import dev_secret, mint_dev_token
     from service.chat_client import ChatError, ChatOptions, run_chat
-    from service.tokens import dev_secret, mint_dev_token
 
     address = args.address or os.environ.get("BALLET_PLANNER__SERVER__ADDRESS") or DEFAULT_ADDRESS
     mint = None

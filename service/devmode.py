@@ -40,6 +40,7 @@ from typing import Literal
 
 import grpc
 
+from ballet_common.tokens import Trust, dev_secret
 from devstack.gateway import GatewayServicer, Provider, ScenarioError, add_gateway_service
 from devstack.gateway.scripted import Scenario, ScriptedProvider, demo_scenario_path
 from devstack.server import DEFAULT_ADDRESS as DEVSTACK_ADDRESS
@@ -204,8 +205,11 @@ async def start_dev(
     provider, description = make_provider(options, environ)
     gateway: list[GatewayServicer] = []
 
+    # The gateway serves only the planner's credential, as the backends check theirs.
+    trust = Trust.dev(dev_secret(settings.data_dir))
+
     def add_gateway(server: grpc.aio.Server) -> None:
-        gateway.append(add_gateway_service(server, provider))
+        gateway.append(add_gateway_service(server, provider, trust=trust))
 
     try:
         stack = await DevStack.start(

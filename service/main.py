@@ -5,7 +5,8 @@ does that, then waits for SIGTERM or SIGINT and shuts down gracefully. Nothing e
 the service builds engines, channels or servers, and nothing does I/O at import time.
 
 Start-up order: metrics; token verification (dev mode: the HS256 secret of the data
-dir, a WARNING, ``ballet_planner_dev_mode`` = 1); the database (SQLite: migrate here,
+dir, a WARNING, ``ballet_planner_dev_mode`` = 1); the service credentials (one per
+dependency audience) and the page-token keys; the database (SQLite: migrate here,
 with a WARNING, since SQLite means a single process; PostgreSQL: never migrate, and
 refuse to start while the schema is behind); the store; outbound channels and backend
 clients; the session rules; the turn machinery (``build_turn_machinery``); the gRPC
@@ -31,20 +32,23 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 
 import grpc
-from ballet.planner.v1 import planner_service_pb2, planner_service_pb2_grpc
+from ballet.planner.v1 import planner_service_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from ballet_common.files import private_directory
 from service.adapters.backends import GrpcToolBackends
 from service.adapters.bus import NullNotifier, PgNotifier
 from service.adapters.channels import ChannelTls, make_channel
 from service.adapters.gateway import GrpcModelGateway
 from service.adapters.store import SqlSessionStore, make_engine, migrate, schema_status
+from service.adapters.store.engine import prepare_sqlite_file
 from service.adapters.store.streams import SqlStreamStore
 from service.config import ChannelSettings, ConfigError, Settings, channels, split_address
 from service.core.errors import StoreUnavailable
 from service.core.fanout import Hub
+from service.core.pages import PageTokens
 from service.core.ports import (
     Clock,
     Notifier,
@@ -57,19 +61,14 @@ from service.core.sessions import ProjectAccess, SessionLimits, SessionRules
 from service.core.streams import StreamRegistry
 from service.core.tools import ToolRunner, declarations
 from service.core.turn import TurnDependencies, TurnService, TurnSettings
-from service.credentials import ServiceCredential
+from service.credentials import ServiceCredentials
+from service.identity import page_token_keys, service_credentials, token_verifier
 from service.metrics import Metrics, MetricsInterceptor, MetricsServer, start_metrics_server
 from service.observer import PrometheusTurnObserver
-from service.tokens import (
-    DEV_ISSUER,
-    PLANNER_AUDIENCE,
-    KeySet,
-    TokenVerifier,
-    dev_secret,
-)
 from service.transport import convert
 from service.transport.auth import Authenticator
 from service.transport.chat import ChatLimits, TurnRpcs
+from service.transport.decoding import add_planner_service
 from service.transport.sessions import PlannerServicer, TurnEndpoints
 
 log = logging.getLogger(__name__)
@@ -126,7 +125,8 @@ class Wiring:
     store: SessionStore
     backends: ToolBackends
     gateway_channel: Any
-    service_credential: ServiceCredential
+    #: The planner's credential per dependency audience (``service.credentials``).
+    service_credentials: ServiceCredentials
     authenticator: Authenticator
     rules: SessionRules
     clock: Clock
@@ -147,13 +147,10 @@ def build_turn_machinery(wiring: Wiring) -> TurnMachinery | None:
         max_events=limits.stream_queue_events,
         max_bytes=limits.stream_queue_bytes,
     )
-    credential = wiring.service_credential
-
-    def gateway_metadata() -> list[tuple[str, str]]:
-        token = credential.token()
-        return [("x-ballet-service-authorization", f"Bearer {token}")] if token else []
-
-    gateway = GrpcModelGateway(wiring.gateway_channel, metadata=gateway_metadata)
+    # The gateway gets the credential for its audience alone (issue 14).
+    gateway = GrpcModelGateway(
+        wiring.gateway_channel, metadata=wiring.service_credentials["gateway"].metadata
+    )
     tools = ToolRunner(
         wiring.backends,
         max_result_bytes=planner.tool_result_max_bytes,
@@ -426,43 +423,13 @@ def _server_credentials(settings: Settings) -> Any | None:
     )
 
 
-def _verifier(settings: Settings, metrics: Metrics) -> TokenVerifier:
-    auth = settings.auth
-    if auth.jwks_path is None:
-        keys = KeySet(dev_secret=dev_secret(settings.data_dir))
-        log.warning(
-            "dev mode: no auth.jwks_path, bearer tokens are checked with the HS256 dev "
-            "secret of the data directory; serving on loopback only"
-        )
-        metrics.dev_mode.set(1)
-        issuers: Sequence[str] = auth.issuers or (DEV_ISSUER,)
-    else:
-        if not auth.jwks_path.is_file():
-            raise ConfigError(f"auth.jwks_path: {auth.jwks_path} is not a readable file")
-        keys = KeySet(jwks_path=auth.jwks_path)
-        metrics.dev_mode.set(0)
-        issuers = auth.issuers
-    return TokenVerifier(keys, audience=PLANNER_AUDIENCE, issuers=issuers, leeway_s=auth.leeway_s)
-
-
-def _service_credential(settings: Settings) -> ServiceCredential:
-    token_file = settings.dependencies.service_token_file
-    if token_file is not None:
-        if not token_file.is_file():
-            raise ConfigError(f"dependencies.service_token_file: {token_file} is not a file")
-        return ServiceCredential(token_file=token_file)
-    if settings.dev_mode:
-        return ServiceCredential(dev_secret=dev_secret(settings.data_dir))
-    # Production without a token file: config validation made sure every backend channel
-    # has a client certificate, the planner's mTLS identity.
-    return ServiceCredential()
-
-
 async def _open_database(settings: Settings) -> Any:
     url = settings.database.url
     try:
         if settings.database.is_sqlite:
-            settings.data_dir.mkdir(parents=True, exist_ok=True)
+            # Transcripts: 0600 in a 0700 directory whatever the umask (issue 14).
+            private_directory(settings.data_dir)
+            prepare_sqlite_file(url)
             await migrate(url)
             log.warning(
                 "SQLite database: single process only; its schema was migrated at start "
@@ -516,9 +483,16 @@ async def start_planner(
     behind, address in use).
     """
     metrics = Metrics()
-    verifier = _verifier(settings, metrics)
+    verifier = token_verifier(settings)
+    if verifier.dev_mode:
+        log.warning(
+            "dev mode: no auth.jwks_path, bearer tokens are checked with the HS256 dev "
+            "secret of the data directory; serving on loopback only"
+        )
+    metrics.dev_mode.set(1 if verifier.dev_mode else 0)
     clock = clock or SystemClock()
-    credential = _service_credential(settings)
+    credentials = service_credentials(settings)
+    page_tokens = PageTokens(page_token_keys(settings))
     engine = await _open_database(settings)
     metrics.database_connections_in_use.set_function(lambda: _checked_out(engine))
     opened: list[Any] = []
@@ -531,7 +505,9 @@ async def start_planner(
                 tracker=outbound["tracker"],
                 skills=outbound["skills"],
                 knowledge=outbound["knowledge"],
-                service_token=credential.token,
+                tracker_token=credentials["tracker"].token,
+                skills_token=credentials["skills"].token,
+                knowledge_token=credentials["knowledge"].token,
             )
         authenticator = Authenticator(verifier)
         projects = ProjectAccess(
@@ -545,6 +521,7 @@ async def start_planner(
             projects,
             clock,
             SessionLimits(page_max_bytes=settings.limits.page_max_bytes),
+            page_tokens=page_tokens,
             message_size=convert.encoded_message_bytes,
         )
         turns = turn_machinery(
@@ -553,7 +530,7 @@ async def start_planner(
                 store=store,
                 backends=backends,
                 gateway_channel=outbound["gateway"],
-                service_credential=credential,
+                service_credentials=credentials,
                 authenticator=authenticator,
                 rules=rules,
                 clock=clock,
@@ -567,7 +544,8 @@ async def start_planner(
             options=server_options(settings),
             maximum_concurrent_rpcs=settings.server.maximum_concurrent_rpcs,
         )
-        planner_service_pb2_grpc.add_PlannerServiceServicer_to_server(
+        # Undecodable requests: INVALID_ARGUMENT, not UNKNOWN (service.transport.decoding).
+        add_planner_service(
             PlannerServicer(rules, authenticator, turns.endpoints if turns else None), server
         )
         health = HealthServicer()

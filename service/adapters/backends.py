@@ -50,6 +50,21 @@ PLANNER_SKILL_SETTING = "planner.skill"
 MODEL_CREDENTIAL_SETTING = "planner.model_credential"
 
 _STATUS_DETAILS_KEY = "grpc-status-details-bin"
+#: The backend each tool calls, whose own credential goes with the call (issue 14).
+_TOOL_BACKENDS = {
+    "list_items": "tracker",
+    "get_item": "tracker",
+    "list_runnable": "tracker",
+    "search_project": "tracker",
+    "list_changesets": "tracker",
+    "propose_changeset": "tracker",
+    "list_skills": "skills",
+    "read_skill": "skills",
+    "search_knowledge": "knowledge",
+    "get_knowledge": "knowledge",
+    "create_knowledge": "knowledge",
+    "update_knowledge": "knowledge",
+}
 
 
 @dataclass(frozen=True)
@@ -153,9 +168,11 @@ class GrpcToolBackends:
 
     ``tracker``, ``skills`` and ``knowledge`` are ``grpc.aio`` channels (made by
     ``service.adapters.channels.make_channel``; the caller owns and closes them).
-    ``service_token`` returns the planner's current service credential; it is called for
-    every RPC, so a rotated credential is picked up without a restart, and an empty one
-    sends no ``x-ballet-service-authorization`` (the mTLS identity proves the planner).
+    ``tracker_token``, ``skills_token`` and ``knowledge_token`` return the planner's
+    current service credential for that backend's audience alone (a backend cannot
+    replay what it receives to another); each is called for every RPC, so a rotated
+    credential is picked up without a restart, and an empty one sends no
+    ``x-ballet-service-authorization`` (the mTLS identity proves the planner).
     """
 
     def __init__(
@@ -164,7 +181,9 @@ class GrpcToolBackends:
         tracker: grpc.aio.Channel,
         skills: grpc.aio.Channel,
         knowledge: grpc.aio.Channel,
-        service_token: Callable[[], str],
+        tracker_token: Callable[[], str],
+        skills_token: Callable[[], str],
+        knowledge_token: Callable[[], str],
     ) -> None:
         # The stubs' overloads pick the async type from an aio channel; grpc has no type
         # information here, so say which one it is.
@@ -178,7 +197,11 @@ class GrpcToolBackends:
             "knowledge_pb2_grpc.KnowledgeServiceAsyncStub",
             knowledge_pb2_grpc.KnowledgeServiceStub(knowledge),
         )
-        self._service_token = service_token
+        self._service_tokens = {
+            "tracker": tracker_token,
+            "skills": skills_token,
+            "knowledge": knowledge_token,
+        }
         self._handlers: dict[str, _Handler] = {
             "list_items": self._list_items,
             "get_item": self._get_item,
@@ -194,12 +217,12 @@ class GrpcToolBackends:
             "update_knowledge": self._update_knowledge,
         }
 
-    def _metadata(self, acting: Acting) -> tuple[tuple[str, str], ...]:
+    def _metadata(self, acting: Acting, backend: str) -> tuple[tuple[str, str], ...]:
         metadata = (
             ("authorization", f"Bearer {acting.token}"),
             (ACTOR_HEADER, acting.actor),
         )
-        service_token = self._service_token()
+        service_token = self._service_tokens[backend]()
         if not service_token:
             # In production the planner may prove itself by its mTLS identity instead
             # (SPEC section 4); an empty bearer header would only be a malformed one.
@@ -219,7 +242,7 @@ class GrpcToolBackends:
         request = tracker_pb2.GetProjectRequest(project_id=project_id)
         try:
             response = await self._tracker.GetProject(
-                request, metadata=self._metadata(acting), timeout=timeout_s
+                request, metadata=self._metadata(acting, "tracker"), timeout=timeout_s
             )
         except grpc.aio.AioRpcError as error:
             raise project_error(upstream_error(error), project_id) from None
@@ -247,7 +270,7 @@ class GrpcToolBackends:
         request = skills_pb2.ReadSkillRequest(project_id=project_id, name=name)
         try:
             response = await self._skills.ReadSkill(
-                request, metadata=self._metadata(acting), timeout=timeout_s
+                request, metadata=self._metadata(acting, "skills"), timeout=timeout_s
             )
         except grpc.aio.AioRpcError as error:
             raise skill_error(upstream_error(error), name) from None
@@ -271,7 +294,10 @@ class GrpcToolBackends:
         handler = self._handlers.get(call.tool)
         if handler is None:
             raise ToolFailure("UNKNOWN_TOOL", f"there is no tool named {call.tool!r}")
-        options = _CallOptions(metadata=self._metadata(call.acting), timeout=call.timeout_s)
+        options = _CallOptions(
+            metadata=self._metadata(call.acting, _TOOL_BACKENDS[call.tool]),
+            timeout=call.timeout_s,
+        )
         try:
             return await handler(call, options)
         except grpc.aio.AioRpcError as error:

@@ -25,8 +25,8 @@ import grpc
 from google.protobuf import duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 
+from ballet_common.tokens import TokenError
 from service.core import errors
-from service.tokens import TokenError
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,12 @@ STATUS_DETAILS_KEY = "grpc-status-details-bin"
 #: ``RetryInfo`` sent with DATABASE_UNAVAILABLE: the database is usually back quickly.
 DATABASE_RETRY_AFTER_S = 1.0
 INTERNAL_MESSAGE = "internal error"
+#: Bounds on what an error carries (characters), whatever raised it: quoted identifiers
+#: are cut where they are quoted (``service.core.errors.echo``); these keep any other
+#: path from sending a reply that breaks gRPC's metadata limit (8 KiB by default).
+MESSAGE_MAX_CHARS = 1024
+METADATA_VALUE_MAX_CHARS = 256
+METADATA_MAX_ENTRIES = 16
 
 #: Domain error class -> gRPC code. Resolved along the class's MRO, so a subclass maps
 #: like its nearest listed ancestor. Pinned by tests/unit/test_transport_errors.py.
@@ -101,7 +107,17 @@ def failure_of(error: Exception) -> RpcFailure:
         code = _code_for(error) or grpc.StatusCode.INTERNAL
         if isinstance(error, errors.Internal) or type(error) is errors.PlannerError:
             log.error("internal error: %s", error.reason, exc_info=error)
-        return RpcFailure(code, error.message, error.reason, error.metadata, error.retry_after_s)
+        metadata = {
+            key[:METADATA_VALUE_MAX_CHARS]: _cut(value, METADATA_VALUE_MAX_CHARS)
+            for key, value in list(error.metadata.items())[:METADATA_MAX_ENTRIES]
+        }
+        return RpcFailure(
+            code,
+            _cut(error.message, MESSAGE_MAX_CHARS),
+            error.reason,
+            metadata,
+            error.retry_after_s,
+        )
     if isinstance(error, errors.StoreUnavailable):
         return RpcFailure(
             grpc.StatusCode.UNAVAILABLE,
@@ -115,9 +131,18 @@ def failure_of(error: Exception) -> RpcFailure:
             grpc.StatusCode.ABORTED, "a concurrent change won; retry", "CONCURRENT_CHANGE", {}
         )
     if isinstance(error, TokenError):
-        return RpcFailure(grpc.StatusCode.UNAUTHENTICATED, error.message, error.reason, {})
+        return RpcFailure(
+            grpc.StatusCode.UNAUTHENTICATED,
+            _cut(error.message, MESSAGE_MAX_CHARS),
+            error.reason,
+            {},
+        )
     log.error("unexpected error", exc_info=error)
     return RpcFailure(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE, "INTERNAL", {})
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def status_of(error: Exception) -> status_pb2.Status:

@@ -29,7 +29,7 @@ from ballet.planner.v1 import resources_pb2
 from ballet.skills.v1 import skills_pb2, skills_pb2_grpc
 from ballet.tracker.v1 import tracker_pb2, tracker_pb2_grpc
 
-from service.tokens import PLANNER_AUDIENCE, TRACKER_AUDIENCE
+from ballet_common.tokens import PLANNER_AUDIENCE, TRACKER_AUDIENCE
 from tests.hardening.support import (
     Chat,
     Stack,

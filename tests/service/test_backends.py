@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 import pytest
 
+from ballet_common.tokens import KNOWLEDGE_AUDIENCE, SKILLS_AUDIENCE, TRACKER_AUDIENCE
 from devstack.server import DevStack, DevStackConfig
 from service.adapters.backends import GrpcToolBackends
 from service.adapters.channels import make_channel
@@ -84,7 +85,9 @@ def connect(stack: DevStack) -> tuple[grpc.aio.Channel, GrpcToolBackends]:
         tracker=channel,
         skills=channel,
         knowledge=channel,
-        service_token=stack.planner_credential,
+        tracker_token=lambda: stack.planner_credential(TRACKER_AUDIENCE),
+        skills_token=lambda: stack.planner_credential(SKILLS_AUDIENCE),
+        knowledge_token=lambda: stack.planner_credential(KNOWLEDGE_AUDIENCE),
     )
     return channel, backends
 
@@ -448,7 +451,12 @@ async def test_without_the_planner_credential_the_actor_is_not_honoured(stack: D
     channel = make_channel(stack.address, tls=None, insecure=False)
     try:
         backends = GrpcToolBackends(
-            tracker=channel, skills=channel, knowledge=channel, service_token=lambda: ""
+            tracker=channel,
+            skills=channel,
+            knowledge=channel,
+            tracker_token=lambda: "",
+            skills_token=lambda: "",
+            knowledge_token=lambda: "",
         )
         planner = Planner(stack, channel, backends)
         assert not (await planner.run("list_skills", {})).is_error

@@ -9,8 +9,8 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2
 
+from ballet_common.tokens import TokenError
 from service.core import errors
-from service.tokens import TokenError
 from service.transport.errors import (
     STATUS_DETAILS_KEY,
     abort,
