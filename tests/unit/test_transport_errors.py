@@ -147,3 +147,19 @@ async def test_rpc_errors_maps_exceptions_and_never_swallows_cancellation() -> N
         async with rpc_errors(quiet):
             raise grpc.aio.AbortError()
     assert quiet.aborted is None
+
+
+def test_whatever_raised_it_an_error_on_the_wire_is_bounded() -> None:
+    # Issue 14: a 1 MiB identifier quoted by some error must not break the metadata limit.
+    huge = "x" * (1024 * 1024)
+    error = errors.NotFound(
+        f"thing {huge} not found",
+        reason="THING_NOT_FOUND",
+        metadata={f"k{n}": huge for n in range(100)},
+    )
+    status = status_of(error)
+    assert len(status.SerializeToString()) < 8 * 1024
+    info = error_info_of(status)
+    assert info is not None and info.reason == "THING_NOT_FOUND"
+    assert status.message.endswith("...")
+    assert errors.echo(huge) == huge[:61] + "..." and errors.echo("short") == "short"
