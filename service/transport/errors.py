@@ -35,12 +35,16 @@ STATUS_DETAILS_KEY = "grpc-status-details-bin"
 #: ``RetryInfo`` sent with DATABASE_UNAVAILABLE: the database is usually back quickly.
 DATABASE_RETRY_AFTER_S = 1.0
 INTERNAL_MESSAGE = "internal error"
-#: Bounds on what an error carries (characters), whatever raised it: quoted identifiers
+#: Bounds on what an error carries (UTF-8 bytes), whatever raised it: quoted identifiers
 #: are cut where they are quoted (``service.core.errors.echo``); these keep any other
-#: path from sending a reply that breaks gRPC's metadata limit (8 KiB by default).
-MESSAGE_MAX_CHARS = 1024
-METADATA_VALUE_MAX_CHARS = 256
-METADATA_MAX_ENTRIES = 16
+#: path from a reply over gRPC's metadata limit (8 KiB by default, which the client then
+#: reports as RESOURCE_EXHAUSTED): the message travels twice (``grpc-message``,
+#: percent-encoded, up to 3 bytes per byte; and in ``grpc-status-details-bin``, base64),
+#: so message and metadata together stay under about 5 KiB on the wire.
+MESSAGE_MAX_BYTES = 512
+METADATA_KEY_MAX_BYTES = 64
+METADATA_VALUE_MAX_BYTES = 128
+METADATA_MAX_ENTRIES = 8
 
 #: Domain error class -> gRPC code. Resolved along the class's MRO, so a subclass maps
 #: like its nearest listed ancestor. Pinned by tests/unit/test_transport_errors.py.
@@ -108,12 +112,12 @@ def failure_of(error: Exception) -> RpcFailure:
         if isinstance(error, errors.Internal) or type(error) is errors.PlannerError:
             log.error("internal error: %s", error.reason, exc_info=error)
         metadata = {
-            key[:METADATA_VALUE_MAX_CHARS]: _cut(value, METADATA_VALUE_MAX_CHARS)
+            _cut(key, METADATA_KEY_MAX_BYTES): _cut(value, METADATA_VALUE_MAX_BYTES)
             for key, value in list(error.metadata.items())[:METADATA_MAX_ENTRIES]
         }
         return RpcFailure(
             code,
-            _cut(error.message, MESSAGE_MAX_CHARS),
+            _cut(error.message, MESSAGE_MAX_BYTES),
             error.reason,
             metadata,
             error.retry_after_s,
@@ -133,7 +137,7 @@ def failure_of(error: Exception) -> RpcFailure:
     if isinstance(error, TokenError):
         return RpcFailure(
             grpc.StatusCode.UNAUTHENTICATED,
-            _cut(error.message, MESSAGE_MAX_CHARS),
+            _cut(error.message, MESSAGE_MAX_BYTES),
             error.reason,
             {},
         )
@@ -141,8 +145,12 @@ def failure_of(error: Exception) -> RpcFailure:
     return RpcFailure(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE, "INTERNAL", {})
 
 
-def _cut(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+def _cut(text: str, max_bytes: int) -> str:
+    """``text`` in at most ``max_bytes`` bytes of UTF-8, a cut one ending in ``...``."""
+    encoded = text.encode()
+    if len(encoded) <= max_bytes:
+        return text
+    return encoded[: max_bytes - 3].decode(errors="ignore") + "..."
 
 
 def status_of(error: Exception) -> status_pb2.Status:

@@ -391,3 +391,16 @@ async def test_a_huge_identifier_gives_a_small_not_found(stack: Stack) -> None:
             assert len(error.details() or "") < 256
         else:
             raise AssertionError("a 1 MiB id was found")
+    # Found by the property test: a refusal quoting 100,000 emoji used to overflow the
+    # trailers (the client saw RESOURCE_EXHAUSTED); it is cut to fit like any other.
+    code, reason, status = await refused(
+        stub.UpdateSession(
+            pb.UpdateSessionRequest(
+                session=resources_pb2.Session(session_id=session_id, title="t"),
+                update_mask=field_mask_pb2.FieldMask(paths=["\U0001f3ad" * 100_000]),
+            ),
+            metadata=alice,
+        )
+    )
+    assert (code, reason) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_UPDATE_MASK")
+    assert len(status.SerializeToString()) < 1024
