@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jwt
 import pytest
 
@@ -15,11 +17,13 @@ from ballet_common.tokens import (
     KeySet,
     TokenError,
     Trust,
+    dev_secret,
     dev_service_key,
     mint_dev_service_token,
     mint_dev_token,
 )
 
+READ = "planner.sessions.read"
 SECRET = b"unit-test-dev-secret-0123456789abcdef"
 TRUST = Trust.dev(SECRET)
 PLANNER = TRUST.verifier(PLANNER_AUDIENCE)
@@ -106,3 +110,19 @@ def test_issuers_must_not_share_an_iss_value() -> None:
         Trust(humans=Issuer(("core",), keys), services=Issuer(("core",), keys, service=True))
     with pytest.raises(ValueError):
         Issuer((), keys)
+
+
+def test_the_token_command_mints_a_service_principal_only_from_the_service_issuer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from service.cli import main
+
+    data_dir = ["--data-dir", str(tmp_path)]
+    assert main(["token", "--user", "service:reports", "--scope", READ, *data_dir]) == 0
+    service_token = capsys.readouterr().out.strip()
+    assert main(["token", "--user", "bob", *data_dir]) == 0
+    human_token = capsys.readouterr().out.strip()
+    verifier = Trust.dev(dev_secret(tmp_path)).verifier(PLANNER_AUDIENCE)
+    reader = verifier.verify(service_token)
+    assert reader.is_service and reader.scopes == {READ} and reader.organization_id == "acme"
+    assert not verifier.verify(human_token).is_service
