@@ -17,8 +17,8 @@ The protocol rules of SPEC section 3 live here:
   read the session's project (cached at most 60 s; ``NOT_FOUND`` once they may not);
 - a client message that cannot be decoded (``service.transport.decoding``) gets an
   ``INVALID_ARGUMENT`` reply (``INVALID_UTF8``) and the stream goes on; if reading the
-  client's messages fails otherwise, the stream ends with that failure's status, never
-  in silence;
+  client's messages fails otherwise, the stream ends ``UNAVAILABLE``/
+  ``REQUEST_STREAM_FAILED`` (reopen with ``after_sequence``), never in silence;
 - a client that half-closes keeps receiving until the turn it started ends; a client
   that disconnects does not cancel anything.
 """
