@@ -295,11 +295,12 @@ class TokenVerifier:
         if not token:
             raise TokenError("TOKEN_MISSING", "a bearer token is required")
         try:
-            header = jwt.get_unverified_header(token)
-            unverified = jwt.decode(token, options={"verify_signature": False})
+            # Unverified, only to pick the issuer and key: both are checked below.
+            unverified = jwt.decode_complete(token, options={"verify_signature": False})
         except jwt.PyJWTError as error:
             raise TokenError("TOKEN_INVALID", "malformed token") from error
-        name = unverified.get("iss")
+        header, claims = unverified["header"], unverified["payload"]
+        name = claims.get("iss") if isinstance(claims, dict) else None
         issuer = self._by_name.get(name) if isinstance(name, str) else None
         if issuer is None:
             raise TokenError("TOKEN_INVALID", "the token's issuer is not trusted here")

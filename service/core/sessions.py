@@ -345,7 +345,7 @@ class SessionRules:
         if not caller.is_service:
             if session.owner_id != caller.subject:
                 raise _session_not_found(session_id)
-            await self._recheck_project(caller, session)
+            await self.recheck_project(caller, session)
         return session
 
     async def owned_session(self, caller: Caller, session_id: str) -> Session:
@@ -366,7 +366,7 @@ class SessionRules:
             or session.organization_id != caller.organization_id
         ):
             raise _session_not_found(session_id)
-        await self._recheck_project(caller, session)
+        await self.recheck_project(caller, session)
         return session
 
     async def _stored_session(self, session_id: str) -> Session | None:
@@ -375,9 +375,13 @@ class SessionRules:
             return None
         return await self._store.get_session(session_id)
 
-    async def _recheck_project(self, caller: Caller, session: Session) -> ProjectInfo:
+    async def recheck_project(self, caller: Caller, session: Session) -> ProjectInfo | None:
         """Re-check that a human caller may still read the session's project (cached at
-        most 60 s; SPEC 4). Raises ``NotFound``/``PROJECT_NOT_FOUND``."""
+        most 60 s; SPEC 4), for a session already read with ``owned_session`` or
+        ``readable_session``. Service principals are not re-checked: None. Raises
+        ``NotFound``/``PROJECT_NOT_FOUND``."""
+        if caller.is_service:
+            return None
         return await self._projects.check(caller, session.project_id, session.session_id)
 
     # -- use cases ---------------------------------------------------------------

@@ -388,9 +388,14 @@ class _Stream:
         session = self._require_open()
         try:
             check_request_id(request.request_id, required=False)
-            # Read the session again: "the running turn" may postdate the open, and the
-            # human's access to the project is re-checked on every action.
-            session = await self._rpcs._rules.owned_session(self._caller, session.session_id)
+            rules = self._rpcs._rules
+            if request.cancel_turn.turn_id:
+                # The human's access to the project is re-checked on every action.
+                await rules.recheck_project(self._caller, session)
+            else:
+                # "The running turn": the session read at open predates it, so read it
+                # now (which re-checks the project too).
+                session = await rules.owned_session(self._caller, session.session_id)
             await self._rpcs._turns.cancel(session, request.cancel_turn.turn_id)
         except PlannerError as error:
             self._reply_error(error, request.request_id)
