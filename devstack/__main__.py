@@ -28,6 +28,7 @@ from pathlib import Path
 
 import grpc
 
+from ballet_common.tokens import Trust, dev_secret
 from devstack.gateway import Provider, add_gateway_service
 from devstack.model import (
     OPENAI_MODEL_VARIABLE,
@@ -171,9 +172,12 @@ async def serve(options: Options) -> None:
     SIGTERM. Raises ``ProviderSetupError`` before anything starts when the model cannot
     be set up."""
     provider, model = make_provider(options.provider, options.scenario)
+    # The planner proves itself to the gateway with a credential minted from the data
+    # directory's dev secret, as it does to the backends (decision 0157).
+    trust = Trust.dev(dev_secret(options.config.data_dir))
 
     def add_gateway(server: grpc.aio.Server) -> None:
-        add_gateway_service(server, provider)
+        add_gateway_service(server, provider, trust=trust)
 
     try:
         stack = await DevStack.start(replace(options.config, extra_services=add_gateway))

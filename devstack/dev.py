@@ -45,6 +45,7 @@ from pathlib import Path
 
 import grpc
 
+from ballet_common.tokens import Trust, dev_secret
 from devstack.gateway import GatewayServicer, Provider, add_gateway_service
 from devstack.model import (
     OPENAI_MODEL_VARIABLE,
@@ -192,8 +193,11 @@ async def start_dev(
         raise DevError(str(error)) from error
     gateway: list[GatewayServicer] = []
 
+    # The gateway serves only the planner's credential, as the backends check theirs.
+    trust = Trust.dev(dev_secret(settings.data_dir))
+
     def add_gateway(server: grpc.aio.Server) -> None:
-        gateway.append(add_gateway_service(server, provider))
+        gateway.append(add_gateway_service(server, provider, trust=trust))
 
     try:
         stack = await DevStack.start(

@@ -135,7 +135,12 @@ def _add_token(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def _token(args: argparse.Namespace) -> int:
-    from service.tokens import dev_secret, mint_dev_token
+    from ballet_common.tokens import (
+        PLANNER_AUDIENCE,
+        dev_secret,
+        mint_dev_service_token,
+        mint_dev_token,
+    )
 
     data_dir = args.data_dir or Path(
         os.environ.get("BALLET_PLANNER__DATA_DIR", "") or DEFAULT_DATA_DIR
@@ -172,9 +177,18 @@ def _token(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    token = mint_dev_token(
-        secret, args.user, organization_id=args.org, ttl_s=args.ttl, scopes=scopes
-    )
+    if scopes:
+        # Service principals come from the service-token issuer, never a human's token.
+        token = mint_dev_service_token(
+            secret,
+            args.user,
+            audiences=(PLANNER_AUDIENCE,),
+            scopes=scopes,
+            organization_id=args.org,
+            ttl_s=args.ttl,
+        )
+    else:
+        token = mint_dev_token(secret, args.user, organization_id=args.org, ttl_s=args.ttl)
     print(token)
     return 0
 
@@ -391,8 +405,8 @@ def _add_chat(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
 
 
 def _chat(args: argparse.Namespace) -> int:
+    from ballet_common.tokens import dev_secret, mint_dev_token
     from service.chat_client import ChatError, ChatOptions, run_chat
-    from service.tokens import dev_secret, mint_dev_token
 
     address = args.address or os.environ.get("BALLET_PLANNER__SERVER__ADDRESS") or DEFAULT_ADDRESS
     mint = None

@@ -72,6 +72,21 @@ PLANNER_SKILL_SETTING = "planner.skill"
 MODEL_CREDENTIAL_SETTING = "planner.model_credential"
 
 _STATUS_DETAILS_KEY = "grpc-status-details-bin"
+#: The backend each tool calls, whose own credential goes with the call (issue 14).
+_TOOL_BACKENDS = {
+    "list_items": "tracker",
+    "get_item": "tracker",
+    "list_runnable": "tracker",
+    "search_project": "tracker",
+    "list_changesets": "tracker",
+    "propose_changeset": "tracker",
+    "list_skills": "skills",
+    "read_skill": "skills",
+    "search_knowledge": "knowledge",
+    "get_knowledge": "knowledge",
+    "create_knowledge": "knowledge",
+    "update_knowledge": "knowledge",
+}
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 import pytest
 
+from ballet_common.tokens import KNOWLEDGE_AUDIENCE, SKILLS_AUDIENCE, TRACKER_AUDIENCE
 from devstack.server import DevStack, DevStackConfig
 from service.adapters.backends import GrpcToolBackends
 from service.adapters.channels import make_channel
@@ -84,9 +85,9 @@ def connect(stack: DevStack) -> tuple[grpc.aio.Channel, GrpcToolBackends]:
         tracker=channel,
         skills=channel,
         knowledge=channel,
-        tracker_credential=stack.planner_credential,
-        skills_credential=stack.planner_credential,
-        knowledge_credential=stack.planner_credential,
+        tracker_credential=lambda: stack.planner_credential(TRACKER_AUDIENCE),
+        skills_credential=lambda: stack.planner_credential(SKILLS_AUDIENCE),
+        knowledge_credential=lambda: stack.planner_credential(KNOWLEDGE_AUDIENCE),
     )
     return channel, backends
 

@@ -23,12 +23,19 @@ from google.protobuf import field_mask_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from ballet_common.tokens import TRACKER_AUDIENCE, mint_dev_token
 from service.adapters.store import migrate
 from service.core.sessions import READ_SCOPE
 from service.main import PlannerApp, start_planner
-from service.tokens import TRACKER_AUDIENCE, mint_dev_token
 from service.version import version
-from tests.service.planner_support import FakeTracker, auth, planner_settings, reason_of, token
+from tests.service.planner_support import (
+    FakeTracker,
+    auth,
+    planner_settings,
+    reason_of,
+    service_token,
+    token,
+)
 
 PLANNER_SERVICE = "ballet.planner.v1.PlannerService"
 RPCS = {
@@ -293,8 +300,8 @@ async def test_update_get_list_messages_and_delete(planner: Running) -> None:
 
 async def test_a_service_principal_reads_its_organization_only(planner: Running) -> None:
     session = await planner.create()
-    reader = auth(planner.token("service:reports", scopes=(READ_SCOPE,)))
-    foreign = auth(planner.token("service:reports", scopes=(READ_SCOPE,), organization_id="globex"))
+    reader = auth(service_token(planner.data_dir, "service:reports", (READ_SCOPE,)))
+    foreign = auth(service_token(planner.data_dir, "service:reports", (READ_SCOPE,), "globex"))
     got = await planner.stub.GetSession(
         pb.GetSessionRequest(session_id=session.session_id), metadata=reader
     )

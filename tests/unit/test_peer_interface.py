@@ -1,7 +1,13 @@
 """The names the peer benchmark (``../shared/tools/peerbench``, SPEC 11 T7) imports from
 this project stay importable: it runs LangGraph and the Agents SDK on the planner's own
-request shapes, tool results and tokens, so a rename here would break the comparison
-silently until the next benchmark run."""
+request shapes and tool results, so a rename here would break the comparison silently
+until the next benchmark run.
+
+Its token and credential imports (``service.tokens``, ``service.credentials``) are not
+kept: issue 14 moved the token code to ``ballet_common.tokens`` and gave the planner one
+credential per dependency, which each dependency alone accepts (decisions 0153, 0157), so
+the benchmark's single credential for the gateway and the tracker must change with it.
+"""
 
 from __future__ import annotations
 
@@ -22,8 +28,7 @@ NAMES = {
     "service.core.context": ("build_system_prompt",),
     "service.core.ports": ("ProjectInfo", "SkillDocument"),
     "service.core.tools": ("TOOLS", "declarations"),
-    "service.credentials": ("ServiceCredential",),
-    "service.tokens": (
+    "ballet_common.tokens": (
         "DEV_ISSUER",
         "PLANNER_AUDIENCE",
         "KeySet",
