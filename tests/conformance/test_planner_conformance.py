@@ -25,12 +25,12 @@ import pytest
 from ballet.planner.v1 import chat_pb2, planner_service_pb2_grpc, resources_pb2
 from ballet.planner.v1 import planner_service_pb2 as pb
 
+from ballet_common.tokens import Trust, dev_secret, mint_dev_token
 from devstack.gateway import add_gateway_service
 from devstack.gateway.openai_provider import OpenAIProvider
 from devstack.server import DevStack, DevStackConfig
 from service.config import Settings
 from service.main import PlannerApp, start_planner
-from service.tokens import mint_dev_token
 from tests.conformance.cases import PLANTED_KEY, TWO_CALLS, UNAUTHORIZED, ok
 from tests.conformance.openai_double import (
     OpenAIDouble,
@@ -113,11 +113,13 @@ async def planner(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Pla
     provider = OpenAIProvider(
         base_url=double.base_url, api_key=PLANTED_KEY, model="double-1", timeout_s=30
     )
+    # The gateway trusts the credential the planner mints from this data directory.
+    trust = Trust.dev(dev_secret(data_dir))
     stack = await DevStack.start(
         DevStackConfig(
             data_dir=data_dir,
             address="127.0.0.1:0",
-            extra_services=lambda server: add_gateway_service(server, provider),
+            extra_services=lambda server: add_gateway_service(server, provider, trust=trust),
         )
     )
     settings = planner_settings(

@@ -17,6 +17,7 @@ from ballet.llm.v1 import gateway_pb2, gateway_pb2_grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
+from ballet_common.tokens import Trust
 from devstack.gateway import GatewayServicer, add_gateway_service
 from devstack.gateway.openai_provider import OpenAIProvider
 from service.adapters.gateway import GrpcModelGateway
@@ -52,6 +53,7 @@ from tests.conformance.openai_double import (
     event,
     usage_chunk,
 )
+from tests.devstack.gateway_support import PLANNER_METADATA, SECRET
 
 _FINISH_NAMES = {
     gateway_pb2.FINISH_REASON_UNSPECIFIED: "unspecified",
@@ -77,7 +79,12 @@ class Stack:
             self.waits.append(seconds)
 
         # Jitter 0: every computed backoff is the floor, so the waits are exact.
-        return GrpcModelGateway(self.channel, sleep=record, jitter=lambda: 0.0)
+        return GrpcModelGateway(
+            self.channel,
+            metadata=lambda: list(PLANNER_METADATA),
+            sleep=record,
+            jitter=lambda: 0.0,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +95,7 @@ async def stack() -> AsyncIterator[Stack]:
         base_url=double.base_url, api_key=PLANTED_KEY, model="double-1", timeout_s=30
     )
     server = grpc.aio.server()
-    servicer = add_gateway_service(server, provider)
+    servicer = add_gateway_service(server, provider, trust=Trust.dev(SECRET))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
@@ -143,7 +150,9 @@ async def test_through_the_gateway(
     responses: list[gateway_pb2.GenerateResponse] = []
     failure: grpc.aio.AioRpcError | None = None
     try:
-        async for response in stack.stub.Generate(request, timeout=20):
+        async for response in stack.stub.Generate(
+            request, timeout=20, metadata=PLANNER_METADATA
+        ):
             responses.append(response)
     except grpc.aio.AioRpcError as error:
         failure = error
@@ -279,7 +288,9 @@ async def test_truncation_at_every_point(stack: Stack, events: int, half: bool) 
         purpose=gateway_pb2.PURPOSE_TURN,
         messages=[gateway_pb2.Message(role=gateway_pb2.ROLE_USER, text="hi")],
     )
-    responses = [r async for r in stack.stub.Generate(request, timeout=20)]
+    responses = [
+        r async for r in stack.stub.Generate(request, timeout=20, metadata=PLANNER_METADATA)
+    ]
     finish = responses[-1].finish
     complete = [r for r in responses if r.HasField("tool_call")]
     whole = events > _FINISH_AT

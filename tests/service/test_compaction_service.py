@@ -21,6 +21,7 @@ import re
 import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -308,6 +309,11 @@ async def test_a_history_many_times_the_threshold_is_folded_in_one_compaction(
 # --------------------------------------------------------------------------- Done-when 7
 
 
+@dataclass
+class _Rows:
+    rowcount: int
+
+
 class RowCounter:
     """Rows the planner's database returned, snapshotted at each model request."""
 
@@ -326,6 +332,8 @@ class RowCounter:
                 self.rows += max(int(cursor.rowcount), 0)
 
         rig.listen("after_cursor_execute", after)
+        # The PostgreSQL hot path (decision 0113) goes around SQLAlchemy: count it too.
+        rig.observe_statements(lambda statement, rows: after(None, _Rows(rows), statement))
 
     def snapshot(self) -> None:
         self.at_model_calls.append((self.rows, self.statements))

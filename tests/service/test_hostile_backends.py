@@ -35,6 +35,7 @@ from ballet.tracker.v1 import tracker_pb2
 from google.protobuf import any_pb2, timestamp_pb2
 from google.rpc import error_details_pb2, status_pb2
 
+from ballet_common.tokens import Trust, dev_secret
 from devstack.gateway import ScriptedProvider, add_gateway_service
 from service.main import PlannerApp, start_planner
 from tests.service.backend_double import BackendDouble, Park, Raw, Refuse
@@ -140,7 +141,9 @@ async def rig(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Rig]:
     double = BackendDouble()
     await double.start()
     gateway = grpc.aio.server()
-    add_gateway_service(gateway, ScriptedProvider({"rules": RULES}))
+    # The gateway trusts the credential the planner mints from its data directory.
+    trust = Trust.dev(dev_secret(data_dir))
+    add_gateway_service(gateway, ScriptedProvider({"rules": RULES}), trust=trust)
     gateway_address = f"127.0.0.1:{gateway.add_insecure_port('127.0.0.1:0')}"
     await gateway.start()
     settings = planner_settings(

@@ -197,6 +197,7 @@ class Rig:
     gateway_server: Any = None
     gateway_address: str = ""
     _listeners: list[tuple[str, Any]] = field(default_factory=list)
+    _observers: list[Callable[[], None]] = field(default_factory=list)
 
     @property
     def app(self) -> PlannerApp:
@@ -331,7 +332,15 @@ class Rig:
         self.listen("commit", on_commit)
         return counter
 
+    def observe_statements(self, observer: Callable[[str, int], None]) -> None:
+        """Observe the planner's hot-path statements (PostgreSQL; see ``listen`` for the
+        rest), removed when the rig stops."""
+        self._observers.append(self.app.database.observe(observer))
+
     def remove_listeners(self) -> None:
+        for stop in self._observers:
+            stop()
+        self._observers.clear()
         for name, listener in self._listeners:
             event.remove(self.engine.sync_engine, name, listener)
         self._listeners.clear()

@@ -13,9 +13,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 #: What the devstack may import of the planner: its composition root and its settings.
 PLANNER_PUBLIC = {"service.main", "service.config"}
-#: Shared token code the identity work moves into ballet_common (issue 14); until then
-#: the devstack's token imports stay as they are.
-PENDING_MOVE = {"service.tokens"}
 
 
 @dataclass(frozen=True)
@@ -62,7 +59,7 @@ def test_service_imports_devstack_only_in_the_clis_one_lazy_import() -> None:
 
 def test_devstack_uses_only_the_planners_public_entry_points() -> None:
     of_planner = [i for i in imports_under("devstack") if _top(i.module) == "service"]
-    internal = [i for i in of_planner if i.module not in PLANNER_PUBLIC | PENDING_MOVE]
+    internal = [i for i in of_planner if i.module not in PLANNER_PUBLIC]
     assert not internal, internal
     # The entry points are still used (dev starts the planner), so the check has teeth.
     assert {i.module for i in of_planner} >= PLANNER_PUBLIC

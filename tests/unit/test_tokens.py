@@ -118,7 +118,11 @@ def test_the_token_command_mints_a_service_principal_only_from_the_service_issue
     from service.cli import main
 
     data_dir = ["--data-dir", str(tmp_path)]
-    assert main(["token", "--user", "service:reports", "--scope", READ, *data_dir]) == 0
+    # The first token makes the secret (ballet-planner token --create-secret).
+    assert (
+        main(["token", "--user", "service:reports", "--scope", READ, "--create-secret", *data_dir])
+        == 0
+    )
     service_token = capsys.readouterr().out.strip()
     assert main(["token", "--user", "bob", *data_dir]) == 0
     human_token = capsys.readouterr().out.strip()

@@ -11,14 +11,15 @@ and operators use.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from psycopg_pool import AsyncConnectionPool
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from service.adapters.store.engine import is_postgresql, make_engine
-from service.adapters.store.pg import PgSessionStore, PgStreamStore, make_pool
+from service.adapters.store.pg import PgSessionStore, PgStreamStore, StatementObserver, make_pool
 from service.adapters.store.repository import SqlSessionStore
 from service.adapters.store.streams import SqlStreamStore
 from service.core.errors import StoreUnavailable
@@ -32,6 +33,14 @@ class Database:
     pool: AsyncConnectionPool[Any] | None
     sessions: SqlSessionStore
     streams: SqlStreamStore
+    observers: list[StatementObserver] = field(default_factory=list)
+
+    def observe(self, observer: StatementObserver) -> Callable[[], None]:
+        """Call ``observer(statement, rows)`` after each statement of the hot path (the
+        rest of the store goes through SQLAlchemy, whose engine events see it); returns a
+        function that stops it."""
+        self.observers.append(observer)
+        return lambda: self.observers.remove(observer) if observer in self.observers else None
 
     def checked_out(self) -> int:
         """Connections in use right now, in both pools."""
@@ -78,9 +87,17 @@ async def open_database(
         await pool.close()
         await engine.dispose()
         raise StoreUnavailable(f"the database is unreachable: {error}") from error
+    observers: list[StatementObserver] = []
     return Database(
         engine,
         pool,
-        PgSessionStore(engine, pool, replica_id, context_cache_bytes=context_cache_bytes),
-        PgStreamStore(engine, pool),
+        PgSessionStore(
+            engine,
+            pool,
+            replica_id,
+            context_cache_bytes=context_cache_bytes,
+            observers=observers,
+        ),
+        PgStreamStore(engine, pool, observers=observers),
+        observers,
     )

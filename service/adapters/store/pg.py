@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from datetime import datetime
 from typing import Any, cast
@@ -57,6 +57,10 @@ from service.core.ports import (
     TurnStart,
     TurnStartOutcome,
 )
+
+#: Called after each hot-path statement with its text and the rows it returned or changed:
+#: what SQLAlchemy's ``after_cursor_execute`` event is for the rest of the store.
+StatementObserver = Callable[[str, int], None]
 
 #: The SQLSTATE the functions of migration 0005 raise when a condition fails.
 CONFLICT_SQLSTATE = "BP409"
@@ -127,10 +131,29 @@ class PgHotPath:
     at once, whatever the pool's backoff.
     """
 
-    def __init__(self, pool: AsyncConnectionPool[Any], *, notify: str | None) -> None:
+    def __init__(
+        self,
+        pool: AsyncConnectionPool[Any],
+        *,
+        notify: str | None,
+        observers: list[StatementObserver] | None = None,
+    ) -> None:
         self._pool = pool
         self._notify = notify
         self._unreachable = False
+        self._observers = observers if observers is not None else []
+
+    async def _run(
+        self,
+        cursor: psycopg.AsyncCursor[Any],
+        query: str,
+        params: Sequence[Any],
+        *,
+        prepare: bool | None = None,
+    ) -> None:
+        await cursor.execute(query, params, prepare=prepare)
+        for observe in self._observers:
+            observe(query, cursor.rowcount)
 
     @asynccontextmanager
     async def _conn(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
@@ -159,7 +182,7 @@ class PgHotPath:
         """The first row of ``query`` as a mapping, or None."""
         async with self._conn() as conn:
             cursor = conn.cursor(row_factory=dict_row)
-            await cursor.execute(query, params)
+            await self._run(cursor, query, params)
             row: Mapping[str, Any] | None = await cursor.fetchone()
             return row
 
@@ -171,20 +194,21 @@ class PgHotPath:
         """The session and its messages after the summary, on one connection."""
         async with self._conn() as conn:
             cursor = conn.cursor(row_factory=dict_row)
-            await cursor.execute(_SESSION, (session_id,))
+            await self._run(cursor, _SESSION, (session_id,))
             row = await cursor.fetchone()
             if row is None:
                 return None
             session = codec.session_from_row(row)
-            await cursor.execute(_CONTEXT_MESSAGES, (session_id, session.summary_up_to))
+            await self._run(cursor, _CONTEXT_MESSAGES, (session_id, session.summary_up_to))
             rows = await cursor.fetchall()
         return ContextSnapshot(session, [codec.message_from_row(r) for r in rows])
 
     async def call(self, function: str, argument: Mapping[str, Any]) -> Any:
         """``SELECT function(argument)`` with ``argument`` as ``jsonb``; its value."""
         async with self._conn() as conn:
-            cursor = await conn.execute(
-                f"SELECT {function}(%s)", (Jsonb(argument, dumps=_dumps),), prepare=True
+            cursor = conn.cursor()
+            await self._run(
+                cursor, f"SELECT {function}(%s)", (Jsonb(argument, dumps=_dumps),), prepare=True
             )
             row = await cursor.fetchone()
             assert row is not None
@@ -198,8 +222,10 @@ class PgHotPath:
 
     async def close_streams(self, stream_ids: Sequence[str]) -> None:
         async with self._conn() as conn:
-            await conn.execute(
-                "DELETE FROM chat_streams WHERE stream_id = ANY(%s)", (list(stream_ids),)
+            await self._run(
+                conn.cursor(),
+                "DELETE FROM chat_streams WHERE stream_id = ANY(%s)",
+                (list(stream_ids),),
             )
 
     def units(self, events: Sequence[SessionEvent]) -> dict[str, Any]:
@@ -296,9 +322,10 @@ class PgSessionStore(SqlSessionStore):
         replica_id: str,
         *,
         context_cache_bytes: int = CONTEXT_CACHE_BYTES,
+        observers: list[StatementObserver] | None = None,
     ) -> None:
         super().__init__(engine, replica_id, notify=True, context_cache_bytes=context_cache_bytes)
-        self._hot = PgHotPath(pool, notify=replica_id)
+        self._hot = PgHotPath(pool, notify=replica_id, observers=observers)
 
     async def get_session(self, session_id: str) -> Session | None:
         """The session, or None (one statement)."""
@@ -387,9 +414,15 @@ class PgStreamStore(SqlStreamStore):
     """``SqlStreamStore`` on PostgreSQL with a stream's opening and closing on ``pool``,
     one statement each (decision 0113)."""
 
-    def __init__(self, engine: AsyncEngine, pool: AsyncConnectionPool[Any]) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        pool: AsyncConnectionPool[Any],
+        *,
+        observers: list[StatementObserver] | None = None,
+    ) -> None:
         super().__init__(engine)
-        self._hot = PgHotPath(pool, notify=None)
+        self._hot = PgHotPath(pool, notify=None, observers=observers)
 
     async def open_stream(self, stream: OpenStream, *, limit: int, now: datetime) -> bool:
         """See ``SqlStreamStore.open_stream`` (one statement)."""
