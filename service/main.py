@@ -9,7 +9,7 @@ dir, a WARNING, ``ballet_planner_dev_mode`` = 1); the service credentials (one p
 dependency audience) and the page-token keys; the database (SQLite: migrate here,
 with a WARNING, since SQLite means a single process; PostgreSQL: never migrate, and
 refuse to start while the schema is behind); the store; outbound channels and backend
-clients; the session rules; the turn machinery (``build_turn_machinery``); the gRPC
+clients; the session rules; the turn side (``service.wiring.build_turns``); the gRPC
 server with PlannerService, health and reflection; the health monitor; the metrics
 endpoint.
 
@@ -26,10 +26,10 @@ import contextlib
 import logging
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any
 
 import grpc
 from ballet.planner.v1 import planner_service_pb2
@@ -40,37 +40,26 @@ from grpc_reflection.v1alpha import reflection
 from ballet_common.files import private_directory
 from service import datadir
 from service.adapters.backends import GrpcToolBackends
-from service.adapters.bus import NullNotifier, PgNotifier
 from service.adapters.channels import ChannelTls, make_channel
-from service.adapters.gateway import GrpcModelGateway
 from service.adapters.store import migrate, schema_status
 from service.adapters.store.database import Database, open_database
 from service.adapters.store.engine import prepare_sqlite_file
 from service.config import ChannelSettings, ConfigError, Settings, channels, split_address
 from service.core.errors import StoreUnavailable
-from service.core.fanout import Hub
 from service.core.pages import PageTokens
 from service.core.ports import (
     Clock,
-    Notifier,
-    RunningLimits,
     SessionStore,
-    StreamStore,
     ToolBackends,
 )
 from service.core.sessions import ProjectAccess, SessionLimits, SessionRules
-from service.core.streams import StreamRegistry
-from service.core.tools import ToolRunner, declarations
-from service.core.turn import TurnDependencies, TurnService, TurnSettings
-from service.credentials import ServiceCredentials
 from service.identity import page_token_keys, service_credentials, token_verifier
 from service.metrics import Metrics, MetricsInterceptor, MetricsServer, start_metrics_server
-from service.observer import PrometheusTurnObserver
 from service.transport import convert
 from service.transport.auth import Authenticator
-from service.transport.chat import ChatLimits, TurnRpcs
 from service.transport.decoding import add_planner_service
-from service.transport.sessions import PlannerServicer, TurnEndpoints
+from service.transport.sessions import PlannerServicer
+from service.wiring import PlannerTurns, Wiring, build_turns
 
 log = logging.getLogger(__name__)
 
@@ -100,175 +89,6 @@ class SystemClock:
         return time.monotonic()
 
 
-# --------------------------------------------------------------------------- turn machinery
-
-
-class TurnMachinery(Protocol):
-    """What the composition root needs of the turn side of the planner: its RPCs
-    (``SendMessage``, ``CancelTurn``, ``Chat``) and its lifecycle."""
-
-    @property
-    def endpoints(self) -> TurnEndpoints:
-        """The servicer methods PlannerService delegates to."""
-        ...
-
-    async def start(self) -> None:
-        """Recover this replica's turns, start lease renewal, the sweeper, fan-out."""
-        ...
-
-    async def stop(self, grace_s: float) -> None:
-        """Stop accepting turns; let running ones end within ``grace_s``; close the rest
-        ``INTERRUPTED``."""
-        ...
-
-
-@dataclass(frozen=True)
-class Wiring:
-    """Everything the turn machinery is built from; owned by the composition root."""
-
-    settings: Settings
-    store: SessionStore
-    backends: ToolBackends
-    gateway_channel: Any
-    #: The planner's credential per dependency audience (``service.credentials``).
-    service_credentials: ServiceCredentials
-    authenticator: Authenticator
-    rules: SessionRules
-    clock: Clock
-    metrics: Metrics
-    #: Open Chat streams across replicas (SPEC 8); None: this process's count only.
-    streams: StreamStore | None = None
-
-
-def build_turn_machinery(wiring: Wiring) -> TurnMachinery | None:
-    """Build the turn side: the fan-out hub, the cross-replica notifier (PostgreSQL
-    LISTEN/NOTIFY; nothing on SQLite, a single process), the gateway client, the tool
-    runner, the ``TurnService`` and the Chat/SendMessage/CancelTurn RPCs."""
-    settings = wiring.settings
-    planner, limits, deps = settings.planner, settings.limits, settings.dependencies
-    store = wiring.store
-    hub = Hub(
-        store.events_after,
-        max_events=limits.stream_queue_events,
-        max_bytes=limits.stream_queue_bytes,
-    )
-    # The gateway gets the credential for its audience alone (issue 14).
-    gateway = GrpcModelGateway(
-        wiring.gateway_channel,
-        metadata=wiring.service_credentials["gateway"].metadata,
-        max_answer_bytes=deps.gateway.max_message_bytes,
-    )
-    tools = ToolRunner(
-        wiring.backends,
-        max_result_bytes=planner.tool_result_max_bytes,
-        timeout_s=deps.tool_call_s,
-    )
-    turns = TurnService(
-        TurnDependencies(
-            store=store,
-            gateway=gateway,
-            backends=wiring.backends,
-            hub=hub,
-            clock=wiring.clock,
-            settings=TurnSettings(
-                model=planner.model,
-                max_rounds=planner.max_rounds,
-                compact_at_tokens=planner.compact_at_tokens,
-                compaction_input_max_tokens=planner.compaction_input_max_tokens,
-                summary_instructions=planner.summary_instructions,
-                turn_timeout_s=planner.turn_timeout,
-                cancel_grace_s=planner.cancel_grace,
-                max_writes_per_turn=planner.max_writes_per_turn,
-                max_tool_calls_per_answer=planner.max_tool_calls_per_answer,
-                tool_concurrency=planner.tool_concurrency,
-                dependency_timeout_s=deps.project_lookup_s,
-                model_first_delta_s=deps.model_first_delta_s,
-                model_idle_s=deps.model_idle_s,
-                model_total_s=deps.model_total_s,
-                lease_s=planner.lease_s,
-                sweep_interval_s=planner.sweep_interval_s,
-                prompt_cache_s=settings.auth.project_check_cache_s,
-                message_max_bytes=limits.message_max_bytes,
-                running_limits=RunningLimits(
-                    per_human=limits.turns_per_human, per_project=limits.turns_per_project
-                ),
-            ),
-            replica_id=settings.server.replica_id,
-            tools=tools,
-            declarations=declarations(),
-            observer=PrometheusTurnObserver(wiring.metrics),
-        )
-    )
-    metrics = wiring.metrics
-    metrics.running_turns.set_function(lambda: turns.running)
-    registry = (
-        StreamRegistry(
-            wiring.streams,
-            wiring.clock,
-            settings.server.replica_id,
-            per_human=limits.streams_per_human,
-            lease_s=planner.lease_s,
-            sweep_interval_s=planner.sweep_interval_s,
-        )
-        if wiring.streams is not None
-        else None
-    )
-    rpcs = TurnRpcs(
-        rules=wiring.rules,
-        authenticator=wiring.authenticator,
-        turns=turns,
-        hub=hub,
-        store=store,
-        limits=ChatLimits(
-            open_timeout_s=limits.open_timeout_s,
-            max_replay_events=planner.max_replay_events,
-            streams_per_human=limits.streams_per_human,
-        ),
-        on_stream_change=metrics.open_streams.inc,
-        streams=registry,
-    )
-    url = settings.database.url
-    notifier: Notifier = (
-        PgNotifier(url, settings.server.replica_id)
-        if url.startswith("postgresql")
-        else NullNotifier()
-    )
-    return PlannerTurns(turns, hub, notifier, rpcs, registry)
-
-
-@dataclass
-class PlannerTurns:
-    """The turn side as the composition root runs it (a ``TurnMachinery``)."""
-
-    turns: TurnService
-    hub: Hub
-    notifier: Notifier
-    rpcs: TurnRpcs
-    streams: StreamRegistry | None = None
-
-    @property
-    def endpoints(self) -> TurnEndpoints:
-        """``SendMessage``, ``CancelTurn`` and ``Chat``."""
-        return self.rpcs
-
-    async def start(self) -> None:
-        """Start the notifier (other replicas' events and cancels), then the turns."""
-        await self.notifier.start(
-            self.hub.on_remote_events, self.turns.on_remote_cancel, self.hub.resync
-        )
-        await self.turns.start()
-        if self.streams is not None:
-            await self.streams.start()
-
-    async def stop(self, grace_s: float) -> None:
-        """Stop the turns within ``grace_s``, end every stream, stop the notifier."""
-        await self.turns.stop(grace_s)
-        self.hub.close_all(None)
-        if self.streams is not None:
-            await self.streams.stop()
-        await self.notifier.stop()
-
-
 # --------------------------------------------------------------------------- the app
 
 
@@ -288,7 +108,7 @@ class PlannerApp:
     _engine: Any
     _channels: Sequence[Any]
     _metrics_server: MetricsServer | None
-    _turns: TurnMachinery | None
+    _turns: PlannerTurns
     _stopping: asyncio.Event = field(default_factory=asyncio.Event)
     _monitor: asyncio.Task[None] | None = None
     _stopped: asyncio.Future[None] | None = None
@@ -319,8 +139,7 @@ class PlannerApp:
         reserve = min(1.0, grace / 4)
         budget = max(0.0, grace - reserve - (time.monotonic() - started))
         stops = [self._server.stop(budget)]
-        if self._turns is not None:
-            stops.append(self._turns.stop(budget))
+        stops.append(self._turns.stop(budget))
         if self._metrics_server is not None:
             stops.append(self._metrics_server.stop())
         await asyncio.gather(*stops)
@@ -490,12 +309,10 @@ async def start_planner(
     *,
     backends: ToolBackends | None = None,
     clock: Clock | None = None,
-    turn_machinery: Callable[[Wiring], TurnMachinery | None] = build_turn_machinery,
 ) -> PlannerApp:
     """Build and start a planner from ``settings``; returns once it serves.
 
-    ``backends`` replaces the gRPC backend clients (tests); ``turn_machinery`` builds the
-    turn side (default ``build_turn_machinery``). Binds ``server.address`` (port 0: a free
+    ``backends`` replaces the gRPC backend clients (tests). Binds ``server.address`` (port 0: a free
     port, see ``PlannerApp.address``). Raises ``ConfigError`` (a setting that cannot be
     used, e.g. an unreadable certificate) and ``StartupError`` (database unreachable or
     behind, address in use).
@@ -547,7 +364,7 @@ async def start_planner(
             page_tokens=page_tokens,
             message_size=convert.encoded_message_bytes,
         )
-        turns = turn_machinery(
+        turns = build_turns(
             Wiring(
                 settings=settings,
                 store=store,
@@ -569,7 +386,7 @@ async def start_planner(
         )
         # Undecodable requests: INVALID_ARGUMENT, not UNKNOWN (service.transport.decoding).
         add_planner_service(
-            PlannerServicer(rules, authenticator, turns.endpoints if turns else None), server
+            PlannerServicer(rules, authenticator, turns.endpoints), server
         )
         health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -600,8 +417,7 @@ async def start_planner(
         _turns=turns,
     )
     try:
-        if turns is not None:
-            await turns.start()
+        await turns.start()
         await server.start()
         await app._set_health(True)
         await health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)

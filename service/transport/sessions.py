@@ -4,8 +4,8 @@ Thin by rule (STYLE rule 2): authenticate, convert the request, call the session
 (``service.core.sessions``), convert the result. Errors leave through
 ``service.transport.errors`` (one ``ErrorInfo``, domain ``planner.ballet``).
 
-``SendMessage``, ``CancelTurn`` and ``Chat`` belong to the turn machinery: they delegate
-to a ``TurnEndpoints`` object when one is given, and answer ``UNIMPLEMENTED`` otherwise.
+``SendMessage``, ``CancelTurn`` and ``Chat`` belong to the turn side: they delegate to its
+``TurnEndpoints`` (``service.transport.chat.TurnRpcs``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-import grpc
 from ballet.planner.v1 import chat_pb2, planner_service_pb2, planner_service_pb2_grpc
 
 from service.core.errors import InvalidArgument
@@ -57,13 +56,10 @@ class TurnEndpoints(Protocol):
 
 
 class PlannerServicer(planner_service_pb2_grpc.PlannerServiceServicer):
-    """PlannerService over ``SessionRules``; turn RPCs go to ``turns`` when given."""
+    """PlannerService over ``SessionRules``; the turn RPCs go to ``turns``."""
 
     def __init__(
-        self,
-        rules: SessionRules,
-        authenticator: Authenticator,
-        turns: TurnEndpoints | None = None,
+        self, rules: SessionRules, authenticator: Authenticator, turns: TurnEndpoints
     ) -> None:
         self._rules = rules
         self._auth = authenticator
@@ -167,37 +163,23 @@ class PlannerServicer(planner_service_pb2_grpc.PlannerServiceServicer):
             )
             return planner_service_pb2.GetTurnResponse(turn=convert.turn_to_proto(turn))
 
-    # -- turns: delegated to the turn machinery --------------------------------------
+    # -- turns: delegated to the turn side --------------------------------------------
 
     async def SendMessage(
         self, request: planner_service_pb2.SendMessageRequest, context: Any
     ) -> planner_service_pb2.SendMessageResponse:
         """Run one whole turn (delegated to ``TurnEndpoints.send_message``)."""
-        if self._turns is None:
-            await self._unimplemented(context, "SendMessage")
-        assert self._turns is not None
         return await self._turns.send_message(request, context)
 
     async def CancelTurn(
         self, request: planner_service_pb2.CancelTurnRequest, context: Any
     ) -> planner_service_pb2.CancelTurnResponse:
         """Cancel a running turn (delegated to ``TurnEndpoints.cancel_turn``)."""
-        if self._turns is None:
-            await self._unimplemented(context, "CancelTurn")
-        assert self._turns is not None
         return await self._turns.cancel_turn(request, context)
 
     async def Chat(
         self, request_iterator: AsyncIterator[chat_pb2.ChatRequest], context: Any
     ) -> AsyncIterator[chat_pb2.ChatResponse]:
         """The Chat stream (delegated to ``TurnEndpoints.chat``)."""
-        if self._turns is None:
-            await self._unimplemented(context, "Chat")
-        assert self._turns is not None
         async for response in self._turns.chat(request_iterator, context):
             yield response
-
-    async def _unimplemented(self, context: Any, method: str) -> None:
-        async with rpc_errors(context):
-            self._auth.authenticate(context)
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{method} is not available yet")

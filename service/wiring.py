@@ -1,0 +1,181 @@
+"""The turn side of the planner as the composition root builds it (``service.main``):
+the fan-out hub, the cross-replica notifier, the gateway client, the tool runner, the
+``TurnService`` and the ``Chat``/``SendMessage``/``CancelTurn`` RPCs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from service.adapters.bus import NullNotifier, PgNotifier
+from service.adapters.gateway import GrpcModelGateway
+from service.config import Settings
+from service.core.fanout import Hub
+from service.core.ports import (
+    Clock,
+    Notifier,
+    RunningLimits,
+    SessionStore,
+    StreamStore,
+    ToolBackends,
+)
+from service.core.sessions import SessionRules
+from service.core.streams import StreamRegistry
+from service.core.tools import ToolRunner, declarations
+from service.core.turn import TurnDependencies, TurnService, TurnSettings
+from service.credentials import ServiceCredentials
+from service.metrics import Metrics
+from service.observer import PrometheusTurnObserver
+from service.transport.auth import Authenticator
+from service.transport.chat import ChatLimits, TurnRpcs
+from service.transport.sessions import TurnEndpoints
+
+
+@dataclass(frozen=True)
+class Wiring:
+    """Everything the turn machinery is built from; owned by the composition root."""
+
+    settings: Settings
+    store: SessionStore
+    backends: ToolBackends
+    gateway_channel: Any
+    #: The planner's credential per dependency audience (``service.credentials``).
+    service_credentials: ServiceCredentials
+    authenticator: Authenticator
+    rules: SessionRules
+    clock: Clock
+    metrics: Metrics
+    #: Open Chat streams across replicas (SPEC 8); None: this process's count only.
+    streams: StreamStore | None = None
+
+
+def build_turns(wiring: Wiring) -> PlannerTurns:
+    """Build the turn side: the fan-out hub, the cross-replica notifier (PostgreSQL
+    LISTEN/NOTIFY; nothing on SQLite, a single process), the gateway client, the tool
+    runner, the ``TurnService`` and the Chat/SendMessage/CancelTurn RPCs."""
+    settings = wiring.settings
+    planner, limits, deps = settings.planner, settings.limits, settings.dependencies
+    store = wiring.store
+    hub = Hub(
+        store.events_after,
+        max_events=limits.stream_queue_events,
+        max_bytes=limits.stream_queue_bytes,
+    )
+    # The gateway gets the credential for its audience alone (issue 14).
+    gateway = GrpcModelGateway(
+        wiring.gateway_channel,
+        metadata=wiring.service_credentials["gateway"].metadata,
+        max_answer_bytes=deps.gateway.max_message_bytes,
+    )
+    tools = ToolRunner(
+        wiring.backends,
+        max_result_bytes=planner.tool_result_max_bytes,
+        timeout_s=deps.tool_call_s,
+    )
+    turns = TurnService(
+        TurnDependencies(
+            store=store,
+            gateway=gateway,
+            backends=wiring.backends,
+            hub=hub,
+            clock=wiring.clock,
+            settings=TurnSettings(
+                model=planner.model,
+                max_rounds=planner.max_rounds,
+                compact_at_tokens=planner.compact_at_tokens,
+                compaction_input_max_tokens=planner.compaction_input_max_tokens,
+                summary_instructions=planner.summary_instructions,
+                turn_timeout_s=planner.turn_timeout,
+                cancel_grace_s=planner.cancel_grace,
+                max_writes_per_turn=planner.max_writes_per_turn,
+                max_tool_calls_per_answer=planner.max_tool_calls_per_answer,
+                tool_concurrency=planner.tool_concurrency,
+                dependency_timeout_s=deps.project_lookup_s,
+                model_first_delta_s=deps.model_first_delta_s,
+                model_idle_s=deps.model_idle_s,
+                model_total_s=deps.model_total_s,
+                lease_s=planner.lease_s,
+                sweep_interval_s=planner.sweep_interval_s,
+                prompt_cache_s=settings.auth.project_check_cache_s,
+                message_max_bytes=limits.message_max_bytes,
+                running_limits=RunningLimits(
+                    per_human=limits.turns_per_human, per_project=limits.turns_per_project
+                ),
+            ),
+            replica_id=settings.server.replica_id,
+            tools=tools,
+            declarations=declarations(),
+            observer=PrometheusTurnObserver(wiring.metrics),
+        )
+    )
+    metrics = wiring.metrics
+    metrics.running_turns.set_function(lambda: turns.running)
+    registry = (
+        StreamRegistry(
+            wiring.streams,
+            wiring.clock,
+            settings.server.replica_id,
+            per_human=limits.streams_per_human,
+            lease_s=planner.lease_s,
+            sweep_interval_s=planner.sweep_interval_s,
+        )
+        if wiring.streams is not None
+        else None
+    )
+    rpcs = TurnRpcs(
+        rules=wiring.rules,
+        authenticator=wiring.authenticator,
+        turns=turns,
+        hub=hub,
+        store=store,
+        limits=ChatLimits(
+            open_timeout_s=limits.open_timeout_s,
+            max_replay_events=planner.max_replay_events,
+            streams_per_human=limits.streams_per_human,
+        ),
+        on_stream_change=metrics.open_streams.inc,
+        streams=registry,
+    )
+    url = settings.database.url
+    notifier: Notifier = (
+        PgNotifier(url, settings.server.replica_id)
+        if url.startswith("postgresql")
+        else NullNotifier()
+    )
+    return PlannerTurns(turns, hub, notifier, rpcs, registry)
+
+
+@dataclass
+class PlannerTurns:
+    """The turn side as the composition root runs it: the RPCs ``PlannerService``
+    delegates to, and the lifecycle (start: recover this replica's turns, lease renewal,
+    the sweeper, fan-out; stop: stop accepting turns, let running ones end within the
+    grace period, close the rest ``INTERRUPTED``)."""
+
+    turns: TurnService
+    hub: Hub
+    notifier: Notifier
+    rpcs: TurnRpcs
+    streams: StreamRegistry | None = None
+
+    @property
+    def endpoints(self) -> TurnEndpoints:
+        """``SendMessage``, ``CancelTurn`` and ``Chat``."""
+        return self.rpcs
+
+    async def start(self) -> None:
+        """Start the notifier (other replicas' events and cancels), then the turns."""
+        await self.notifier.start(
+            self.hub.on_remote_events, self.turns.on_remote_cancel, self.hub.resync
+        )
+        await self.turns.start()
+        if self.streams is not None:
+            await self.streams.start()
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop the turns within ``grace_s``, end every stream, stop the notifier."""
+        await self.turns.stop(grace_s)
+        self.hub.close_all(None)
+        if self.streams is not None:
+            await self.streams.stop()
+        await self.notifier.stop()
