@@ -41,6 +41,7 @@ from service.adapters.store.tables import (
     UQ_SESSION_REQUEST_ID,
     UQ_TURN_REQUEST_ID,
 )
+from service.adapters.store.work import UnitsOfWork, unit_of_work
 from service.core.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -279,14 +280,23 @@ class PgSessionStore(SqlSessionStore):
         replica_id: str,
         *,
         context_cache_bytes: int = CONTEXT_CACHE_BYTES,
+        units_of_work: UnitsOfWork | None = None,
     ) -> None:
-        super().__init__(engine, replica_id, notify=True, context_cache_bytes=context_cache_bytes)
+        super().__init__(
+            engine,
+            replica_id,
+            notify=True,
+            context_cache_bytes=context_cache_bytes,
+            units_of_work=units_of_work,
+        )
         self._hot = PgHotPath(pool, notify=replica_id)
 
+    @unit_of_work
     async def get_session(self, session_id: str) -> Session | None:
         """The session, or None (one statement)."""
         return await self._hot.get_session(session_id)
 
+    @unit_of_work
     async def renew_lease(self, turn_id: str, owner: str, until: datetime) -> LeaseStatus:
         """See ``SqlSessionStore.renew_lease`` (one statement)."""
         cancel_requested = await self._hot.renew_lease(turn_id, owner, units.utc(until))
@@ -367,10 +377,17 @@ class PgStreamStore(SqlStreamStore):
     """``SqlStreamStore`` on PostgreSQL with a stream's opening and closing on ``pool``,
     one statement each (decision 0113)."""
 
-    def __init__(self, engine: AsyncEngine, pool: AsyncConnectionPool[Any]) -> None:
-        super().__init__(engine)
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        pool: AsyncConnectionPool[Any],
+        *,
+        units_of_work: UnitsOfWork | None = None,
+    ) -> None:
+        super().__init__(engine, units_of_work=units_of_work)
         self._hot = PgHotPath(pool, notify=None)
 
+    @unit_of_work
     async def open_stream(self, stream: OpenStream, *, limit: int, now: datetime) -> bool:
         """See ``SqlStreamStore.open_stream`` (one statement)."""
         admitted = await self._hot.call(
@@ -386,6 +403,7 @@ class PgStreamStore(SqlStreamStore):
         )
         return bool(admitted)
 
+    @unit_of_work
     async def close_streams(self, stream_ids: Sequence[str]) -> None:
         """See ``SqlStreamStore.close_streams`` (one statement)."""
         if stream_ids:

@@ -11,7 +11,8 @@ transaction-scoped advisory lock keyed by the human does that (two humans rarely
 key, and sharing one only makes them wait for each other); on SQLite every write
 transaction already holds the database's one write lock (``BEGIN IMMEDIATE``, see
 ``engine``). Statements: ``open_stream`` 3 on PostgreSQL (lock, count, insert), 2 on
-SQLite; ``close_streams`` 1; ``heartbeat`` 1 (2 on the first beat).
+SQLite; ``close_streams`` 1; ``heartbeat`` 1 (2 on the first beat); ``replica_streams``
+1.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from service.adapters.store.engine import is_postgresql, read_only
 from service.adapters.store.errors import translated
 from service.adapters.store.tables import chat_streams, planner_replicas
+from service.adapters.store.work import UnitsOfWork, unit_of_work
 from service.core.errors import StoreConflict
 from service.core.ports import OpenStream
 
@@ -40,12 +42,19 @@ _LOCK_PREFIX = "ballet_planner.chat_streams:"
 
 class SqlStreamStore:
     """The ``StreamStore`` port on PostgreSQL or SQLite (``engine`` from ``make_engine``,
-    shared with ``SqlSessionStore``)."""
+    shared with ``SqlSessionStore``). Every public method is one unit of work run by
+    ``units_of_work``, which no caller's cancellation reaches (``work.py``)."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, *, units_of_work: UnitsOfWork | None = None) -> None:
         self._engine = engine
         self._reader = read_only(engine)
         self._postgresql = is_postgresql(engine)
+        self._units_of_work = units_of_work or UnitsOfWork()
+
+    @property
+    def units_of_work(self) -> UnitsOfWork:
+        """The tasks that run this store's units of work (``work.unit_of_work``)."""
+        return self._units_of_work
 
     @asynccontextmanager
     async def _write(self) -> AsyncIterator[AsyncConnection]:
@@ -53,6 +62,7 @@ class SqlStreamStore:
             async with self._engine.begin() as conn:
                 yield conn
 
+    @unit_of_work
     async def heartbeat(self, replica_id: str, lease_expires_at: datetime) -> bool:
         """Extend the replica's lease; create its row when missing and return False then.
 
@@ -70,11 +80,19 @@ class SqlStreamStore:
             ).first()
             if renewed is not None:
                 return True
+            # Two beats may race here (the loop's, and an open that found the row gone).
+            dialect_insert = postgresql.insert if self._postgresql else sqlite.insert
             await conn.execute(
-                insert(planner_replicas).values(replica_id=replica_id, lease_expires_at=until)
+                dialect_insert(planner_replicas)
+                .values(replica_id=replica_id, lease_expires_at=until)
+                .on_conflict_do_update(
+                    index_elements=[planner_replicas.c.replica_id],
+                    set_={"lease_expires_at": until},
+                )
             )
         return False
 
+    @unit_of_work
     async def open_stream(self, stream: OpenStream, *, limit: int, now: datetime) -> bool:
         """Insert ``stream`` unless its human has ``limit`` streams on live replicas.
 
@@ -97,6 +115,7 @@ class SqlStreamStore:
             raise StoreConflict(f"replica {stream.replica_id} is not registered") from error
         return True
 
+    @unit_of_work
     async def close_streams(self, stream_ids: Sequence[str]) -> None:
         """Delete the streams' rows (unknown ids are ignored). Raises ``StoreUnavailable``."""
         if not stream_ids:
@@ -104,6 +123,7 @@ class SqlStreamStore:
         async with self._write() as conn:
             await conn.execute(delete(chat_streams).where(chat_streams.c.stream_id.in_(stream_ids)))
 
+    @unit_of_work
     async def restore_streams(self, replica_id: str, streams: Sequence[OpenStream]) -> None:
         """Insert the rows of streams still open on ``replica_id`` (after ``heartbeat``
         re-created its row); rows that exist are kept. Raises ``StoreUnavailable``."""
@@ -114,6 +134,18 @@ class SqlStreamStore:
         async with self._write() as conn:
             await conn.execute(dialect_insert(chat_streams).values(rows).on_conflict_do_nothing())
 
+    @unit_of_work
+    async def replica_streams(self, replica_id: str) -> list[str]:
+        """The ids of the streams recorded for ``replica_id`` (one indexed read). Raises
+        ``StoreUnavailable``."""
+        with translated():
+            async with self._reader.connect() as conn:
+                rows = await conn.execute(
+                    select(chat_streams.c.stream_id).where(chat_streams.c.replica_id == replica_id)
+                )
+                return [str(row.stream_id) for row in rows]
+
+    @unit_of_work
     async def remove_replica(self, replica_id: str) -> None:
         """Delete the replica's row and, by cascade, its streams. Raises
         ``StoreUnavailable``."""
@@ -122,6 +154,7 @@ class SqlStreamStore:
                 delete(planner_replicas).where(planner_replicas.c.replica_id == replica_id)
             )
 
+    @unit_of_work
     async def sweep_replicas(self, now: datetime) -> int:
         """Delete replicas whose lease expired before ``now`` and, by cascade, their
         streams; returns how many. Raises ``StoreUnavailable``."""
@@ -135,6 +168,7 @@ class SqlStreamStore:
             ).all()
         return len(gone)
 
+    @unit_of_work
     async def count_streams(self, human_id: str, now: datetime) -> int:
         """The human's streams on replicas whose lease holds at ``now`` (operations and
         tests)."""
