@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 from ballet.tracker.v1 import tracker_pb2, tracker_pb2_grpc
 
-from service.config import Settings, load_settings
+from service.config import SHUTDOWN_OVERHEAD_S, Settings, load_settings
 from service.tokens import HUMAN_AUDIENCES, dev_secret, mint_dev_token
 from service.transport.errors import error_info_of, status_from_trailers
 
@@ -89,7 +89,11 @@ def planner_settings(
         "BALLET_PLANNER__DATA_DIR": str(data_dir),
         "BALLET_PLANNER__SERVER__ADDRESS": "127.0.0.1:0",
         "BALLET_PLANNER__SERVER__METRICS_ADDRESS": "127.0.0.1:0",
-        "BALLET_PLANNER__SERVER__GRACE_S": "2",
+        # The least grace the default cancel_grace allows (decision 0181); tests stop
+        # their planners with a grace of their own.
+        "BALLET_PLANNER__SERVER__GRACE_S": str(
+            float(extra.get("PLANNER__CANCEL_GRACE", "5")) + SHUTDOWN_OVERHEAD_S
+        ),
         "BALLET_PLANNER__DATABASE__URL": database_url,
     }
     for name in ("TRACKER", "SKILLS", "KNOWLEDGE", "GATEWAY"):

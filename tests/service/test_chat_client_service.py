@@ -38,7 +38,7 @@ async def app(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[DevApp]
             address="127.0.0.1:0",
             devstack_address="127.0.0.1:0",
         ),
-        {"BALLET_PLANNER__SERVER__METRICS_ADDRESS": "", "BALLET_PLANNER__SERVER__GRACE_S": "2"},
+        {"BALLET_PLANNER__SERVER__METRICS_ADDRESS": "", "BALLET_PLANNER__SERVER__GRACE_S": "7"},
     )
     yield started
     await started.stop()
@@ -108,7 +108,7 @@ async def test_every_question_the_demo_model_suggests_works_on_the_demo_project(
     # something there.
     demo = await start_dev(
         DevOptions(data_dir=tmp_path, address="127.0.0.1:0", devstack_address="127.0.0.1:0"),
-        {"BALLET_PLANNER__SERVER__METRICS_ADDRESS": "", "BALLET_PLANNER__SERVER__GRACE_S": "2"},
+        {"BALLET_PLANNER__SERVER__METRICS_ADDRESS": "", "BALLET_PLANNER__SERVER__GRACE_S": "7"},
     )
     client = await client_of(demo)
     try:
