@@ -80,6 +80,8 @@ class StreamRegistry:
         #: Streams whose delete is in flight or to be retried (``_unclosed``).
         self._closing: set[str] = set()
         self._unclosed: set[str] = set()
+        #: While the heartbeat reads this replica's rows: the streams deleted meanwhile.
+        self._deleted: set[str] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loop_task: asyncio.Task[None] | None = None
         self._stopped = False
@@ -223,24 +225,27 @@ class StreamRegistry:
                 log.exception("stream registry: closing streams failed")
             return
         self._closing.difference_update(stream_ids)
+        if self._deleted is not None:
+            self._deleted.update(stream_ids)
+
+    def _tracked(self) -> set[str]:
+        return set(self._admitting) | set(self._open) | self._closing
 
     async def _reap(self) -> None:
         """Delete this replica's rows whose stream is not open here: nothing should
         leave one (every stream is released when its RPC ends), so this is the bound on
         any that something did leave (decision 0182)."""
-        closing = set(self._closing)
-        recorded = await self._store.replica_streams(self._replica)
-        # A row read belongs to a stream that was admitting before the read. It is live
-        # if that stream is admitting or open now; if it was released since, its delete
-        # is pending now or was before the read (and may have landed since).
-        closing |= self._closing
-        orphans = [
-            stream_id
-            for stream_id in recorded
-            if stream_id not in self._open
-            and stream_id not in self._admitting
-            and stream_id not in closing
-        ]
+        # While a row of this registry's exists, its stream is admitting, open or being
+        # deleted here, from its admission to the delete's commit. So a row the read sees
+        # is an orphan only if its stream is in none of these now and was not deleted
+        # while the read ran.
+        self._deleted = set()
+        try:
+            recorded = await self._store.replica_streams(self._replica)
+            known = self._tracked() | self._deleted
+        finally:
+            self._deleted = None
+        orphans = [stream_id for stream_id in recorded if stream_id not in known]
         if orphans:
             log.warning(
                 "stream registry: %d stream rows without an open stream here; removed",
