@@ -1,7 +1,10 @@
 # syntax=docker/dockerfile:1
-# Production image of the Ballet Planner service.
+# Production image of the Ballet Planner service; configured by environment variables
+# alone (BALLET_PLANNER__<TABLE>__<KEY>, docs/configuration.md), no file required.
 #   docker build -t ballet-planner .
-#   docker run -v ./planner.toml:/etc/ballet-planner/planner.toml:ro -p 50051:50051 ballet-planner
+#   docker run -p 50051:50051 -p 9464:9464 --env-file planner.env \
+#     -v ./secrets:/var/run/secrets/ballet-planner:ro ballet-planner
+# The README's "The container image" section shows a complete planner.env.
 # Ports: 50051 gRPC (PlannerService, health, reflection), 9464 Prometheus metrics.
 
 ARG PYTHON_IMAGE=python:3.11-slim
@@ -16,23 +19,34 @@ COPY . .
 RUN pip wheel --wheel-dir /wheels .
 
 FROM ${PYTHON_IMAGE} AS runtime
+# The listening addresses are every interface (the container's network is its boundary);
+# that needs a key set (auth.jwks_path) and TLS or server.insecure, so the image never
+# serves in dev mode by accident: without them it stops with a message naming the key.
+# The data directory is the working directory, writable by the service's user.
 ENV PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
+    PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 \
+    BALLET_PLANNER__DATA_DIR=/var/lib/ballet-planner \
+    BALLET_PLANNER__SERVER__ADDRESS=0.0.0.0:50051 \
+    BALLET_PLANNER__SERVER__METRICS_ADDRESS=0.0.0.0:9464
 # A fixed uid, so that volume permissions and Kubernetes' runAsNonRoot (which can only
 # check a numeric USER) work without guessing.
 RUN groupadd --system --gid 10001 planner \
  && useradd --system --uid 10001 --gid planner --no-create-home --home-dir /nonexistent \
       --shell /usr/sbin/nologin planner \
- && mkdir -p /etc/ballet-planner
+ && mkdir -p /var/lib/ballet-planner \
+ && chown 10001:10001 /var/lib/ballet-planner \
+ && chmod 0750 /var/lib/ballet-planner
 # Mounted rather than copied, so the wheels never become a layer of the image.
 RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
     pip install --no-index --find-links=/wheels ballet-planner
+WORKDIR /var/lib/ballet-planner
+VOLUME ["/var/lib/ballet-planner"]
 USER 10001:10001
 EXPOSE 50051 9464
 # Readiness: exits 0 only while the service reports SERVING (SPEC section 8). It reads
-# the same configuration as serve, so it asks the configured address (a wildcard host is
+# the same environment as serve, so it asks the configured address (a wildcard host is
 # asked on loopback) with the configured TLS settings.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=20s --retries=3 \
-  CMD ["ballet-planner", "health", "--config", "/etc/ballet-planner/planner.toml"]
+  CMD ["ballet-planner", "health"]
 ENTRYPOINT ["ballet-planner"]
-CMD ["serve", "--config", "/etc/ballet-planner/planner.toml"]
+CMD ["serve"]

@@ -20,16 +20,16 @@ from ballet.llm.v1 import gateway_pb2, gateway_pb2_grpc
 from ballet.planner.v1 import chat_pb2, planner_service_pb2_grpc, resources_pb2
 from ballet.tracker.v1 import tracker_pb2, tracker_pb2_grpc
 
-from bench.stack import STAMP
-from service.tokens import (
+from ballet_common.tokens import (
+    GATEWAY_AUDIENCE,
     HUMAN_AUDIENCES,
-    KNOWLEDGE_AUDIENCE,
     PLANNER_SERVICE_SUBJECT,
-    SKILLS_AUDIENCE,
     TRACKER_AUDIENCE,
     dev_secret,
+    mint_dev_service_token,
     mint_dev_token,
 )
+from bench.stack import STAMP
 
 #: Client channel options. Each channel gets its own connection: grpc shares one
 #: connection among channels to the same target by default (a global subchannel pool),
@@ -87,13 +87,10 @@ class Tokens:
             self._cache[user] = token
         return token
 
-    def planner(self) -> str:
-        """The planner's dev service credential (as the planner mints it)."""
-        return mint_dev_token(
-            self._secret,
-            PLANNER_SERVICE_SUBJECT,
-            audiences=(TRACKER_AUDIENCE, SKILLS_AUDIENCE, KNOWLEDGE_AUDIENCE),
-        )
+    def planner(self, audience: str) -> str:
+        """The planner's dev service credential for one dependency ``audience`` (as the
+        planner mints it)."""
+        return mint_dev_service_token(self._secret, PLANNER_SERVICE_SUBJECT, audiences=(audience,))
 
 
 def channel(address: str) -> grpc.aio.Channel:
@@ -224,7 +221,10 @@ class Dependencies:
         self.metadata = (
             ("authorization", f"Bearer {tokens.human(human)}"),
             ("x-ballet-actor", "planner:bench"),
-            ("x-ballet-service-authorization", f"Bearer {tokens.planner()}"),
+            ("x-ballet-service-authorization", f"Bearer {tokens.planner(TRACKER_AUDIENCE)}"),
+        )
+        self.gateway_metadata = (
+            ("x-ballet-service-authorization", f"Bearer {tokens.planner(GATEWAY_AUDIENCE)}"),
         )
 
     @staticmethod
@@ -244,7 +244,8 @@ class Dependencies:
         result = TurnResult("", "", 0.0)
         started = time.perf_counter()
         first = last = 0.0
-        async for response in self.gateway.Generate(self.request(text)):
+        call = self.gateway.Generate(self.request(text), metadata=self.gateway_metadata)
+        async for response in call:
             if response.WhichOneof("chunk") == "text_delta":
                 now = time.perf_counter()
                 if not result.deltas:

@@ -23,6 +23,7 @@ from sqlalchemy import insert, text, update
 
 from service.adapters.store import codec, make_engine
 from service.adapters.store.tables import messages, session_events, sessions
+from service.core.estimate import message_tokens
 from service.core.model import EventKind, Message, MessageKind, SessionEvent, Usage
 
 _BARE_TABLE = "bench_bare_insert"
@@ -186,7 +187,7 @@ async def seed_transcript(
     start = datetime.now(UTC) - timedelta(days=30)
     message_rows = []
     event_rows = []
-    kept_bytes = 0
+    kept_tokens = 0
     for index in range(count):
         sequence = index + 1
         # One turn id per group of four, as a real turn stores them.
@@ -196,7 +197,7 @@ async def seed_transcript(
         kind, message = _seed_message(index % 4, session_id, turn_id, call_id, sequence, when)
         message = dataclasses.replace(message, human_id=human_id)
         if index >= count - kept:
-            kept_bytes += message.size_bytes()
+            kept_tokens += message_tokens(message)
         message_rows.append(codec.message_row(message))
         event_rows.append(
             codec.event_row(SessionEvent(session_id, turn_id, kind, when, sequence, message))
@@ -215,7 +216,7 @@ async def seed_transcript(
                     summary="The human asked about PAN-9 many times; it is open. " * 10,
                     summary_up_to=count - kept,
                     context_base_tokens=1240,
-                    context_pending_bytes=kept_bytes,
+                    context_pending_tokens=kept_tokens,
                 )
             )
             # Autovacuum would analyze tables this size soon after; do it now so the

@@ -40,6 +40,7 @@ import sqlalchemy as sa
 from ballet.llm.v1 import gateway_pb2
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from ballet_common.tokens import Trust, dev_secret
 from devstack.gateway.base import ProviderChunk, TextChunk
 from devstack.gateway.scripted import ScriptedProvider
 from devstack.gateway.service import GatewayServicer, add_gateway_service
@@ -179,8 +180,10 @@ async def serve(args: argparse.Namespace) -> None:
     provider = StampingProvider(ScriptedProvider([]))
     control = Control(provider)
 
+    trust = Trust.dev(dev_secret(args.data_dir))
+
     def extra(server: grpc.aio.Server) -> None:
-        control.gateway = add_gateway_service(server, provider)
+        control.gateway = add_gateway_service(server, provider, trust=trust)
         server.add_generic_rpc_handlers((control.handler(),))
 
     stack = await DevStack.start(

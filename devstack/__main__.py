@@ -1,10 +1,16 @@
-"""Run the devstack backends alone, for manual testing (SPEC section 9).
+"""Run the devstack alone: the planner's dependencies for a ``ballet-planner serve``
+pointed at them (SPEC section 9).
 
-``python -m devstack --data-dir D [--tracker F --project P] [--knowledge DIR]
-[--skills DIR] [--database-url URL] [--address HOST:PORT]``
+``python -m devstack [--data-dir D] [--tracker F --project P] [--knowledge DIR]
+[--skills DIR] [--database-url URL] [--address HOST:PORT] [--provider scripted|openai]
+[--scenario FILE]``
 
-Prints the address, what was loaded and how to mint a token, then serves until Ctrl-C
-or SIGTERM. ``ballet-planner dev`` runs the same stack together with the planner.
+Serves the tracker, skills and knowledge backends and the LLM gateway (over the
+``scripted`` demo model, a ``--scenario``, or ``--provider openai``) on one address.
+Prints the address, what was loaded, and ready-to-paste ``ballet-planner serve``,
+``token`` and ``chat`` lines for the same data directory (whose dev secret both sides
+share), then serves until Ctrl-C or SIGTERM. ``ballet-planner dev`` runs the same stack
+together with the planner in one process.
 """
 
 from __future__ import annotations
@@ -12,36 +18,72 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
+import shlex
 import signal
 import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from devstack.server import DEFAULT_ADDRESS, DevStack, DevStackConfig
+import grpc
+
+from ballet_common.tokens import Trust, dev_secret
+from devstack.gateway import Provider, add_gateway_service
+from devstack.model import (
+    OPENAI_MODEL_VARIABLE,
+    PROVIDER_HELP,
+    PROVIDERS,
+    SCENARIO_HELP,
+    ProviderName,
+    ProviderSetupError,
+    make_provider,
+)
+from devstack.server import DEFAULT_ADDRESS, DevStack, DevStackConfig, StartupReport
+
+#: The planner's defaults (SPEC section 3 and its settings), to print only what differs.
+PLANNER_DATA_DIR = Path(".ballet-dev")
+DEPENDENCIES = ("TRACKER", "SKILLS", "KNOWLEDGE", "GATEWAY")
 
 
-def parse_args(argv: list[str] | None = None) -> DevStackConfig:
-    """The config from the command line; argparse exits with a usage error when invalid."""
+@dataclass(frozen=True)
+class Options:
+    """The command line: the stack's config and the model behind its gateway."""
+
+    config: DevStackConfig
+    provider: ProviderName = "scripted"
+    scenario: Path | None = None
+
+
+def parse_args(argv: list[str] | None = None) -> Options:
+    """The options from the command line; argparse exits with a usage error when invalid."""
     parser = argparse.ArgumentParser(
-        prog="python -m devstack", description="Serve the devstack tracker, skills and knowledge."
+        prog="python -m devstack",
+        description="Serve the devstack: tracker, skills and knowledge backends and the LLM "
+        "gateway, for a ballet-planner serve pointed at it.",
     )
-    parser.add_argument("--data-dir", type=Path, default=Path(".ballet-dev"))
+    parser.add_argument("--data-dir", type=Path, default=PLANNER_DATA_DIR)
     parser.add_argument("--database-url", default=None, help="postgresql+psycopg://...")
     parser.add_argument("--address", default=DEFAULT_ADDRESS, help="host:port (port 0: any)")
     parser.add_argument("--tracker", type=Path, default=None, help="a beads issues.jsonl")
     parser.add_argument("--project", default="demo", help="the imported project's id")
     parser.add_argument("--knowledge", type=Path, default=None, help="a folder of ADR files")
     parser.add_argument("--skills", type=Path, default=None, help="a folder of <name>/SKILL.md")
+    parser.add_argument("--provider", choices=PROVIDERS, default="scripted", help=PROVIDER_HELP)
+    parser.add_argument("--scenario", type=Path, default=None, help=SCENARIO_HELP)
     parser.add_argument(
         "--allow-non-loopback",
         action="store_true",
         help="bind a non-loopback address (plaintext, dev tokens: only on a trusted network)",
     )
     args = parser.parse_args(argv)
-    for name in ("tracker", "knowledge", "skills"):
+    for name in ("tracker", "knowledge", "skills", "scenario"):
         path = getattr(args, name)
         if path is not None and not path.exists():
             parser.error(f"--{name} {path}: no such file or folder")
-    return DevStackConfig(
+    if args.provider == "openai" and args.scenario is not None:
+        parser.error("--scenario is for --provider scripted")
+    config = DevStackConfig(
         data_dir=args.data_dir,
         database_url=args.database_url,
         address=args.address,
@@ -51,19 +93,60 @@ def parse_args(argv: list[str] | None = None) -> DevStackConfig:
         skills_dir=args.skills,
         allow_non_loopback=args.allow_non_loopback,
     )
+    return Options(config, args.provider, args.scenario)
 
 
-async def serve(config: DevStackConfig) -> None:
-    """Start the stack, print how to use it, and run until SIGINT or SIGTERM."""
-    stack = await DevStack.start(config)
-    stopping = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stopping.set)
-    report = stack.report
+def planner_environment(stack_address: str, data_dir: Path) -> dict[str, str]:
+    """The ``BALLET_PLANNER__`` variables a ``serve`` needs to use this stack: none when
+    the stack is where the planner looks by default, with the default data directory."""
+    env: dict[str, str] = {}
+    if data_dir != PLANNER_DATA_DIR:
+        env["BALLET_PLANNER__DATA_DIR"] = str(data_dir)
+    if stack_address != DEFAULT_ADDRESS:
+        for name in DEPENDENCIES:
+            env[f"BALLET_PLANNER__DEPENDENCIES__{name}__ADDRESS"] = stack_address
+    return env
+
+
+def banner(
+    stack: DevStack,
+    options: Options,
+    model: str,
+    environ: Mapping[str, str] | None = None,
+) -> str:
+    """What the standalone devstack prints once it serves: what it loaded, and how to
+    run the planner, mint tokens and chat against it."""
+    config, report = options.config, stack.report
+    environ = os.environ if environ is None else environ
     project = config.project_id if config.tracker_file else "demo"
     lines = [f"devstack listening on {stack.address}"]
     lines.append(f"  services: {', '.join(stack.service_names)}")
+    lines.append(f"  model: {model}")
+    lines.extend(_loaded(report, project))
+    env = planner_environment(stack.address, config.data_dir)
+    openai_model = environ.get(OPENAI_MODEL_VARIABLE)
+    if options.provider == "openai" and openai_model:
+        # The planner names the model in every request, and the gateway uses that name.
+        env["BALLET_PLANNER__PLANNER__MODEL"] = openai_model
+    prefix = " ".join(f"{key}={shlex.quote(value)}" for key, value in env.items())
+    data = [] if config.data_dir == PLANNER_DATA_DIR else ["--data-dir", str(config.data_dir)]
+    lines += [
+        "",
+        "The planner, in another terminal (same data directory: same dev secret):",
+        f"  {prefix + ' ' if prefix else ''}ballet-planner serve",
+        "Tokens for alice (all five permissions) and bob (read permissions only):",
+        f"  {shlex.join(['ballet-planner', 'token', '--user', 'alice', *data])}",
+        f"  {shlex.join(['ballet-planner', 'token', '--user', 'bob', *data])}",
+        "Chat, once the planner serves:",
+        f"  {shlex.join(['ballet-planner', 'chat', '--project', project, '--user', 'alice'])}"
+        + (f" {shlex.join(data)}" if data else ""),
+        "Stop with Ctrl-C.",
+    ]
+    return "\n".join(lines)
+
+
+def _loaded(report: StartupReport, project: str) -> list[str]:
+    lines: list[str] = []
     if report.beads is not None:
         lines.append(
             f"  tracker: {report.beads.items} items imported into {project!r} "
@@ -81,22 +164,52 @@ async def serve(config: DevStackConfig) -> None:
         lines.append(f"  skills: {report.skills.versions}")
     timings = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in report.timings.items())
     lines.append(f"  loaded in {sum(report.timings.values()):.2f} s ({timings})")
-    lines.append(
-        '  token: python -c "from pathlib import Path; from service.tokens import dev_secret, '
-        f"mint_dev_token; print(mint_dev_token(dev_secret(Path('{config.data_dir}')), 'alice'))\""
-    )
-    print("\n".join(lines), flush=True)
+    return lines
+
+
+async def serve(options: Options) -> None:
+    """Start the stack with the gateway, print how to use it, and run until SIGINT or
+    SIGTERM. Raises ``ProviderSetupError`` before anything starts when the model cannot
+    be set up."""
+    provider, model = make_provider(options.provider, options.scenario)
+    # The planner proves itself to the gateway with a credential minted from the data
+    # directory's dev secret, as it does to the backends (decision 0157).
+    trust = Trust.dev(dev_secret(options.config.data_dir))
+
+    def add_gateway(server: grpc.aio.Server) -> None:
+        add_gateway_service(server, provider, trust=trust)
+
     try:
-        await stopping.wait()
+        stack = await DevStack.start(replace(options.config, extra_services=add_gateway))
+        stopping = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stopping.set)
+        print(banner(stack, options, model), flush=True)
+        try:
+            await stopping.wait()
+        finally:
+            await stack.stop()
     finally:
-        await stack.stop()
+        await _close(provider)
+
+
+async def _close(provider: Provider) -> None:
+    aclose = getattr(provider, "aclose", None)
+    if aclose is not None:
+        await aclose()
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m devstack``."""
-    config = parse_args(argv)
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(config))
+    """Entry point of ``python -m devstack``: 0 after Ctrl-C or SIGTERM; 2 when the model
+    or an address cannot be used (one line on stderr)."""
+    options = parse_args(argv)
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(serve(options))
+    except (ProviderSetupError, OSError, ValueError) as error:
+        print(f"python -m devstack: cannot start: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

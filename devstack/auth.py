@@ -1,11 +1,19 @@
 """Who is calling a devstack backend: the human, and the actor the planner claims to be.
 
 SPEC section 4: every call carries the human's ``authorization: Bearer <JWT>``, checked
-against *this* backend's audience; the planner adds ``x-ballet-actor: planner:<session>``
-and its own service credential ``x-ballet-service-authorization: Bearer <JWT>``. The actor
-is honoured only when that credential verifies for this backend's audience and its
-subject is the planner (``PLANNER_SERVICE_SUBJECT``); otherwise it is recorded as forged
-and ignored, so nothing is ever attributed to the planner on a client's say-so.
+against *this* backend's audience and Core's human issuer; the planner adds
+``x-ballet-actor: planner:<session>`` and its own service credential
+``x-ballet-service-authorization: Bearer <JWT>``.
+
+- The credential must be a token of the service-token issuer for *this* backend's
+  audience alone (the planner holds one per dependency, issue 14): one that fails that
+  (another audience, several audiences, another issuer, expired, forged) refuses the call
+  ``UNAUTHENTICATED``/``SERVICE_CREDENTIAL_INVALID``, so what the LLM gateway or another
+  backend receives cannot be replayed here.
+- The actor is honoured only when that credential's subject is the planner
+  (``PLANNER_SERVICE_SUBJECT``); otherwise (no credential, or another service's) it is
+  recorded as forged and ignored, so nothing is ever attributed to the planner on a
+  client's say-so.
 
 The permissions are the seed's Needs column (Tools table); roles grant them per project
 (see docs/decisions/0101-devstack-permission-model.md).
@@ -16,8 +24,17 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from ballet_common.tokens import (
+    ACTOR_HEADER,
+    PLANNER_SERVICE_SUBJECT,
+    SERVICE_AUTHORIZATION_HEADER,
+    Claims,
+    TokenError,
+    TokenVerifier,
+    Trust,
+    bearer,
+)
 from devstack.errors import Unauthenticated
-from service.tokens import PLANNER_SERVICE_SUBJECT, TokenError, TokenVerifier, bearer
 
 TRACKER_READ = "tracker.read"
 TRACKER_WRITE = "tracker.write"
@@ -36,8 +53,6 @@ ROLE_PERMISSIONS: dict[str, frozenset[str]] = {
     "skill-reader": frozenset({SKILL_READ}),
 }
 
-ACTOR_HEADER = "x-ballet-actor"
-SERVICE_AUTHORIZATION_HEADER = "x-ballet-service-authorization"
 #: The only actors a planner credential may claim: ``planner:<session_id>``.
 PLANNER_ACTOR_PREFIX = "planner:"
 
@@ -81,50 +96,89 @@ class Identification:
     actor_header: str | None
 
 
-class Authenticator:
-    """Resolves the caller of a call to one backend (one audience)."""
+class ServiceCredentialVerifier:
+    """Checks the ``x-ballet-service-authorization`` credential of a call to one
+    dependency (one audience): a token of the service-token issuer naming this audience
+    and no other (issue 14: one credential per audience)."""
 
-    def __init__(self, verifier: TokenVerifier) -> None:
-        self._verifier = verifier
+    def __init__(self, trust: Trust, audience: str, *, leeway_s: float = 30.0) -> None:
+        self._verifier: TokenVerifier | None = (
+            trust.verifier(audience, leeway_s=leeway_s, humans=False)
+            if trust.services is not None
+            else None
+        )
+        self._audience = audience
+
+    def verify(self, metadata: Iterable[tuple[str, str | bytes]]) -> Claims | None:
+        """The credential's claims; None when the call carries none. Raises
+        ``Unauthenticated``/``SERVICE_CREDENTIAL_INVALID`` (the ``TokenError`` reason in
+        the metadata as ``credential_reason``) for one that does not verify here."""
+        token = bearer(metadata, SERVICE_AUTHORIZATION_HEADER)
+        if token is None:
+            return None
+        if self._verifier is None:
+            raise _bad_credential("TOKEN_INVALID", "no service-token issuer is trusted here")
+        try:
+            claims = self._verifier.verify(token)
+        except TokenError as error:
+            raise _bad_credential(error.reason, error.message) from None
+        if claims.audiences != {self._audience}:
+            # Valid here, but also valid elsewhere: whoever else received it could
+            # replay it here, which is what one credential per audience prevents.
+            raise _bad_credential(
+                "WRONG_AUDIENCE", "the credential names other audiences besides this one"
+            )
+        return claims
+
+
+def _bad_credential(reason: str, message: str) -> Unauthenticated:
+    return Unauthenticated(
+        "SERVICE_CREDENTIAL_INVALID",
+        f"the x-ballet-service-authorization credential is not valid here: {message}",
+        {"credential_reason": reason},
+    )
+
+
+class Authenticator:
+    """Resolves the caller of a call to one backend (one audience): humans by Core's
+    human issuer, the planner's credential by the service-token issuer."""
+
+    def __init__(self, trust: Trust, audience: str, *, leeway_s: float = 30.0) -> None:
+        self._humans = trust.verifier(audience, leeway_s=leeway_s, services=False)
+        self._credentials = ServiceCredentialVerifier(trust, audience, leeway_s=leeway_s)
 
     def identify(self, metadata: Iterable[tuple[str, str | bytes]]) -> Identification:
-        """Verify the human token and decide whether the actor header is honoured.
+        """Verify the human token and the service credential, and decide whether the
+        actor header is honoured.
 
-        Never raises: a missing or bad token gives ``error`` (an ``Unauthenticated`` whose
-        reason is the ``TokenError`` reason: TOKEN_MISSING, TOKEN_INVALID, TOKEN_EXPIRED,
-        WRONG_AUDIENCE), so the caller can still record the call before refusing it.
+        Never raises: a refusal gives ``error`` (an ``Unauthenticated`` whose reason is
+        the human token's ``TokenError`` reason: TOKEN_MISSING, TOKEN_INVALID,
+        TOKEN_EXPIRED, WRONG_AUDIENCE, SCOPE_NOT_ALLOWED; or SERVICE_CREDENTIAL_INVALID),
+        so the caller can still record the call before refusing it.
         """
         pairs = list(metadata)
         actor_header = _header(pairs, ACTOR_HEADER)
         try:
-            claims = self._verifier.verify(bearer(pairs))
+            claims = self._humans.verify(bearer(pairs))
+            credential = self._credentials.verify(pairs)
         except TokenError as error:
             return Identification(None, Unauthenticated(error.reason, error.message), actor_header)
+        except Unauthenticated as refusal:
+            return Identification(None, refusal, actor_header)
         claimed = actor_header or ""
         honoured = (
-            claimed.startswith(PLANNER_ACTOR_PREFIX)
+            credential is not None
+            and credential.subject == PLANNER_SERVICE_SUBJECT
+            and claimed.startswith(PLANNER_ACTOR_PREFIX)
             and len(claimed) > len(PLANNER_ACTOR_PREFIX)
-            and self._planner_credential_ok(pairs)
         )
-        actor = claimed if honoured else ""
         caller = Caller(
             human=claims.subject,
             organization_id=claims.organization_id,
-            actor=actor,
+            actor=claimed if honoured else "",
             actor_header=actor_header,
         )
         return Identification(caller, None, actor_header)
-
-    def _planner_credential_ok(self, pairs: list[tuple[str, str | bytes]]) -> bool:
-        token = bearer(pairs, SERVICE_AUTHORIZATION_HEADER)
-        if token is None:
-            return False
-        try:
-            claims = self._verifier.verify(token)
-        except TokenError:
-            # A bad credential is treated like none: the actor is ignored, not trusted.
-            return False
-        return claims.subject == PLANNER_SERVICE_SUBJECT
 
 
 def _header(pairs: list[tuple[str, str | bytes]], key: str) -> str | None:

@@ -27,6 +27,18 @@ from ballet.tracker.v1 import tracker_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ballet_common.files import create_private_file, private_directory
+from ballet_common.tokens import (
+    HUMAN_AUDIENCES,
+    KNOWLEDGE_AUDIENCE,
+    PLANNER_SERVICE_SUBJECT,
+    SKILLS_AUDIENCE,
+    TRACKER_AUDIENCE,
+    Trust,
+    dev_secret,
+    mint_dev_service_token,
+    mint_dev_token,
+)
 from devstack import knowledge, skills, tracker
 from devstack.auth import Authenticator
 from devstack.calls import CallLog, CallRecord
@@ -38,18 +50,8 @@ from devstack.importers.skills import SkillsReport, import_skills
 from devstack.pages import PageTokens
 from devstack.rpc import Backend
 from devstack.store import Store, sqlite_url
-from devstack.store.access import USERS, seed_identities
-from service.tokens import (
-    HUMAN_AUDIENCES,
-    KNOWLEDGE_AUDIENCE,
-    PLANNER_SERVICE_SUBJECT,
-    SKILLS_AUDIENCE,
-    TRACKER_AUDIENCE,
-    KeySet,
-    TokenVerifier,
-    dev_secret,
-    mint_dev_token,
-)
+from devstack.store.access import USERS, seed_identities, set_role
+from devstack.store.db import SQLITE_FILE
 
 log = logging.getLogger(__name__)
 
@@ -63,14 +65,18 @@ class DevStackConfig:
     """How to start a ``DevStack``.
 
     - ``data_dir``: holds ``devstack.db`` (SQLite) and the ``dev-secret`` (generated on
-      first use, shared with the planner's ``dev`` mode).
+      first use, shared with the planner's ``dev`` mode), both ``0600`` in a ``0700``
+      directory whatever the umask.
     - ``database_url``: a ``postgresql+psycopg://`` URL to use PostgreSQL instead of SQLite.
     - ``address``: ``host:port`` to bind; port 0 picks a free one (see ``DevStack.address``).
     - ``tracker_file``: a beads ``issues.jsonl`` to import as ``project_id``; without it the
       built-in demo project ``demo`` is loaded.
     - ``knowledge_dir``: a folder of ADR markdown files; ``skills_dir``: a folder of
       ``<name>/SKILL.md``. Both optional.
-    - ``jwks_path``: verify tokens with this JWKS file instead of the dev secret.
+    - ``trust``: the token issuers to trust (``ballet_common.tokens.Trust``: Core's human
+      issuer and the service-token issuer, with their keys); None: the dev secret's
+      (``Trust.dev``). Every backend checks ``iss``, and the planner's credential must
+      come from the service-token issuer for that backend's audience alone.
     - ``allow_non_loopback``: the devstack serves plaintext and, in dev mode, accepts
       tokens signed with a secret on disk, so it binds only loopback addresses unless this
       is set (as SPEC section 4 asks of the planner's dev mode).
@@ -91,7 +97,7 @@ class DevStackConfig:
     project_id: str = "demo"
     knowledge_dir: Path | None = None
     skills_dir: Path | None = None
-    jwks_path: Path | None = None
+    trust: Trust | None = None
     allow_non_loopback: bool = False
     extra_services: Callable[[grpc.aio.Server], object] | None = None
     extra_service_names: tuple[str, ...] = ()
@@ -157,8 +163,11 @@ class DevStack:
             timings[name] = now - clock
             clock = now
 
-        config.data_dir.mkdir(parents=True, exist_ok=True)
-        secret = dev_secret(config.data_dir) if config.jwks_path is None else None
+        private_directory(config.data_dir)
+        secret = dev_secret(config.data_dir) if config.trust is None else None
+        if config.database_url is None:
+            # It holds what humans and the planner wrote: 0600 whatever the umask.
+            create_private_file(config.data_dir / SQLITE_FILE)
         store = await Store.open(config.database_url or sqlite_url(config.data_dir))
         try:
             await store.create_schema()
@@ -192,9 +201,10 @@ class DevStack:
     async def _serve(
         cls, config: DevStackConfig, store: Store, secret: bytes | None, report: StartupReport
     ) -> DevStack:
-        keys = (
-            KeySet(dev_secret=secret) if secret is not None else KeySet(jwks_path=config.jwks_path)
-        )
+        trust = config.trust
+        if trust is None:
+            assert secret is not None
+            trust = Trust.dev(secret)
         # Page tokens are signed with a key derived from the dev secret (or a fixed label
         # in JWKS mode): they only need to be tamper-evident, not secret.
         pages = PageTokens(secret or b"devstack-jwks-mode")
@@ -204,9 +214,7 @@ class DevStack:
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
 
         def backend(service: str, domain: str, audience: str) -> Backend:
-            authenticator = Authenticator(
-                TokenVerifier(keys, audience=audience, leeway_s=config.token_leeway_s)
-            )
+            authenticator = Authenticator(trust, audience, leeway_s=config.token_leeway_s)
             return Backend(
                 service=service,
                 domain=domain,
@@ -330,15 +338,22 @@ class DevStack:
         )
 
     def planner_credential(
-        self,
-        *,
-        audiences: Iterable[str] = (TRACKER_AUDIENCE, SKILLS_AUDIENCE, KNOWLEDGE_AUDIENCE),
-        subject: str = PLANNER_SERVICE_SUBJECT,
+        self, audience: str = TRACKER_AUDIENCE, *, subject: str = PLANNER_SERVICE_SUBJECT
     ) -> str:
-        """The planner's service credential as the planner mints it in dev mode (``sub`` =
+        """The planner's service credential for one dependency ``audience`` as the planner
+        mints it in dev mode (dev service-token issuer, ``sub`` =
         ``PLANNER_SERVICE_SUBJECT``), sent in ``x-ballet-service-authorization``; another
-        ``subject`` makes a credential the backends must not trust."""
-        return mint_dev_token(self.dev_secret, subject, audiences=audiences)
+        ``subject`` makes another service's credential, which the backends verify but
+        never take for the planner's."""
+        return mint_dev_service_token(self.dev_secret, subject, audiences=(audience,))
+
+    async def set_role(self, user: str, project_id: str, role: str | None) -> None:
+        """Give ``user`` ``role`` on ``project_id`` (a key of
+        ``devstack.auth.ROLE_PERMISSIONS``), or take their role away (None): from the next
+        call on, the backends answer as the new role allows (tests of lost access)."""
+        await self.store.run_write(
+            lambda session: set_role(session, user=user, project_id=project_id, role=role)
+        )
 
 
 def _is_loopback(address: str) -> bool:

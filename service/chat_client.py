@@ -1,20 +1,22 @@
-"""``ballet-planner chat``: the terminal client of the ``Chat`` RPC (SPEC section 9).
+"""``ballet-planner chat``: the terminal client of the ``Chat`` RPC (SPEC section 9;
+docs/decisions/0051-chat-client.md, 0165-chat-client.md).
 
-One Chat stream carries one session (SPEC section 3). ``run_chat`` opens it (a new
-session of ``--project``, or ``--session``), then either
+One Chat stream carries one session (SPEC section 3). ``run_chat`` either
 
-- sends one message (``--message``), prints the turn as it streams and returns 0 when
-  the turn ended ``COMPLETED`` or ``MAX_ROUNDS``, 1 otherwise (with the reason); or
-- runs interactively: every line typed is a message, and the commands ``/cancel`` (the
-  running turn), ``/new`` (a new session), ``/sessions`` (ListSessions of the project),
-  ``/open ID`` (another session), ``/help`` and ``/quit``. Input is read while a turn
-  streams, so ``/cancel`` works mid-answer; Ctrl-C cancels a running turn, or quits.
+- sends one message (``--message``) in a new session of ``--project`` (or in
+  ``--session``), prints the turn as it streams and returns 0 when the turn ended
+  ``COMPLETED`` or ``MAX_ROUNDS``, 1 otherwise (with the reason); or
+- runs interactively: every line typed is a message, with line editing and history on a
+  terminal (``service.chat_input``). A new session is created with the first message
+  (its text is the title), not at start; ``--session`` resumes one. The commands:
+  ``/cancel`` (the running turn; typed while a message is being accepted, it cancels
+  the turn as soon as it starts), ``/new`` (the next message starts a new session),
+  ``/sessions`` (ListSessions of the project), ``/open ID`` (another session), ``/help``
+  and ``/quit``. Input is read while a turn streams, so ``/cancel`` works mid-answer;
+  Ctrl-C cancels a running turn, or quits.
 
-Output: text deltas as they arrive, stitched by message id and character offset (a delta
-already shown is skipped; the ``assistant_message`` completes what is missing); one line
-per tool call (``-> name {args}``) and result (``<- name: ok, 12 items`` or
-``<- name: error NOT_FOUND: ...``); one line when the turn ends. With ``--json`` each
-``ChatResponse`` is one line of protobuf JSON instead.
+What is shown is ``service.chat_render``'s; with ``--json`` each ``ChatResponse`` is one
+line of protobuf JSON instead.
 
 The stream is reopened with ``after_sequence`` (so nothing is missed or repeated) when
 the planner ends it with ``SLOW_CONSUMER``, when a sequence gap shows an event was
@@ -25,13 +27,8 @@ with a message that says what to do.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import enum
-import json
-import signal
 import sys
-import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,13 +41,34 @@ from ballet.planner.v1 import (
     planner_service_pb2_grpc,
     resources_pb2,
 )
-from google.protobuf import field_mask_pb2, json_format
+from google.protobuf import json_format
 from google.rpc import status_pb2
 
-from service.transport.errors import error_info_of, status_from_trailers
+from service.chat_input import LineSource
+from service.chat_render import (
+    Renderer,
+    TextStitcher,
+    describe_status,
+    describe_turn_end,
+    error_of,
+    short,
+    status_text,
+    summarize_result,
+)
 
-#: How many characters of a tool call's arguments and of a result summary are shown.
-SHORT_CHARS = 100
+__all__ = [
+    "ChatClient",
+    "ChatError",
+    "ChatOptions",
+    "LineSource",
+    "Renderer",
+    "TextStitcher",
+    "describe_turn_end",
+    "run_chat",
+    "short",
+    "summarize_result",
+]
+
 #: Messages shown when a session is resumed (``--session`` or ``/open``).
 RESUME_MESSAGES = 10
 TITLE_CHARS = 80
@@ -58,11 +76,6 @@ TITLE_CHARS = 80
 _ENDED_OK = (
     resources_pb2.TURN_END_REASON_COMPLETED,
     resources_pb2.TURN_END_REASON_MAX_ROUNDS,
-)
-_HELP = (
-    "Type a message and press Enter. Commands: /cancel (the running turn), /new (a new "
-    "session), /sessions (this project's sessions), /open ID (another session), /help, "
-    "/quit. Ctrl-C cancels a running turn, or quits."
 )
 
 
@@ -91,249 +104,10 @@ class ChatOptions:
     mint: Callable[[], str] | None = None
 
 
-# --------------------------------------------------------------------------- rendering
-
-
-class TextStitcher:
-    """Stitches text deltas by message id and character offset (SPEC section 3).
-
-    ``add`` returns the part of a delta not shown yet ("" for a repeat, e.g. after a
-    reopen); ``finish`` returns what the full text adds to what was shown: the rest, or,
-    after a gap in the offsets (text was missed), a newline and the whole text again.
-    """
-
-    def __init__(self) -> None:
-        self._shown: dict[str, int] = {}
-        self._gapped: set[str] = set()
-
-    def add(self, message_id: str, offset: int, text: str) -> str:
-        """The new part of the delta ``text`` that starts at character ``offset``."""
-        shown = self._shown.get(message_id, 0)
-        end = offset + len(text)
-        if end <= shown:
-            return ""
-        if offset > shown:
-            self._gapped.add(message_id)
-            self._shown[message_id] = end
-            return text
-        self._shown[message_id] = end
-        return text[shown - offset :]
-
-    def finish(self, message_id: str, text: str) -> str:
-        """What is left to show of the message whose full text is ``text``."""
-        shown = self._shown.pop(message_id, 0)
-        if message_id in self._gapped:
-            self._gapped.discard(message_id)
-            return "\n" + text
-        return text[shown:]
-
-    def shown(self, message_id: str) -> int:
-        """Characters of ``message_id`` shown so far."""
-        return self._shown.get(message_id, 0)
-
-
-def short(text: str, limit: int = SHORT_CHARS) -> str:
-    """``text`` on one line, cut to ``limit`` characters with "…"."""
-    flat = " ".join(text.split())
-    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
-
-
-def summarize_result(content: str, is_error: bool) -> str:
-    """One short phrase for a tool result (our JSON shapes, service/core/tools.py):
-    ``error REASON: message``, ``ok, 12 items (of 40)``, ``ok, item X: title``, or the
-    JSON cut short."""
-    try:
-        value = json.loads(content)
-    except ValueError:
-        return ("error: " if is_error else "ok: ") + short(content)
-    if isinstance(value, dict):
-        error = value.get("error")
-        if is_error or isinstance(error, dict):
-            if isinstance(error, dict):
-                return short(f"error {error.get('reason', '')}: {error.get('message', '')}")
-            return "error: " + short(content)
-        if value.get("truncated") is True:
-            return f"ok, {value.get('original_bytes', '?')} bytes (cut for the model)"
-        for key, item in value.items():
-            if isinstance(item, list):
-                total = value.get("total_size")
-                of = f" (of {total})" if isinstance(total, int) and total > len(item) else ""
-                return f"ok, {len(item)} {key}{of}"
-        for key, item in value.items():
-            if isinstance(item, dict):
-                ident = next(
-                    (
-                        str(item[name])
-                        for name in ("item_id", "changeset_id", "entry_id", "name")
-                        if item.get(name)
-                    ),
-                    "",
-                )
-                title = item.get("title") or item.get("description") or ""
-                version = f" v{item['version']}" if item.get("version") else ""
-                return short(f"ok, {key} {ident}{version}" + (f": {title}" if title else ""))
-    return "ok: " + short(content)
-
-
-def describe_status(code: str, reason: str, message: str) -> str:
-    """``CODE REASON: message`` (reason left out when empty)."""
-    return f"{code} {reason}: {message}" if reason else f"{code}: {message}"
-
-
-def _status_text(status: status_pb2.Status) -> tuple[str, str, str]:
-    info = error_info_of(status)
-    code = next(
-        (member.name for member in grpc.StatusCode if member.value[0] == status.code),
-        str(status.code),
-    )
-    return code, info.reason if info else "", status.message
-
-
-def _error_of(error: grpc.aio.AioRpcError) -> tuple[str, str, str]:
-    status = status_from_trailers(error.trailing_metadata())
-    info = error_info_of(status) if status is not None else None
-    return error.code().name, info.reason if info else "", error.details() or ""
-
-
-class Renderer:
-    """Human-readable output of ``ChatResponse``s on ``out`` (see the module docstring)."""
-
-    def __init__(self, out: TextIO) -> None:
-        self.out = out
-        self.stitcher = TextStitcher()
-        self._line_open = False
-        #: The text of the messages this client sent and has not seen accepted yet, so
-        #: that only other clients' messages are echoed.
-        self.sent: list[str] = []
-
-    def write(self, text: str) -> None:
-        """Write ``text`` and flush (the terminal shows deltas as they come)."""
-        if text:
-            self.out.write(text)
-            self.out.flush()
-            self._line_open = not text.endswith("\n")
-
-    def line(self, text: str) -> None:
-        """Write ``text`` on a line of its own."""
-        self.end_line()
-        self.write(text + "\n")
-
-    def end_line(self) -> None:
-        """Start a new line if the cursor is not at the start of one."""
-        if self._line_open:
-            self.write("\n")
-
-    def render(self, response: chat_pb2.ChatResponse) -> None:
-        """Show one response."""
-        kind = response.WhichOneof("event")
-        if kind == "text_delta":
-            delta = response.text_delta
-            self.write(self.stitcher.add(delta.message_id, delta.offset, delta.text))
-        elif kind == "assistant_message":
-            message = response.assistant_message.message
-            rest = self.stitcher.finish(message.message_id, message.text)
-            self.write(rest)
-            if message.cut:
-                self.write(" [cut]")
-            self.end_line()
-        elif kind == "message_accepted":
-            message = response.message_accepted.message
-            if message.text in self.sent:
-                self.sent.remove(message.text)
-            elif not response.request_id:
-                self.line(f"{message.human_id or 'human'}: {message.text}")
-        elif kind == "tool_call_started":
-            message = response.tool_call_started.message
-            self.line(f"  -> {message.tool_name} {short(message.tool_arguments or '{}')}")
-        elif kind == "tool_call_finished":
-            message = response.tool_call_finished.message
-            summary = summarize_result(message.tool_result, message.tool_error)
-            self.line(f"  <- {message.tool_name}: {summary}")
-        elif kind == "changeset_proposed":
-            changeset = response.changeset_proposed.changeset_id
-            self.line(f"  ** changeset {changeset} proposed: a human applies or rejects it")
-        elif kind == "knowledge_written":
-            written = response.knowledge_written
-            self.line(f"  ** knowledge entry {written.entry_id} v{written.version} written")
-        elif kind == "compacted":
-            compacted = response.compacted
-            self.line(
-                f"  (earlier conversation compacted: a summary now stands for messages up to "
-                f"#{compacted.up_to}; about {compacted.estimated_tokens} tokens before)"
-            )
-        elif kind == "turn_ended":
-            self.line(describe_turn_end(response.turn_ended))
-        elif kind == "error":
-            self.line("error: " + describe_status(*_status_text(response.error)))
-
-    def message(self, message: resources_pb2.Message) -> None:
-        """Show a stored message (a resumed session's history)."""
-        if message.kind == resources_pb2.MESSAGE_KIND_HUMAN:
-            self.line(f"{message.human_id or 'human'}: {message.text}")
-        elif message.kind == resources_pb2.MESSAGE_KIND_ASSISTANT:
-            if message.text:
-                self.line(message.text + (" [cut]" if message.cut else ""))
-        elif message.kind == resources_pb2.MESSAGE_KIND_TOOL_CALL:
-            self.line(f"  -> {message.tool_name} {short(message.tool_arguments or '{}')}")
-        elif message.kind == resources_pb2.MESSAGE_KIND_TOOL_RESULT:
-            summary = summarize_result(message.tool_result, message.tool_error)
-            self.line(f"  <- {message.tool_name}: {summary}")
-        elif message.kind == resources_pb2.MESSAGE_KIND_COMPACTION:
-            self.line(f"  (compacted up to #{message.up_to})")
-
-
-def describe_turn_end(ended: chat_pb2.TurnEnded) -> str:
-    """``[COMPLETED: 1 round, 812 tokens]`` (tokens when the model reported usage), with
-    the error of a failed turn."""
-    reason = resources_pb2.TurnEndReason.Name(ended.reason).removeprefix("TURN_END_REASON_")
-    rounds = f"{ended.rounds} round" + ("" if ended.rounds == 1 else "s")
-    tokens = ended.usage.input_tokens + ended.usage.output_tokens
-    text = f"[{reason}: {rounds}" + (f", {tokens} tokens" if tokens else "")
-    if ended.reason == resources_pb2.TURN_END_REASON_MAX_ROUNDS:
-        text += "; send a message to continue"
-    if ended.error_info.reason or ended.error_message:
-        text += f"; {ended.error_info.reason}: {ended.error_message}"
-    return text + "]"
-
-
-# --------------------------------------------------------------------------- input
-
-
-class LineSource:
-    """Lines typed on ``stream`` (default stdin), read by a daemon thread so that the
-    event loop keeps serving the Chat stream; ``get`` returns None at end of input.
-
-    A daemon thread, not the loop's executor: a read blocked on a terminal must not keep
-    the process from exiting after ``/quit``.
-    """
-
-    def __init__(self, stream: TextIO | None = None) -> None:
-        self._stream = stream or sys.stdin
-        self._queue: asyncio.Queue[str | None] = asyncio.Queue()
-        self._loop = asyncio.get_running_loop()
-        threading.Thread(target=self._read, name="chat-stdin", daemon=True).start()
-
-    def _read(self) -> None:
-        while True:
-            try:
-                line = self._stream.readline()
-            except (OSError, ValueError):
-                line = ""
-            with contextlib.suppress(RuntimeError):  # the loop closed: we are exiting
-                self._loop.call_soon_threadsafe(self._queue.put_nowait, line or None)
-            if not line:
-                return
-
-    async def get(self) -> str | None:
-        """The next line without its newline, or None at end of input."""
-        line = await self._queue.get()
-        return None if line is None else line.rstrip("\r\n")
-
-
 # --------------------------------------------------------------------------- the client
 
 
-class _End(enum.Enum):
+class End(enum.Enum):
     CLOSED = "closed"  # the planner ended the stream normally
     REOPEN = "reopen"  # reopen with after_sequence
 
@@ -363,7 +137,9 @@ class ChatClient:
     running_turn: str = ""
     #: Messages sent and not yet accepted or refused: request id -> text.
     pending: dict[str, str] = field(default_factory=dict)
-    untitled: bool = False
+    #: ``/cancel`` (or Ctrl-C) came while a message was being accepted: cancel the turn
+    #: as soon as it starts.
+    cancel_requested: bool = False
     #: How each turn seen on this session ended, by turn id.
     ended: dict[str, chat_pb2.TurnEnded] = field(default_factory=dict)
     #: The latest messages of a resumed session, until they are shown.
@@ -397,7 +173,7 @@ class ChatClient:
         return (("authorization", f"Bearer {self.token}"),)
 
     def _fail(self, error: grpc.aio.AioRpcError, doing: str) -> ChatError:
-        code, reason, message = _error_of(error)
+        code, reason, message = error_of(error)
         address = self.options.address
         if code == "UNAVAILABLE" and self.session is not None:
             return ChatError(f"lost the connection to the planner at {address} ({message})")
@@ -418,7 +194,7 @@ class ChatClient:
         return ChatError(f"{doing}: {describe_status(code, reason, message)}")
 
     def _refusal(self, status: status_pb2.Status, doing: str, session_id: str) -> ChatError:
-        code, reason, message = _status_text(status)
+        code, reason, message = status_text(status)
         if code == "NOT_FOUND" and session_id:
             return ChatError(
                 f"session {session_id!r} not found (or it is not yours): "
@@ -469,6 +245,7 @@ class ChatClient:
                         self.last_sequence = after
                         self.running_turn = self.session.running_turn_id
                         self.pending.clear()
+                        self.cancel_requested = False
                         return
                     if kind == "error" and response.request_id == request_id:
                         raise self._refusal(response.error, doing, session_id)
@@ -478,29 +255,32 @@ class ChatClient:
             await self._close_stream()
             raise
 
-    async def next_event(self) -> chat_pb2.ChatResponse | _End:
-        """The next response of the current stream (shown and tracked), ``_End.REOPEN``
-        when the stream must be reopened, or ``_End.CLOSED``. Raises ``ChatError``."""
+    async def next_event(self) -> chat_pb2.ChatResponse | End:
+        """The next response of the current stream (shown and tracked), ``End.REOPEN``
+        when the stream must be reopened, or ``End.CLOSED``. Raises ``ChatError``."""
         call = self._call
         assert call is not None
         try:
             response: chat_pb2.ChatResponse = await call.read()
         except grpc.aio.AioRpcError as error:
             if error.code() == grpc.StatusCode.CANCELLED and self._call is not call:
-                return _End.CLOSED  # we closed it ourselves (/new, /open)
-            _, reason, _ = _error_of(error)
+                return End.CLOSED  # we closed it ourselves (/new, /open)
+            _, reason, _ = error_of(error)
             if reason == "SLOW_CONSUMER":
-                return _End.REOPEN
+                return End.REOPEN
             if reason == "TOKEN_EXPIRED" and self.options.mint is not None:
                 self.token = self.options.mint()
-                return _End.REOPEN
+                return End.REOPEN
             raise self._fail(error, "the chat stream ended") from None
         if response is grpc.aio.EOF:
-            return _End.CLOSED
+            return End.CLOSED
         if response.sequence > self.last_sequence + 1:
             # An event was missed (SPEC section 3: a stream that sees a gap reopens).
-            return _End.REOPEN
+            return End.REOPEN
         self.track(response)
+        if self.cancel_requested and self.running_turn:
+            self.cancel_requested = False
+            await self.cancel()
         return response
 
     async def reopen(self) -> None:
@@ -549,9 +329,11 @@ class ChatClient:
         elif kind == "error":
             self.pending.pop(response.request_id, None)
             if waiting is not None and response.request_id == waiting.request_id:
-                waiting.refused = describe_status(*_status_text(response.error))
+                waiting.refused = describe_status(*status_text(response.error))
         if not self._emit_json(response):
             self.renderer.render(response)
+        if not self.busy:
+            self.cancel_requested = False
         if was_busy and not self.busy and self.on_idle is not None:
             self.on_idle()
 
@@ -577,9 +359,6 @@ class ChatClient:
         self.renderer.sent.append(text)
         self.pending[request_id] = text
         await self._write_message(request_id, text)
-        if self.untitled:
-            self.untitled = False
-            await self._title(text)
         return request_id
 
     async def _write_message(self, request_id: str, text: str) -> None:
@@ -590,24 +369,9 @@ class ChatClient:
             )
         )
 
-    async def _title(self, text: str) -> None:
-        # A session created by the interactive client gets its first message as title, so
-        # /sessions tells sessions apart; failing to set it changes nothing else.
-        assert self.session is not None
-        session = resources_pb2.Session(
-            session_id=self.session.session_id, title=short(text, TITLE_CHARS)
-        )
-        with contextlib.suppress(grpc.aio.AioRpcError):
-            await self.stub.UpdateSession(
-                planner_service_pb2.UpdateSessionRequest(
-                    session=session, update_mask=field_mask_pb2.FieldMask(paths=["title"])
-                ),
-                metadata=self._metadata(),
-                timeout=10,
-            )
-
     async def cancel(self) -> bool:
-        """Ask to cancel the running turn; False when none runs (yet)."""
+        """Ask to cancel the running turn; False when none runs (yet): see
+        ``request_cancel`` for a message still being accepted."""
         if not self.running_turn or self._call is None:
             return False
         await self._call.write(
@@ -617,6 +381,40 @@ class ChatClient:
             )
         )
         return True
+
+    async def request_cancel(self) -> str:
+        """Cancel the running turn now (``"now"``), or, while a message sent is being
+        accepted, as soon as its turn starts (``"later"``); ``""`` when nothing runs."""
+        if await self.cancel():
+            return "now"
+        if self.pending:
+            self.cancel_requested = True
+            return "later"
+        return ""
+
+    async def check(self) -> None:
+        """Ask the planner for the project's newest session, to learn early that it is
+        reachable and accepts the token. Raises ``ChatError`` saying what to do."""
+        try:
+            await self.stub.ListSessions(
+                planner_service_pb2.ListSessionsRequest(
+                    project_id=self.options.project_id, page_size=1
+                ),
+                metadata=self._metadata(),
+                timeout=10,
+            )
+        except grpc.aio.AioRpcError as error:
+            raise self._fail(error, f"listing the sessions of {self.options.project_id}") from None
+
+    async def leave(self) -> None:
+        """Close the current session's stream (a running turn goes on) and forget it:
+        the next message starts a new session."""
+        await self._close_stream()
+        self.session = None
+        self.running_turn = ""
+        self.pending.clear()
+        self.cancel_requested = False
+        self.last_sequence = 0
 
     async def close(self) -> None:
         """Close the stream and the channel."""
@@ -667,7 +465,7 @@ class ChatClient:
                 timeout=10,
             )
         except grpc.aio.AioRpcError as error:
-            self.note("error: " + describe_status(*_error_of(error)))
+            self.note("error: " + describe_status(*error_of(error)))
             return
         if self.options.as_json:
             print(json_format.MessageToJson(listed, indent=None), file=self.out, flush=True)
@@ -686,13 +484,13 @@ class ChatClient:
 # --------------------------------------------------------------------------- modes
 
 
-async def _pump(client: ChatClient) -> None:
+async def pump(client: ChatClient) -> None:
     """Read the stream until the planner closes it, reopening when needed."""
     while True:
         event = await client.next_event()
-        if event is _End.REOPEN:
+        if event is End.REOPEN:
             await client.reopen()
-        elif event is _End.CLOSED:
+        elif event is End.CLOSED:
             return
 
 
@@ -703,9 +501,9 @@ async def run_once(client: ChatClient, text: str) -> int:
     waiting = client.waiting
     while waiting.ended is None and not waiting.refused:
         event = await client.next_event()
-        if event is _End.REOPEN:
+        if event is End.REOPEN:
             await client.reopen()
-        elif event is _End.CLOSED:
+        elif event is End.CLOSED:
             raise ChatError("the planner closed the stream before the turn ended")
     if waiting.refused:
         print(f"ballet-planner chat: message refused: {waiting.refused}", file=client.err)
@@ -716,160 +514,6 @@ async def run_once(client: ChatClient, text: str) -> int:
         return 0
     print(f"ballet-planner chat: the turn ended {describe_turn_end(ended)}", file=client.err)
     return 1
-
-
-class _Interactive:
-    """The interactive loop: lines in, commands, the stream pumped meanwhile."""
-
-    def __init__(self, client: ChatClient, lines: LineSource) -> None:
-        self.client = client
-        self.lines = lines
-        self.pump: asyncio.Task[None] | None = None
-        self.quit = asyncio.Event()
-        self._cancel_asked = False
-        self._tasks: set[asyncio.Task[bool]] = set()
-
-    def start_pump(self) -> None:
-        self.client.on_idle = self.idle
-        self.pump = asyncio.get_running_loop().create_task(_pump(self.client))
-
-    async def stop_pump(self) -> None:
-        if self.pump is not None:
-            self.pump.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.pump
-            self.pump = None
-
-    def idle(self) -> None:
-        self._cancel_asked = False
-        self.prompt()
-
-    def prompt(self) -> None:
-        if not self.client.options.as_json:
-            self.client.renderer.end_line()
-            self.client.renderer.write("> ")
-
-    def header(self, created: bool) -> None:
-        session = self.client.session
-        assert session is not None
-        how = "new session" if created else "session"
-        self.client.note(
-            f"{how} {session.session_id} in project {session.project_id} "
-            f"({session.owner_id} on {self.client.options.address})"
-        )
-        for message in self.client.recent:
-            self.client.renderer.message(message)
-        self.client.recent.clear()
-
-    async def run(self) -> int:
-        self.client.note(_HELP)
-        self.header(created=not self.client.options.session_id)
-        self.start_pump()
-        self.prompt()
-        loop = asyncio.get_running_loop()
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(signal.SIGINT, self._interrupt)
-        try:
-            return await self._loop()
-        finally:
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.remove_signal_handler(signal.SIGINT)
-            await self.stop_pump()
-
-    def _interrupt(self) -> None:
-        if self.client.busy and not self._cancel_asked:
-            self._cancel_asked = True
-            self.client.note("(cancelling the turn; Ctrl-C again quits)")
-            task = asyncio.get_running_loop().create_task(self.client.cancel())
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-        else:
-            self.quit.set()
-
-    async def _loop(self) -> int:
-        line_task: asyncio.Task[str | None] | None = None
-        quit_task = asyncio.get_running_loop().create_task(self.quit.wait())
-        try:
-            while True:
-                if line_task is None:
-                    line_task = asyncio.get_running_loop().create_task(self.lines.get())
-                assert self.pump is not None
-                pump = self.pump
-                done, _ = await asyncio.wait(
-                    {line_task, pump, quit_task}, return_when=asyncio.FIRST_COMPLETED
-                )
-                if quit_task in done:
-                    return 0
-                if pump in done:
-                    pump.result()  # raises ChatError when the stream failed
-                    raise ChatError("the planner ended the chat stream (was it stopped?)")
-                if line_task in done:
-                    line = line_task.result()
-                    line_task = None
-                    if line is None or not await self._handle(line.strip()):
-                        return 0
-        finally:
-            quit_task.cancel()
-            if line_task is not None:
-                line_task.cancel()
-
-    async def _handle(self, line: str) -> bool:
-        """Act on one typed line; False to quit."""
-        client = self.client
-        if not line:
-            self.prompt()
-            return True
-        if line.startswith("/"):
-            command, _, argument = line.partition(" ")
-            if command in ("/quit", "/exit"):
-                return False
-            if command == "/help":
-                client.note(_HELP)
-            elif command == "/cancel":
-                if await client.cancel():
-                    client.note("(cancelling)")
-                    return True
-                client.note("(no turn is running)" if not client.busy else "(not started yet)")
-            elif command == "/new":
-                await self._switch("")
-            elif command == "/open":
-                if not argument.strip():
-                    client.note("usage: /open SESSION_ID (see /sessions)")
-                else:
-                    await self._switch(argument.strip())
-            elif command == "/sessions":
-                await client.list_sessions()
-            else:
-                client.note(f"unknown command {command}; /help lists them")
-            if not client.busy:
-                self.prompt()
-            return True
-        if client.busy:
-            client.note("(a turn is running: wait for it, or /cancel it)")
-            return True
-        await client.send(line)
-        return True
-
-    async def _switch(self, session_id: str) -> None:
-        await self.stop_pump()
-        client = self.client
-        if client.busy:
-            client.note("(the running turn goes on; /open its session to follow it)")
-        client.running_turn = ""
-        client.pending.clear()
-        try:
-            if session_id:
-                await client.resume(session_id)
-            else:
-                await client.open()
-                client.untitled = True
-        except ChatError as error:
-            client.note(f"error: {error}")
-            # Back to the session we had, so the chat goes on.
-            await client.reopen()
-        else:
-            self.header(created=not session_id)
-        self.start_pump()
 
 
 def utf8_text(text: str) -> str:
@@ -901,10 +545,13 @@ async def run_chat(
         elif options.message is not None:
             await client.open(title=short(options.message, TITLE_CHARS))
         else:
-            await client.open()
-            client.untitled = True
+            # Interactive: the session is created with the first message; learn now
+            # whether the planner is there and takes the token.
+            await client.check()
         if options.message is not None:
             return await run_once(client, options.message)
-        return await _Interactive(client, lines or LineSource()).run()
+        from service.chat_interactive import Interactive
+
+        return await Interactive(client, lines).run()
     finally:
         await client.close()

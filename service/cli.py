@@ -3,7 +3,7 @@
 Subcommands: ``serve`` (the production service), ``migrate`` (bring the database schema
 to this release), ``token`` (a dev JWT from the data directory's secret) and ``health``
 (readiness and liveness probe), ``dev`` (the devstack and the planner together,
-``service.devmode``) and ``chat`` (the terminal client, ``service.chat_client``). Each
+``devstack.dev``) and ``chat`` (the terminal client, ``service.chat_client``). Each
 subcommand is one ``_add_<name>`` function registering its parser and handler, so adding
 one touches nothing else.
 
@@ -20,6 +20,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from service import datadir
 from service.config import ConfigError, Settings, is_loopback, load_settings, split_address
 
 Handler = Callable[[argparse.Namespace], int]
@@ -83,7 +84,11 @@ def _migrate(args: argparse.Namespace) -> int:
     from service.core.errors import StoreUnavailable
 
     if settings.database.is_sqlite:
-        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            datadir.prepare(settings.data_dir)
+        except datadir.DataDirError as error:
+            print(f"ballet-planner migrate: {error}", file=sys.stderr)
+            return 1
     try:
         asyncio.run(migrate(settings.database.url))
         status = asyncio.run(schema_status(settings.database.url))
@@ -102,7 +107,7 @@ def _add_token(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "token",
         help="print a dev token",
         description="Print a dev JWT for a user, signed with the data directory's dev "
-        "secret (generated if absent). Dev mode only.",
+        "secret, which the planner (serve or dev) creates at its first start. Dev mode only.",
     )
     parser.add_argument("--user", required=True, help="the subject (human id)")
     parser.add_argument(
@@ -120,11 +125,22 @@ def _add_token(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="a scope (repeatable); makes a service principal, e.g. planner.sessions.read",
     )
     parser.add_argument("--org", default="acme", help="organization id (default acme)")
+    parser.add_argument(
+        "--create-secret",
+        action="store_true",
+        help="create the data directory's dev secret if it has none (a planner already "
+        "running on that directory will not accept the tokens)",
+    )
     parser.set_defaults(handler=_token)
 
 
 def _token(args: argparse.Namespace) -> int:
-    from service.tokens import dev_secret, mint_dev_token
+    from ballet_common.tokens import (
+        PLANNER_AUDIENCE,
+        dev_secret,
+        mint_dev_service_token,
+        mint_dev_token,
+    )
 
     data_dir = args.data_dir or Path(
         os.environ.get("BALLET_PLANNER__DATA_DIR", "") or DEFAULT_DATA_DIR
@@ -136,9 +152,43 @@ def _token(args: argparse.Namespace) -> int:
         print("ballet-planner token: --ttl must be a positive number of seconds", file=sys.stderr)
         return 2
     scopes = [scope for value in args.scope for scope in value.split()]
-    token = mint_dev_token(
-        dev_secret(data_dir), args.user, organization_id=args.org, ttl_s=args.ttl, scopes=scopes
-    )
+    try:
+        if args.create_secret:
+            datadir.prepare(data_dir, datadir.WITH_OPTION)
+        datadir.check_folder(data_dir, datadir.WITH_OPTION)
+        # A secret made here signs tokens that no running planner accepts, so it is only
+        # made when asked for.
+        secret = dev_secret(data_dir, create=args.create_secret)
+    except datadir.DataDirError as error:
+        print(f"ballet-planner token: {error}", file=sys.stderr)
+        return 2
+    except FileNotFoundError:
+        print(
+            f"ballet-planner token: no dev secret in {data_dir}: start the planner "
+            "(`ballet-planner serve` or `dev`) with this data directory first, or pass "
+            "--create-secret to make one",
+            file=sys.stderr,
+        )
+        return 2
+    except OSError as error:
+        print(
+            "ballet-planner token: "
+            + str(datadir.unusable(data_dir, error, "read the dev secret", datadir.WITH_OPTION)),
+            file=sys.stderr,
+        )
+        return 2
+    if scopes:
+        # Service principals come from the service-token issuer, never a human's token.
+        token = mint_dev_service_token(
+            secret,
+            args.user,
+            audiences=(PLANNER_AUDIENCE,),
+            scopes=scopes,
+            organization_id=args.org,
+            ttl_s=args.ttl,
+        )
+    else:
+        token = mint_dev_token(secret, args.user, organization_id=args.org, ttl_s=args.ttl)
     print(token)
     return 0
 
@@ -172,16 +222,17 @@ def _health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    settings = _settings(args.config) if args.config else None
-    address = args.address or (settings.server.address if settings else None)
-    address = address or os.environ.get("BALLET_PLANNER__SERVER__ADDRESS") or DEFAULT_ADDRESS
+    # The same settings as serve (file and environment), so a probe given only the
+    # environment asks the address and TLS the server uses.
+    settings = _settings(args.config)
+    address = args.address or settings.server.address
     host, port = split_address(address, "--address")
     if host in ("0.0.0.0", "::", ""):
         host = "127.0.0.1"
     target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     ca_file = args.tls_ca
     use_tls = ca_file is not None
-    if settings is not None and settings.server.tls_cert is not None:
+    if settings.server.tls_cert is not None:
         use_tls = True
         ca_file = ca_file or settings.server.tls_ca or settings.server.tls_cert
     if use_tls:
@@ -276,7 +327,19 @@ def _dev(args: argparse.Namespace) -> int:
     if args.provider == "openai" and args.scenario is not None:
         print("ballet-planner dev: --scenario is for --provider scripted", file=sys.stderr)
         return 2
-    from service.devmode import DevError, DevOptions, dev_settings, run_dev
+    try:
+        # The one import of the devstack in the planner's code (issue 10): lazy, so that
+        # an image without the devstack serves, and says so here.
+        from devstack.dev import DevError, DevOptions, dev_settings, run_dev
+    except ModuleNotFoundError as error:
+        if error.name is None or error.name.partition(".")[0] != "devstack":
+            raise
+        print(
+            "ballet-planner dev: the devstack is not installed here (a production image "
+            "leaves it out); install the full package to run dev",
+            file=sys.stderr,
+        )
+        return 2
     from service.logs import configure_logging
     from service.main import StartupError
 
@@ -294,6 +357,12 @@ def _dev(args: argparse.Namespace) -> int:
         devstack_address=args.devstack_address,
     )
     settings = dev_settings(options)
+    try:
+        # Checked, not created: a start that fails later leaves no folder behind.
+        datadir.check_folder(settings.data_dir, datadir.WITH_OPTION)
+    except datadir.DataDirError as error:
+        print(f"ballet-planner dev: cannot start: {error}", file=sys.stderr)
+        return 1
     configure_logging(settings.logging)
     try:
         asyncio.run(run_dev(options, settings))
@@ -336,8 +405,8 @@ def _add_chat(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
 
 
 def _chat(args: argparse.Namespace) -> int:
+    from ballet_common.tokens import dev_secret, mint_dev_token
     from service.chat_client import ChatError, ChatOptions, run_chat
-    from service.tokens import dev_secret, mint_dev_token
 
     address = args.address or os.environ.get("BALLET_PLANNER__SERVER__ADDRESS") or DEFAULT_ADDRESS
     mint = None
@@ -404,9 +473,12 @@ SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
+    from service.version import version
+
     parser = argparse.ArgumentParser(
         prog="ballet-planner", description="Ballet Planner: the conversational planning service."
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in SUBCOMMANDS:
         add(commands)

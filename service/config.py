@@ -243,6 +243,12 @@ class ChannelSettings:
     max_message_bytes: int = _key(
         4 * MiB, ge=64 * KiB, doc="Largest message sent or received on the channel."
     )
+    service_token_file: Path | None = _key(
+        None,
+        doc="File holding the planner's service credential for this dependency's audience "
+        "only (re-read when it changes); empty: minted from the dev secret in dev mode, "
+        "else the channel's client certificate (tls_cert) proves the planner.",
+    )
 
     @property
     def uses_tls(self) -> bool:
@@ -257,8 +263,9 @@ def _gateway_channel() -> ChannelSettings:
 
 @dataclass(frozen=True)
 class DependenciesSettings:
-    """``[dependencies]``: the LLM gateway and tool backends, their deadlines and the
-    planner's own service credential (SPEC sections 4, 5). Durations are seconds."""
+    """``[dependencies]``: the LLM gateway and tool backends (each with the planner's
+    credential for its audience) and their deadlines (SPEC sections 4, 5). Durations are
+    seconds."""
 
     tracker: ChannelSettings = _key(factory=ChannelSettings, doc="Tracker backend channel.")
     skills: ChannelSettings = _key(factory=ChannelSettings, doc="Skills backend channel.")
@@ -282,11 +289,6 @@ class DependenciesSettings:
     project_lookup_s: float = _key(
         5.0, gt=0, doc="Deadline for the project check of CreateSession and re-checks."
     )
-    service_token_file: Path | None = _key(
-        None,
-        doc="File holding the planner's service credential (re-read when it changes); "
-        "empty in dev mode: minted from the dev secret.",
-    )
 
 
 @dataclass(frozen=True)
@@ -296,7 +298,22 @@ class AuthSettings:
     jwks_path: Path | None = _key(
         None, doc="JWKS file of Core's signing keys; empty: dev mode (HS256 dev secret)."
     )
-    issuers: tuple[str, ...] = _key((), doc="Accepted iss values; required with jwks_path.")
+    issuers: tuple[str, ...] = _key(
+        (), doc="iss values of Core's human tokens; required with jwks_path."
+    )
+    service_issuers: tuple[str, ...] = _key(
+        (),
+        doc="iss values of the service-token issuer (service principals); empty: none "
+        "accepted (dev mode: the dev service issuer). Never one of issuers.",
+    )
+    service_jwks_path: Path | None = _key(
+        None, doc="JWKS file of the service-token issuer's keys; empty: auth.jwks_path."
+    )
+    page_token_key_file: Path | None = _key(
+        None,
+        doc="File of page-token HMAC keys, one per line, newest first (re-read when it "
+        "changes); required with jwks_path; empty in dev mode: generated in data_dir.",
+    )
     leeway_s: float = _key(30.0, ge=0, le=60, doc="Clock skew allowed on exp, in seconds.")
     project_check_cache_s: float = _key(
         60.0, ge=0, le=60, doc="How long a project-readable answer of the tracker is reused."
@@ -407,8 +424,9 @@ def validate(settings: Settings) -> None:
     - the server's addresses parse as ``host:port``; dev mode binds only loopback, and
       the server speaks plaintext only on loopback or with ``insecure = true`` (SPEC 4;
       outbound channels are checked where they are made);
-    - TLS files come in pairs; mTLS needs a CA; production needs ``auth.issuers`` and a
-      service credential (a token file, or client certificates on every backend channel).
+    - TLS files come in pairs; mTLS needs a CA; production needs ``auth.issuers``, a
+      page-token key file, and a credential for each dependency (its token file, or a
+      client certificate on its channel); service issuers never overlap human ones.
     """
     planner = settings.planner
     needed = planner.compact_at_tokens + planner.max_rounds * planner.round_budget_tokens
@@ -477,17 +495,30 @@ def validate(settings: Settings) -> None:
         # (service.adapters.channels), which knows every gRPC target syntax.
         _check_tls_pair(key, channel.tls_cert, channel.tls_key)
 
-    if not settings.dev_mode:
-        if not settings.auth.issuers:
-            raise ConfigError("auth.issuers: required when auth.jwks_path is set")
-        backends_have_certs = all(
-            channel.tls_cert is not None for name, channel in channels(deps) if name != "gateway"
+    auth = settings.auth
+    shared = set(auth.issuers) & set(auth.service_issuers)
+    if shared:
+        raise ConfigError(
+            f"auth.service_issuers: must differ from auth.issuers, both name "
+            f"{', '.join(sorted(shared))}: a human token would pass as a service"
         )
-        if deps.service_token_file is None and not backends_have_certs:
+    if auth.service_jwks_path is not None and not auth.service_issuers:
+        raise ConfigError("auth.service_issuers: required when auth.service_jwks_path is set")
+    if not settings.dev_mode:
+        if not auth.issuers:
+            raise ConfigError("auth.issuers: required when auth.jwks_path is set")
+        if auth.page_token_key_file is None:
             raise ConfigError(
-                "dependencies.service_token_file: required when auth.jwks_path is set, "
-                "unless every backend channel has a client certificate (tls_cert)"
+                "auth.page_token_key_file: required when auth.jwks_path is set (every "
+                "replica must sign page tokens with the same keys)"
             )
+        for name, channel in channels(deps):
+            if channel.service_token_file is None and channel.tls_cert is None:
+                raise ConfigError(
+                    f"dependencies.{name}.service_token_file: required when auth.jwks_path "
+                    f"is set, unless dependencies.{name}.tls_cert (a client certificate) "
+                    "proves the planner"
+                )
 
 
 def channels(deps: DependenciesSettings) -> Iterator[tuple[str, ChannelSettings]]:

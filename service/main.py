@@ -5,7 +5,8 @@ does that, then waits for SIGTERM or SIGINT and shuts down gracefully. Nothing e
 the service builds engines, channels or servers, and nothing does I/O at import time.
 
 Start-up order: metrics; token verification (dev mode: the HS256 secret of the data
-dir, a WARNING, ``ballet_planner_dev_mode`` = 1); the database (SQLite: migrate here,
+dir, a WARNING, ``ballet_planner_dev_mode`` = 1); the service credentials (one per
+dependency audience) and the page-token keys; the database (SQLite: migrate here,
 with a WARNING, since SQLite means a single process; PostgreSQL: never migrate, and
 refuse to start while the schema is behind); the store; outbound channels and backend
 clients; the session rules; the turn machinery (``build_turn_machinery``); the gRPC
@@ -32,20 +33,24 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 
 import grpc
-from ballet.planner.v1 import planner_service_pb2, planner_service_pb2_grpc
+from ballet.planner.v1 import planner_service_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from ballet_common.files import private_directory
+from service import datadir
 from service.adapters.backends import GrpcToolBackends
 from service.adapters.bus import NullNotifier, PgNotifier
 from service.adapters.channels import ChannelTls, make_channel
 from service.adapters.gateway import GrpcModelGateway
 from service.adapters.store import migrate, schema_status
 from service.adapters.store.database import Database, open_database
+from service.adapters.store.engine import prepare_sqlite_file
 from service.config import ChannelSettings, ConfigError, Settings, channels, split_address
 from service.core.errors import StoreUnavailable, Unavailable
 from service.core.fanout import Hub
+from service.core.pages import PageTokens
 from service.core.ports import (
     Clock,
     Notifier,
@@ -58,25 +63,24 @@ from service.core.sessions import ProjectAccess, SessionLimits, SessionRules
 from service.core.streams import StreamRegistry
 from service.core.tools import ToolRunner, declarations
 from service.core.turn import TurnDependencies, TurnService, TurnSettings
-from service.credentials import ServiceCredential
+from service.credentials import ServiceCredentials
+from service.identity import page_token_keys, service_credentials, token_verifier
 from service.metrics import Metrics, MetricsInterceptor, MetricsServer, start_metrics_server
 from service.observer import PrometheusTurnObserver
-from service.tokens import (
-    DEV_ISSUER,
-    PLANNER_AUDIENCE,
-    KeySet,
-    TokenVerifier,
-    dev_secret,
-)
 from service.transport import convert
 from service.transport.auth import Authenticator
 from service.transport.chat import ChatLimits, TurnRpcs
+from service.transport.decoding import add_planner_service
 from service.transport.sessions import PlannerServicer, TurnEndpoints
 
 log = logging.getLogger(__name__)
 
 #: The service name health checking reports besides the overall ``""``.
 SERVICE_NAME = planner_service_pb2.DESCRIPTOR.services_by_name["PlannerService"].full_name
+#: A health service name that stays SERVING while the process serves, whatever the
+#: database does: the target of liveness probes that can only ask for SERVING, such as
+#: Kubernetes' native gRPC probe (docs/decisions/0163-deployment.md).
+LIVENESS_SERVICE = "liveness"
 #: A database ping slower than this counts as a failure (seconds).
 PING_TIMEOUT_S = 5.0
 #: Shutdown: the end of the grace period kept for closing channels and pools, and before
@@ -131,7 +135,8 @@ class Wiring:
     store: SessionStore
     backends: ToolBackends
     gateway_channel: Any
-    service_credential: ServiceCredential
+    #: The planner's credential per dependency audience (``service.credentials``).
+    service_credentials: ServiceCredentials
     authenticator: Authenticator
     rules: SessionRules
     clock: Clock
@@ -152,15 +157,10 @@ def build_turn_machinery(wiring: Wiring) -> TurnMachinery | None:
         max_events=limits.stream_queue_events,
         max_bytes=limits.stream_queue_bytes,
     )
-    credential = wiring.service_credential
-
-    def gateway_metadata() -> list[tuple[str, str]]:
-        token = credential.token()
-        return [("x-ballet-service-authorization", f"Bearer {token}")] if token else []
-
+    # The gateway gets the credential for its audience alone (issue 14).
     gateway = GrpcModelGateway(
         wiring.gateway_channel,
-        metadata=gateway_metadata,
+        metadata=wiring.service_credentials["gateway"].metadata,
         max_answer_bytes=deps.gateway.max_message_bytes,
     )
     tools = ToolRunner(
@@ -443,43 +443,13 @@ def _server_credentials(settings: Settings) -> Any | None:
     )
 
 
-def _verifier(settings: Settings, metrics: Metrics) -> TokenVerifier:
-    auth = settings.auth
-    if auth.jwks_path is None:
-        keys = KeySet(dev_secret=dev_secret(settings.data_dir))
-        log.warning(
-            "dev mode: no auth.jwks_path, bearer tokens are checked with the HS256 dev "
-            "secret of the data directory; serving on loopback only"
-        )
-        metrics.dev_mode.set(1)
-        issuers: Sequence[str] = auth.issuers or (DEV_ISSUER,)
-    else:
-        if not auth.jwks_path.is_file():
-            raise ConfigError(f"auth.jwks_path: {auth.jwks_path} is not a readable file")
-        keys = KeySet(jwks_path=auth.jwks_path)
-        metrics.dev_mode.set(0)
-        issuers = auth.issuers
-    return TokenVerifier(keys, audience=PLANNER_AUDIENCE, issuers=issuers, leeway_s=auth.leeway_s)
-
-
-def _service_credential(settings: Settings) -> ServiceCredential:
-    token_file = settings.dependencies.service_token_file
-    if token_file is not None:
-        if not token_file.is_file():
-            raise ConfigError(f"dependencies.service_token_file: {token_file} is not a file")
-        return ServiceCredential(token_file=token_file)
-    if settings.dev_mode:
-        return ServiceCredential(dev_secret=dev_secret(settings.data_dir))
-    # Production without a token file: config validation made sure every backend channel
-    # has a client certificate, the planner's mTLS identity.
-    return ServiceCredential()
-
-
 async def _open_database(settings: Settings) -> Database:
     url = settings.database.url
     try:
         if settings.database.is_sqlite:
-            settings.data_dir.mkdir(parents=True, exist_ok=True)
+            # Transcripts: 0600 in a 0700 directory whatever the umask (issue 14).
+            private_directory(settings.data_dir)
+            prepare_sqlite_file(url)
             await migrate(url)
             log.warning(
                 "SQLite database: single process only; its schema was migrated at start "
@@ -501,6 +471,16 @@ async def _open_database(settings: Settings) -> Database:
             hot_pool_size=database.hot_pool_size,
             context_cache_bytes=database.context_cache_bytes,
         )
+    except StoreUnavailable as error:
+        raise StartupError(f"the database is unreachable: {error}") from error
+
+
+async def migrate_database(url: str) -> None:
+    """Upgrade the schema of the database at ``url`` (a SQLAlchemy URL) to this release,
+    as ``ballet-planner migrate`` does; the public way for other tools (the devstack's
+    ``dev``) to do it. Raises ``StartupError`` when the database is unreachable."""
+    try:
+        await migrate(url)
     except StoreUnavailable as error:
         raise StartupError(f"the database is unreachable: {error}") from error
 
@@ -533,10 +513,22 @@ async def start_planner(
     used, e.g. an unreadable certificate) and ``StartupError`` (database unreachable or
     behind, address in use).
     """
+    if settings.dev_mode or settings.database.is_sqlite:
+        try:
+            datadir.prepare(settings.data_dir)
+        except datadir.DataDirError as error:
+            raise StartupError(str(error)) from None
     metrics = Metrics()
-    verifier = _verifier(settings, metrics)
+    verifier = token_verifier(settings)
+    if verifier.dev_mode:
+        log.warning(
+            "dev mode: no auth.jwks_path, bearer tokens are checked with the HS256 dev "
+            "secret of the data directory; serving on loopback only"
+        )
+    metrics.dev_mode.set(1 if verifier.dev_mode else 0)
     clock = clock or SystemClock()
-    credential = _service_credential(settings)
+    credentials = service_credentials(settings)
+    page_tokens = PageTokens(page_token_keys(settings))
     database = await _open_database(settings)
     metrics.database_connections_in_use.set_function(database.checked_out)
     opened: list[Any] = []
@@ -549,7 +541,9 @@ async def start_planner(
                 tracker=outbound["tracker"],
                 skills=outbound["skills"],
                 knowledge=outbound["knowledge"],
-                service_token=credential.token,
+                tracker_credential=credentials["tracker"].token,
+                skills_credential=credentials["skills"].token,
+                knowledge_credential=credentials["knowledge"].token,
             )
         authenticator = Authenticator(verifier)
         projects = ProjectAccess(
@@ -563,6 +557,7 @@ async def start_planner(
             projects,
             clock,
             SessionLimits(page_max_bytes=settings.limits.page_max_bytes),
+            page_tokens=page_tokens,
             message_size=convert.encoded_message_bytes,
         )
         turns = turn_machinery(
@@ -571,7 +566,7 @@ async def start_planner(
                 store=store,
                 backends=backends,
                 gateway_channel=outbound["gateway"],
-                service_credential=credential,
+                service_credentials=credentials,
                 authenticator=authenticator,
                 rules=rules,
                 clock=clock,
@@ -585,7 +580,8 @@ async def start_planner(
             options=server_options(settings),
             maximum_concurrent_rpcs=settings.server.maximum_concurrent_rpcs,
         )
-        planner_service_pb2_grpc.add_PlannerServiceServicer_to_server(
+        # Undecodable requests: INVALID_ARGUMENT, not UNKNOWN (service.transport.decoding).
+        add_planner_service(
             PlannerServicer(rules, authenticator, turns.endpoints if turns else None), server
         )
         health = HealthServicer()
@@ -621,6 +617,7 @@ async def start_planner(
             await turns.start()
         await server.start()
         await app._set_health(True)
+        await health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         metrics.database_up.set(1)
         app._monitor = asyncio.get_running_loop().create_task(
             app._watch_database(settings.server.health_check_interval_s), name="health-monitor"

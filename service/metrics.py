@@ -14,20 +14,34 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import platform
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+    start_http_server,
+)
 
 from service.config import split_address
+from service.version import version
 
 #: Latency buckets in seconds, from a fast tool call to a long model answer.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 #: A call cancelled by the client or the server (a stream closed while it yields).
 _CANCELLED: tuple[type[BaseException], ...] = (asyncio.CancelledError, GeneratorExit)
+#: Estimate / reported tokens: 1 is exact; the estimator aims within 0.85 to 1.15.
+ESTIMATE_RATIO_BUCKETS = (0.5, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0, 1.05, 1.1, 1.15, 1.2, 1.3, 1.5, 2)
 RPC_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 60)
 
 
@@ -37,7 +51,8 @@ class Metrics:
     Counters (``_total`` is added by prometheus_client):
 
     - ``ballet_planner_compactions_total``: compactions stored (seed: Context compaction);
-      ``ballet_planner_compaction_failures_total``: failed ones (logged, nothing stored).
+      ``ballet_planner_compaction_failures_total{reason}``: failed ones (logged, nothing
+      stored but the turn's compaction usage), by ``service.core.summaries`` reason.
     - ``ballet_planner_turns_total{reason}``: turns ended, by ``TurnEndReason`` value.
     - ``ballet_planner_rounds_total``: tool rounds run.
     - ``ballet_planner_tool_calls_total{tool,outcome}``: ``ok`` or an error reason.
@@ -50,7 +65,17 @@ class Metrics:
     ``ballet_planner_model_call_seconds{purpose,outcome}``,
     ``ballet_planner_tool_call_seconds{tool}``, ``ballet_planner_turn_seconds{reason}``,
     ``ballet_planner_grpc_server_handling_seconds{grpc_method}``; and
-    ``ballet_planner_turn_rounds`` (rounds per turn).
+    ``ballet_planner_turn_rounds`` (rounds per turn), and
+    ``ballet_planner_context_estimate_ratio{purpose}``: the calibrated estimate of a
+    request made without reported usage over the input tokens then reported (1 is
+    exact), so a provider whose tokenizer drifts from the rates shows.
+
+    Build and runtime: ``ballet_planner_build_info{version,python}`` (always 1: the
+    planner's version, as ``ballet-planner --version`` prints it, and Python's), and the
+    standard collectors of prometheus_client: ``process_*`` (CPU seconds, resident and
+    virtual memory, open and maximum file descriptors, start time; on Linux),
+    ``python_info`` and ``python_gc_*`` (collections, collected and uncollectable
+    objects per generation).
 
     Gauges: ``ballet_planner_open_streams``, ``ballet_planner_running_turns`` (on this
     replica), ``ballet_planner_dev_mode`` (1 in dev mode), ``ballet_planner_database_up``
@@ -61,6 +86,16 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         registry = self.registry
+        # The same collectors prometheus_client puts in its global registry, in ours.
+        ProcessCollector(registry=registry)
+        PlatformCollector(registry=registry)
+        GCCollector(registry=registry)  # registers nothing off CPython
+        self.build_info = Info(
+            "ballet_planner_build",
+            "The planner's build: its version and the Python it runs on.",
+            registry=registry,
+        )
+        self.build_info.info({"version": version(), "python": platform.python_version()})
         self.compactions = Counter(
             "ballet_planner_compactions",
             "Context compactions stored (seed: Context compaction).",
@@ -68,7 +103,17 @@ class Metrics:
         )
         self.compaction_failures = Counter(
             "ballet_planner_compaction_failures",
-            "Compaction calls that failed; the model call went on uncompacted.",
+            "Compactions that failed, by reason (model, refusal, error, too_short, empty, "
+            "finish_<reason>); the model call went on uncompacted.",
+            ["reason"],
+            registry=registry,
+        )
+        self.context_estimate_ratio = Histogram(
+            "ballet_planner_context_estimate_ratio",
+            "The context estimate made without reported usage over the input tokens the "
+            "provider then reported, by purpose (decision 0171).",
+            ["purpose"],
+            buckets=ESTIMATE_RATIO_BUCKETS,
             registry=registry,
         )
         self.turns = Counter(

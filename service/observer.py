@@ -59,5 +59,8 @@ class PrometheusTurnObserver:
     def compacted(self) -> None:
         self._metrics.compactions.inc()
 
-    def compaction_failed(self) -> None:
-        self._metrics.compaction_failures.inc()
+    def compaction_failed(self, reason: str) -> None:
+        self._metrics.compaction_failures.labels(reason=reason).inc()
+
+    def context_estimated(self, purpose: str, estimated: int, reported: int) -> None:
+        self._metrics.context_estimate_ratio.labels(purpose=purpose).observe(estimated / reported)

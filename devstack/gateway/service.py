@@ -1,6 +1,11 @@
 """The devstack's `ballet.llm.v1.GatewayService` servicer (SPEC section 9).
 
-`Generate` refuses a request without `project_id` or `credential_ref`, with purpose
+`Generate` serves only the planner: a call without the planner's service credential for
+the gateway's audience (`x-ballet-service-authorization`, a token of the service-token
+issuer naming `ballet-llm-gateway` alone) is refused UNAUTHENTICATED
+(`SERVICE_CREDENTIAL_MISSING`/`SERVICE_CREDENTIAL_INVALID`), another service's credential
+PERMISSION_DENIED (`PLANNER_REQUIRED`), as a production gateway would (issue 14). It
+refuses a request without `project_id` or `credential_ref`, with purpose
 unspecified, or with a message whose role is unspecified (INVALID_ARGUMENT); otherwise it
 streams the provider's answer as `GenerateResponse` chunks as they come (text deltas,
 reasoning activity, tool-call starts and argument deltas), then, when the answer ended
@@ -30,6 +35,9 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from ballet_common.redact import scrub
+from ballet_common.tokens import GATEWAY_AUDIENCE, PLANNER_SERVICE_SUBJECT, Trust
+from devstack.auth import ServiceCredentialVerifier
+from devstack.errors import Unauthenticated
 from devstack.gateway.base import (
     FinishChunk,
     FinishReason,
@@ -52,6 +60,8 @@ REASON_CREDENTIAL_REF_REQUIRED = "CREDENTIAL_REF_REQUIRED"
 REASON_PURPOSE_REQUIRED = "PURPOSE_REQUIRED"
 REASON_ROLE_REQUIRED = "ROLE_REQUIRED"
 REASON_PROVIDER_FAILED = "PROVIDER_FAILED"
+REASON_CREDENTIAL_MISSING = "SERVICE_CREDENTIAL_MISSING"
+REASON_PLANNER_REQUIRED = "PLANNER_REQUIRED"
 
 _log = logging.getLogger(__name__)
 
@@ -121,22 +131,52 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     Args:
         provider: the model backend; the public `provider` attribute may be replaced
             between calls (a test switching scenarios).
+        trust: the issuers whose service tokens prove the planner (its credential for
+            `ballet-llm-gateway`).
         ledger: where finished calls are metered; a fresh `UsageLedger` by default.
 
     Attributes:
         requests: every `GenerateRequest` received, in arrival order (refused ones too).
+        credentials: the `x-ballet-service-authorization` value of each of them (empty
+            when absent), in the same order: what a gateway that logs could leak.
         ledger: the usage ledger.
     """
 
-    def __init__(self, provider: Provider, *, ledger: UsageLedger | None = None) -> None:
+    def __init__(
+        self, provider: Provider, *, trust: Trust, ledger: UsageLedger | None = None
+    ) -> None:
         self.provider = provider
         self.ledger = ledger if ledger is not None else UsageLedger()
         self.requests: list[gateway_pb2.GenerateRequest] = []
+        self.credentials: list[str] = []
+        self._credential = ServiceCredentialVerifier(trust, GATEWAY_AUDIENCE)
 
     def reset(self) -> None:
         """Forget the recorded requests and the ledger (between tests sharing a server)."""
         self.requests.clear()
+        self.credentials.clear()
         self.ledger.clear()
+
+    def _caller_refusal(self, metadata: list[tuple[str, str | bytes]]) -> ProviderError | None:
+        try:
+            claims = self._credential.verify(metadata)
+        except Unauthenticated as error:
+            return ProviderError(
+                grpc.StatusCode.UNAUTHENTICATED, error.message, reason=error.reason
+            )
+        if claims is None:
+            return ProviderError(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "the planner's service credential (x-ballet-service-authorization) is required",
+                reason=REASON_CREDENTIAL_MISSING,
+            )
+        if claims.subject != PLANNER_SERVICE_SUBJECT:
+            return ProviderError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "only the planner may call the gateway",
+                reason=REASON_PLANNER_REQUIRED,
+            )
+        return None
 
     async def Generate(
         self,
@@ -151,8 +191,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         refused request; the provider's status for a `ProviderError`; INTERNAL
         (`PROVIDER_FAILED`) for any other provider failure or a chunk out of order.
         """
+        metadata = list(context.invocation_metadata() or ())
         self.requests.append(request)
-        refusal = _refusal(request)
+        self.credentials.append(_header(metadata, "x-ballet-service-authorization"))
+        refusal = self._caller_refusal(metadata) or _refusal(request)
         if refusal is not None:
             await self._abort(context, request, refusal)
         error: ProviderError | None = None
@@ -315,11 +357,24 @@ def _out_of_order(what: str) -> ProviderError:
     )
 
 
+def _header(metadata: list[tuple[str, str | bytes]], key: str) -> str:
+    for name, value in metadata:
+        if name == key:
+            return value.decode(errors="replace") if isinstance(value, bytes) else value
+    return ""
+
+
 def add_gateway_service(
-    server: grpc.aio.Server, provider: Provider, *, ledger: UsageLedger | None = None
+    server: grpc.aio.Server,
+    provider: Provider,
+    *,
+    trust: Trust,
+    ledger: UsageLedger | None = None,
 ) -> GatewayServicer:
     """Register a `GatewayServicer` over `provider` on a grpc.aio server (before it
-    starts) and return it, so the caller can read its `requests` and `ledger`."""
-    servicer = GatewayServicer(provider, ledger=ledger)
+    starts) and return it, so the caller can read its `requests` and `ledger`. `trust`
+    names the issuers whose service tokens prove the planner (in dev mode
+    `Trust.dev(dev_secret(data_dir))`, the devstack's)."""
+    servicer = GatewayServicer(provider, trust=trust, ledger=ledger)
     gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
     return servicer

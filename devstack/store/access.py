@@ -98,6 +98,31 @@ async def put_project(
             )
 
 
+async def set_role(
+    session: AsyncSession, *, user: str, project_id: str, role: str | None
+) -> None:
+    """Give ``user`` the ``role`` on ``project_id``, replacing any role they had, or take
+    it away (None). Raises ``ValueError`` for an unknown role, user or project."""
+    if role is not None and role not in ROLE_PERMISSIONS:
+        raise ValueError(f"unknown role {role!r}")
+    if user not in USERS:
+        raise ValueError(f"unknown user {user!r}")
+    found = await session.scalar(
+        sa.select(projects.c.project_id).where(projects.c.project_id == project_id)
+    )
+    if found is None:
+        raise ValueError(f"unknown project {project_id!r}")
+    await session.execute(
+        sa.delete(project_roles).where(
+            project_roles.c.project_id == project_id, project_roles.c.user_id == user
+        )
+    )
+    if role is not None:
+        await session.execute(
+            sa.insert(project_roles).values(project_id=project_id, user_id=user, role=role)
+        )
+
+
 async def project_access(
     session: AsyncSession, *, human: str, organization_id: str, project_id: str
 ) -> Access:

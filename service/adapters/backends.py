@@ -2,12 +2,14 @@
 
 ``GrpcToolBackends`` implements the core's ``ToolBackends`` port (``service/core/ports.py``)
 on ``grpc.aio`` channels to ``ballet.tracker.v1.TrackerService``,
-``ballet.skills.v1.SkillsService`` and ``ballet.knowledge.v1.KnowledgeService``.
+``ballet.skills.v1.SkillsService`` and ``ballet.knowledge.v1.KnowledgeService``: one
+method per RPC, its request and response translated by ``backend_messages``.
 
 Authority (seed: Authority; SPEC section 4): every call carries the human's bearer token
 (``authorization``), the recorded actor (``x-ballet-actor: planner:<session_id>``) and the
-planner's own service credential (``x-ballet-service-authorization``), so a backend can
-honour the actor only when the caller proves it is the planner, and authorizes the human.
+planner's own service credential for that backend (``x-ballet-service-authorization``;
+one credential per backend audience, issue 14), so a backend can honour the actor only
+when the caller proves it is the planner, and authorizes the human.
 
 Deadlines (SPEC section 5, Deadlines): every call has the deadline the caller passes in
 seconds; it never comes from an inbound RPC, because a turn outlives the RPC that started
@@ -21,9 +23,10 @@ prompt's reads (domain ``PlannerError``s the transport maps to status codes).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, cast
 
 import grpc
 from ballet.knowledge.v1 import knowledge_pb2, knowledge_pb2_grpc
@@ -31,15 +34,34 @@ from ballet.skills.v1 import skills_pb2, skills_pb2_grpc
 from ballet.tracker.v1 import tracker_pb2, tracker_pb2_grpc
 from google.rpc import error_details_pb2, status_pb2  # type: ignore[import-untyped, unused-ignore]
 
-from service.core.errors import (
-    NotFound,
-    PlannerError,
-    ToolFailure,
-    Unauthenticated,
-    Unavailable,
+from service.adapters import backend_messages as messages
+from service.core.backend_types import (
+    Acting,
+    Changeset,
+    ChangesetPage,
+    ChangesetProposal,
+    ChangesetQuery,
+    Item,
+    ItemPage,
+    ItemQuery,
+    KnowledgeEntry,
+    KnowledgeEntryChange,
+    KnowledgeHits,
+    KnowledgeSearch,
+    NewKnowledgeEntry,
+    ProjectInfo,
+    ProjectSearch,
+    ProjectSearchResult,
+    RunnableQuery,
+    SkillContent,
+    SkillDocument,
+    SkillPage,
+    SkillQuery,
 )
+from service.core.errors import NotFound, PlannerError, ToolFailure, Unauthenticated, Unavailable
 from service.core.model import JsonObject
-from service.core.ports import Acting, BackendCall, BackendResult, ProjectInfo, SkillDocument
+from service.core.ports import ToolBackends
+from service.core.tools.tracker import full_item
 
 #: Metadata key of the recorded actor, ``planner:<session_id>`` (SPEC section 4).
 ACTOR_HEADER = "x-ballet-actor"
@@ -50,6 +72,21 @@ PLANNER_SKILL_SETTING = "planner.skill"
 MODEL_CREDENTIAL_SETTING = "planner.model_credential"
 
 _STATUS_DETAILS_KEY = "grpc-status-details-bin"
+#: The backend each tool calls, whose own credential goes with the call (issue 14).
+_TOOL_BACKENDS = {
+    "list_items": "tracker",
+    "get_item": "tracker",
+    "list_runnable": "tracker",
+    "search_project": "tracker",
+    "list_changesets": "tracker",
+    "propose_changeset": "tracker",
+    "list_skills": "skills",
+    "read_skill": "skills",
+    "search_knowledge": "knowledge",
+    "get_knowledge": "knowledge",
+    "create_knowledge": "knowledge",
+    "update_knowledge": "knowledge",
+}
 
 
 @dataclass(frozen=True)
@@ -148,14 +185,28 @@ def skill_error(error: UpstreamError, name: str) -> PlannerError:
     )
 
 
+@contextmanager
+def _tool_errors() -> Iterator[None]:
+    """Translate a failed RPC of a tool into the ``ToolFailure`` the model sees."""
+    try:
+        yield
+    except grpc.aio.AioRpcError as error:
+        raise tool_failure(upstream_error(error)) from None
+
+
+#: A planner service credential: called for every RPC, so a rotated credential is used
+#: without a restart; an empty one sends no header (an mTLS identity proves the planner).
+Credential = Callable[[], str]
+
+
 class GrpcToolBackends:
     """``ToolBackends`` over gRPC (see the module docstring for authority and deadlines).
 
     ``tracker``, ``skills`` and ``knowledge`` are ``grpc.aio`` channels (made by
     ``service.adapters.channels.make_channel``; the caller owns and closes them).
-    ``service_token`` returns the planner's current service credential; it is called for
-    every RPC, so a rotated credential is picked up without a restart, and an empty one
-    sends no ``x-ballet-service-authorization`` (the mTLS identity proves the planner).
+    ``tracker_credential``, ``skills_credential`` and ``knowledge_credential`` give the
+    planner's service credential for that backend's audience (issue 14: a credential one
+    dependency receives opens no other).
     """
 
     def __init__(
@@ -164,7 +215,9 @@ class GrpcToolBackends:
         tracker: grpc.aio.Channel,
         skills: grpc.aio.Channel,
         knowledge: grpc.aio.Channel,
-        service_token: Callable[[], str],
+        tracker_credential: Credential,
+        skills_credential: Credential,
+        knowledge_credential: Credential,
     ) -> None:
         # The stubs' overloads pick the async type from an aio channel; grpc has no type
         # information here, so say which one it is.
@@ -178,33 +231,33 @@ class GrpcToolBackends:
             "knowledge_pb2_grpc.KnowledgeServiceAsyncStub",
             knowledge_pb2_grpc.KnowledgeServiceStub(knowledge),
         )
-        self._service_token = service_token
-        self._handlers: dict[str, _Handler] = {
-            "list_items": self._list_items,
-            "get_item": self._get_item,
-            "list_runnable": self._list_runnable,
-            "search_project": self._search_project,
-            "list_changesets": self._list_changesets,
-            "propose_changeset": self._propose_changeset,
-            "list_skills": self._list_skills,
-            "read_skill": self._read_skill_tool,
-            "search_knowledge": self._search_knowledge,
-            "get_knowledge": self._get_knowledge,
-            "create_knowledge": self._create_knowledge,
-            "update_knowledge": self._update_knowledge,
-        }
+        self._tracker_credential = tracker_credential
+        self._skills_credential = skills_credential
+        self._knowledge_credential = knowledge_credential
 
-    def _metadata(self, acting: Acting) -> tuple[tuple[str, str], ...]:
+    @staticmethod
+    def _metadata(acting: Acting, credential: Credential) -> tuple[tuple[str, str], ...]:
         metadata = (
             ("authorization", f"Bearer {acting.token}"),
             (ACTOR_HEADER, acting.actor),
         )
-        service_token = self._service_token()
+        service_token = credential()
         if not service_token:
             # In production the planner may prove itself by its mTLS identity instead
             # (SPEC section 4); an empty bearer header would only be a malformed one.
             return metadata
         return (*metadata, (SERVICE_AUTHORIZATION_HEADER, f"Bearer {service_token}"))
+
+    def _tracker_meta(self, acting: Acting) -> tuple[tuple[str, str], ...]:
+        return self._metadata(acting, self._tracker_credential)
+
+    def _skills_meta(self, acting: Acting) -> tuple[tuple[str, str], ...]:
+        return self._metadata(acting, self._skills_credential)
+
+    def _knowledge_meta(self, acting: Acting) -> tuple[tuple[str, str], ...]:
+        return self._metadata(acting, self._knowledge_credential)
+
+    # ----------------------------------------------------------------- system prompt
 
     async def get_project(self, acting: Acting, project_id: str, timeout_s: float) -> ProjectInfo:
         """``TrackerService.GetProject`` as the human, within ``timeout_s`` seconds.
@@ -219,7 +272,7 @@ class GrpcToolBackends:
         request = tracker_pb2.GetProjectRequest(project_id=project_id)
         try:
             response = await self._tracker.GetProject(
-                request, metadata=self._metadata(acting), timeout=timeout_s
+                request, metadata=self._tracker_meta(acting), timeout=timeout_s
             )
         except grpc.aio.AioRpcError as error:
             raise project_error(upstream_error(error), project_id) from None
@@ -247,7 +300,7 @@ class GrpcToolBackends:
         request = skills_pb2.ReadSkillRequest(project_id=project_id, name=name)
         try:
             response = await self._skills.ReadSkill(
-                request, metadata=self._metadata(acting), timeout=timeout_s
+                request, metadata=self._skills_meta(acting), timeout=timeout_s
             )
         except grpc.aio.AioRpcError as error:
             raise skill_error(upstream_error(error), name) from None
@@ -257,462 +310,136 @@ class GrpcToolBackends:
             content=response.content,
         )
 
-    # ----------------------------------------------------------------------- tools
+    # ----------------------------------------------------------------- the tools' RPCs
+    # Each raises ToolFailure: a backend refusal as tool_failure translates it, or a
+    # number the request's field cannot hold (backend_messages). Write RPCs carry the
+    # request_id of their domain request: the planner's id of the tool call (SPEC 4).
 
-    async def invoke(self, call: BackendCall) -> BackendResult:
-        """Run one tool against its backend, as ``call.acting`` within ``call.timeout_s``.
-
-        ``call.arguments`` were validated against the tool's schema by the runner
-        (``service/core/tools.py``, which documents each output shape). Write RPCs carry
-        ``call.request_id`` (the tool call's id), so a retry never writes twice (SPEC
-        section 4). Raises ``ToolFailure``: ``UNKNOWN_TOOL``, or a backend refusal as
-        ``tool_failure`` translates it.
-        """
-        handler = self._handlers.get(call.tool)
-        if handler is None:
-            raise ToolFailure("UNKNOWN_TOOL", f"there is no tool named {call.tool!r}")
-        options = _CallOptions(metadata=self._metadata(call.acting), timeout=call.timeout_s)
-        try:
-            return await handler(call, options)
-        except grpc.aio.AioRpcError as error:
-            raise tool_failure(upstream_error(error)) from None
-
-    async def _list_items(self, call: BackendCall, options: _CallOptions) -> BackendResult:
-        args = call.arguments
-        request = tracker_pb2.ListItemsRequest(
-            project_id=call.project_id,
-            kind=_ITEM_KINDS.get(args.get("kind", ""), tracker_pb2.ITEM_KIND_UNSPECIFIED),
-            state=_ITEM_STATES.get(args.get("state", ""), tracker_pb2.ITEM_STATE_UNSPECIFIED),
-            epic_id=args.get("epic_id", ""),
-            milestone_id=args.get("milestone_id", ""),
-            page_size=args.get("page_size", DEFAULT_ITEMS_PAGE),
-            page_token=args.get("page_token", ""),
-        )
-        response = await self._tracker.ListItems(request, **options.kwargs())
-        return _item_page(response.items, response.next_page_token, response.total_size)
-
-    async def _get_item(self, call: BackendCall, options: _CallOptions) -> BackendResult:
-        request = tracker_pb2.GetItemRequest(
-            project_id=call.project_id, item_id=call.arguments["item_id"]
-        )
-        response = await self._tracker.GetItem(request, **options.kwargs())
-        return BackendResult(output={"item": _full_item(response.item)})
-
-    async def _list_runnable(self, call: BackendCall, options: _CallOptions) -> BackendResult:
-        args = call.arguments
-        request = tracker_pb2.ListRunnableTicketsRequest(
-            project_id=call.project_id,
-            page_size=args.get("page_size", DEFAULT_ITEMS_PAGE),
-            page_token=args.get("page_token", ""),
-        )
-        response = await self._tracker.ListRunnableTickets(request, **options.kwargs())
-        return _item_page(response.items, response.next_page_token, response.total_size)
-
-    async def _search_project(self, call: BackendCall, options: _CallOptions) -> BackendResult:
-        args = call.arguments
-        request = tracker_pb2.SearchProjectRequest(
-            project_id=call.project_id,
-            query=args["query"],
-            page_size=args.get("limit", DEFAULT_SEARCH_LIMIT),
-        )
-        response = await self._tracker.SearchProject(request, **options.kwargs())
-        if not (response.items_searched or response.skills_searched):
-            # SPEC section 4: with neither tracker.read nor skill.read it is a refusal.
-            raise ToolFailure(
-                "PERMISSION_DENIED", "the human may read neither the tracker nor the skills"
+    async def list_items(self, acting: Acting, query: ItemQuery, timeout_s: float) -> ItemPage:
+        request = messages.list_items_request(query)
+        with _tool_errors():
+            response = await self._tracker.ListItems(
+                request, metadata=self._tracker_meta(acting), timeout=timeout_s
             )
-        results: list[JsonObject] = []
-        for hit in response.results:
-            which = hit.WhichOneof("hit")
-            entry: JsonObject
-            if which == "item":
-                entry = {"item": _compact_item(hit.item)}
-            elif which == "skill":
-                entry = {
-                    "skill": {
-                        "name": hit.skill.name,
-                        "description": hit.skill.description,
-                        "version": hit.skill.version,
-                    }
-                }
-            else:
-                continue
-            entry["score"] = round(hit.score, 4)
-            entry["snippet"] = hit.snippet
-            results.append(entry)
-        output: JsonObject = {
-            "results": results,
-            "items_searched": response.items_searched,
-            "skills_searched": response.skills_searched,
-        }
-        return BackendResult(output=output)
+        return messages.item_page(response.items, response.next_page_token, response.total_size)
 
-    async def _list_changesets(self, call: BackendCall, options: _CallOptions) -> BackendResult:
-        args = call.arguments
-        request = tracker_pb2.ListChangesetsRequest(
-            project_id=call.project_id,
-            status=_CHANGESET_STATUSES.get(
-                args.get("status", ""), tracker_pb2.CHANGESET_STATUS_UNSPECIFIED
-            ),
-            page_size=args.get("page_size", DEFAULT_CHANGESETS_PAGE),
-            page_token=args.get("page_token", ""),
-        )
-        response = await self._tracker.ListChangesets(request, **options.kwargs())
-        output: JsonObject = {"changesets": [_changeset(c) for c in response.changesets]}
-        if response.next_page_token:
-            output["next_page_token"] = response.next_page_token
-        return BackendResult(output=output)
-
-    async def _propose_changeset(self, call: BackendCall, options: _CallOptions) -> BackendResult:
-        args = call.arguments
-        request = tracker_pb2.ProposeChangesetRequest(
-            request_id=call.request_id,
-            project_id=call.project_id,
-            title=args["title"],
-            description=args.get("description", ""),
-            operations=[_operation(operation) for operation in args["operations"]],
-        )
-        response = await self._tracker.ProposeChangeset(request, **options.kwargs())
-        changeset = response.changeset
-        return BackendResult(
-            output={"changeset": _changeset(changeset)}, changeset_id=changeset.changeset_id
-        )
-
-    async def _list_skills(self, call: BackendCall, options: _CallOptions) -> BackendResult:
-        # The tool takes no page token (seed: "the project's effective skills"), so read
-        # every page, up to a bound that keeps one call's cost known.
-        skills: list[JsonObject] = []
-        token = ""
-        for _ in range(_MAX_SKILL_PAGES):
-            request = skills_pb2.ListSkillsRequest(
-                project_id=call.project_id, page_size=_SKILLS_PAGE, page_token=token
+    async def get_item(
+        self, acting: Acting, project_id: str, item_id: str, timeout_s: float
+    ) -> Item:
+        request = tracker_pb2.GetItemRequest(project_id=project_id, item_id=item_id)
+        with _tool_errors():
+            response = await self._tracker.GetItem(
+                request, metadata=self._tracker_meta(acting), timeout=timeout_s
             )
-            response = await self._skills.ListSkills(request, **options.kwargs())
-            skills.extend(_skill(skill) for skill in response.skills)
-            token = response.next_page_token
-            if not token:
-                break
-        return BackendResult(output={"skills": skills})
+        return messages.item(response.item)
 
-    async def _read_skill_tool(self, call: BackendCall, options: _CallOptions) -> BackendResult:
-        request = skills_pb2.ReadSkillRequest(
-            project_id=call.project_id, name=call.arguments["name"]
-        )
-        response = await self._skills.ReadSkill(request, **options.kwargs())
-        skill = _skill(response.skill)
-        del skill["latest_version"]
-        if not skill["description"]:
-            del skill["description"]
-        return BackendResult(output={"skill": skill, "content": response.content})
-
-    async def _search_knowledge(self, call: BackendCall, options: _CallOptions) -> BackendResult:
-        args = call.arguments
-        request = knowledge_pb2.SearchKnowledgeRequest(
-            query=args["query"],
-            kind=_KNOWLEDGE_KINDS.get(
-                args.get("kind", ""), knowledge_pb2.KNOWLEDGE_KIND_UNSPECIFIED
-            ),
-            page_size=args.get("limit", DEFAULT_SEARCH_LIMIT),
-        )
-        response = await self._knowledge.SearchKnowledge(request, **options.kwargs())
-        hits: list[JsonObject] = []
-        for hit in response.hits:
-            entry = _entry_head(hit.entry)
-            _set_time(entry, "update_time", hit.entry, "update_time")
-            entry["score"] = round(hit.score, 4)
-            entry["snippet"] = hit.snippet
-            hits.append(entry)
-        output: JsonObject = {"hits": hits}
-        if response.next_page_token:
-            output["next_page_token"] = response.next_page_token
-        return BackendResult(output=output)
-
-    async def _get_knowledge(self, call: BackendCall, options: _CallOptions) -> BackendResult:
-        request = knowledge_pb2.GetKnowledgeEntryRequest(entry_id=call.arguments["entry_id"])
-        response = await self._knowledge.GetKnowledgeEntry(request, **options.kwargs())
-        return BackendResult(output={"entry": _full_entry(response.entry)})
-
-    async def _create_knowledge(self, call: BackendCall, options: _CallOptions) -> BackendResult:
-        args = call.arguments
-        request = knowledge_pb2.CreateKnowledgeEntryRequest(
-            request_id=call.request_id,
-            kind=_KNOWLEDGE_KINDS[args["kind"]],
-            title=args["title"],
-            body=args["body"],
-            status=args.get("status", ""),
-            project_id=call.project_id,
-            item_ids=args.get("item_ids", []),
-        )
-        response = await self._knowledge.CreateKnowledgeEntry(request, **options.kwargs())
-        return _written(response.entry)
-
-    async def _update_knowledge(self, call: BackendCall, options: _CallOptions) -> BackendResult:
-        args = call.arguments
-        request = knowledge_pb2.UpdateKnowledgeEntryRequest(
-            request_id=call.request_id,
-            entry_id=args["entry_id"],
-            version=args["version"],
-            title=args.get("title"),
-            body=args.get("body"),
-            status=args.get("status"),
-            item_ids=args.get("item_ids", []),
-            # An explicit list, even an empty one, replaces the links (the contract's rule).
-            replace_item_ids="item_ids" in args,
-        )
-        response = await self._knowledge.UpdateKnowledgeEntry(request, **options.kwargs())
-        return _written(response.entry)
-
-
-# --------------------------------------------------------------------------- helpers
-
-#: Default page sizes when the model gives none: small enough that a page of compact
-#: results stays under the 16 KiB cut (SPEC section 5 step 5), so page tokens stay usable.
-DEFAULT_ITEMS_PAGE = 50
-DEFAULT_CHANGESETS_PAGE = 10
-DEFAULT_SEARCH_LIMIT = 10
-#: A created item's priority when the model gives none (the middle of 0 to 4).
-DEFAULT_PRIORITY = 2
-_SKILLS_PAGE = 200
-_MAX_SKILL_PAGES = 5
-
-
-@dataclass(frozen=True)
-class _CallOptions:
-    """What every RPC of one tool call carries: the acting metadata and the deadline (s)."""
-
-    metadata: tuple[tuple[str, str], ...]
-    timeout: float
-
-    def kwargs(self) -> dict[str, Any]:
-        return {"metadata": self.metadata, "timeout": self.timeout}
-
-
-_Handler = Callable[[BackendCall, _CallOptions], Awaitable[BackendResult]]
-
-_ITEM_KINDS = {
-    "milestone": tracker_pb2.ITEM_KIND_MILESTONE,
-    "epic": tracker_pb2.ITEM_KIND_EPIC,
-    "ticket": tracker_pb2.ITEM_KIND_TICKET,
-}
-_ITEM_STATES = {
-    "open": tracker_pb2.ITEM_STATE_OPEN,
-    "in_progress": tracker_pb2.ITEM_STATE_IN_PROGRESS,
-    "blocked": tracker_pb2.ITEM_STATE_BLOCKED,
-    "closed": tracker_pb2.ITEM_STATE_CLOSED,
-}
-_CHANGESET_STATUSES = {
-    "proposed": tracker_pb2.CHANGESET_STATUS_PROPOSED,
-    "applied": tracker_pb2.CHANGESET_STATUS_APPLIED,
-    "rejected": tracker_pb2.CHANGESET_STATUS_REJECTED,
-}
-_KNOWLEDGE_KINDS = {
-    "document": knowledge_pb2.KNOWLEDGE_KIND_DOCUMENT,
-    "decision": knowledge_pb2.KNOWLEDGE_KIND_DECISION,
-    "note": knowledge_pb2.KNOWLEDGE_KIND_NOTE,
-    "debt": knowledge_pb2.KNOWLEDGE_KIND_DEBT,
-}
-_SKILL_SCOPES = {
-    skills_pb2.SKILL_SCOPE_ORGANIZATION: "organization",
-    skills_pb2.SKILL_SCOPE_PROJECT: "project",
-}
-_ITEM_KIND_NAMES = {value: name for name, value in _ITEM_KINDS.items()}
-_ITEM_STATE_NAMES = {value: name for name, value in _ITEM_STATES.items()}
-_CHANGESET_STATUS_NAMES = {value: name for name, value in _CHANGESET_STATUSES.items()}
-_KNOWLEDGE_KIND_NAMES = {value: name for name, value in _KNOWLEDGE_KINDS.items()}
-
-
-def _set_time(output: JsonObject, key: str, message: Any, field: str) -> None:
-    if message.HasField(field):
-        output[key] = getattr(message, field).ToJsonString()
-
-
-def _compact_item(item: tracker_pb2.Item) -> JsonObject:
-    output: JsonObject = {
-        "item_id": item.item_id,
-        "kind": _ITEM_KIND_NAMES.get(item.kind, "unspecified"),
-        "title": item.title,
-        "state": _ITEM_STATE_NAMES.get(item.state, "unspecified"),
-        "priority": item.priority,
-    }
-    if item.ticket_type:
-        output["ticket_type"] = item.ticket_type
-    if item.epic_id:
-        output["epic_id"] = item.epic_id
-    if item.milestone_id:
-        output["milestone_id"] = item.milestone_id
-    if item.labels:
-        output["labels"] = list(item.labels)
-    return output
-
-
-def _full_item(item: tracker_pb2.Item) -> JsonObject:
-    output = _compact_item(item)
-    output["description"] = item.description
-    output["acceptance_criteria"] = item.acceptance_criteria
-    output["blocked_by_ids"] = list(item.blocked_by_ids)
-    output["blocks_ids"] = list(item.blocks_ids)
-    if item.HasField("policy"):
-        output["policy"] = {"mode": item.policy.mode, "settings": dict(item.policy.settings)}
-    _set_time(output, "create_time", item, "create_time")
-    _set_time(output, "update_time", item, "update_time")
-    return output
-
-
-def _item_page(items: Any, next_page_token: str, total_size: int) -> BackendResult:
-    output: JsonObject = {"items": [_compact_item(item) for item in items]}
-    # Proto3 cannot tell "0" from "unknown"; 0 next to items means the backend did not say.
-    if total_size or not output["items"]:
-        output["total_size"] = total_size
-    if next_page_token:
-        output["next_page_token"] = next_page_token
-    return BackendResult(output=output)
-
-
-def _operation(operation: JsonObject) -> tracker_pb2.ChangesetOperation:
-    """One operation of ``propose_changeset`` (tools.py schema) as the contract's message.
-
-    Fields are copied by name, one by one: nothing the schema does not name (an execution
-    policy above all; SPEC section 4) can reach the tracker.
-    """
-    if "create_item" in operation:
-        create = operation["create_item"]
-        return tracker_pb2.ChangesetOperation(
-            create_item=tracker_pb2.CreateItemOperation(
-                ref=create.get("ref", ""),
-                kind=_ITEM_KINDS[create["kind"]],
-                title=create["title"],
-                description=create.get("description", ""),
-                acceptance_criteria=create.get("acceptance_criteria", ""),
-                priority=create.get("priority", DEFAULT_PRIORITY),
-                ticket_type=create.get("ticket_type", ""),
-                epic_id=create.get("epic_id", ""),
-                milestone_id=create.get("milestone_id", ""),
+    async def list_runnable_tickets(
+        self, acting: Acting, query: RunnableQuery, timeout_s: float
+    ) -> ItemPage:
+        request = messages.list_runnable_request(query)
+        with _tool_errors():
+            response = await self._tracker.ListRunnableTickets(
+                request, metadata=self._tracker_meta(acting), timeout=timeout_s
             )
-        )
-    if "update_item" in operation:
-        update = operation["update_item"]
-        state = update.get("state")
-        return tracker_pb2.ChangesetOperation(
-            update_item=tracker_pb2.UpdateItemOperation(
-                item_id=update["item_id"],
-                title=update.get("title"),
-                description=update.get("description"),
-                acceptance_criteria=update.get("acceptance_criteria"),
-                state=_ITEM_STATES[state] if state is not None else None,
-                priority=update.get("priority"),
-                epic_id=update.get("epic_id"),
-                milestone_id=update.get("milestone_id"),
+        return messages.item_page(response.items, response.next_page_token, response.total_size)
+
+    async def search_project(
+        self, acting: Acting, search: ProjectSearch, timeout_s: float
+    ) -> ProjectSearchResult:
+        request = messages.search_project_request(search)
+        with _tool_errors():
+            response = await self._tracker.SearchProject(
+                request, metadata=self._tracker_meta(acting), timeout=timeout_s
             )
-        )
-    remove = "remove_dependency" in operation
-    dependency = operation["remove_dependency" if remove else "add_dependency"]
-    return tracker_pb2.ChangesetOperation(
-        dependency=tracker_pb2.DependencyOperation(
-            item_id=dependency["item_id"],
-            blocked_by_id=dependency["blocked_by_id"],
-            remove=remove,
-        )
-    )
+        return messages.project_search_result(response)
+
+    async def list_changesets(
+        self, acting: Acting, query: ChangesetQuery, timeout_s: float
+    ) -> ChangesetPage:
+        request = messages.list_changesets_request(query)
+        with _tool_errors():
+            response = await self._tracker.ListChangesets(
+                request, metadata=self._tracker_meta(acting), timeout=timeout_s
+            )
+        return messages.changeset_page(response)
+
+    async def propose_changeset(
+        self, acting: Acting, proposal: ChangesetProposal, timeout_s: float
+    ) -> Changeset:
+        request = messages.propose_changeset_request(proposal)
+        with _tool_errors():
+            response = await self._tracker.ProposeChangeset(
+                request, metadata=self._tracker_meta(acting), timeout=timeout_s
+            )
+        return messages.changeset(response.changeset)
+
+    async def list_skills(self, acting: Acting, query: SkillQuery, timeout_s: float) -> SkillPage:
+        request = messages.list_skills_request(query)
+        with _tool_errors():
+            response = await self._skills.ListSkills(
+                request, metadata=self._skills_meta(acting), timeout=timeout_s
+            )
+        return messages.skill_page(response)
+
+    async def read_skill_content(
+        self, acting: Acting, project_id: str, name: str, timeout_s: float
+    ) -> SkillContent:
+        request = skills_pb2.ReadSkillRequest(project_id=project_id, name=name)
+        with _tool_errors():
+            response = await self._skills.ReadSkill(
+                request, metadata=self._skills_meta(acting), timeout=timeout_s
+            )
+        return messages.skill_content(response)
+
+    async def search_knowledge(
+        self, acting: Acting, search: KnowledgeSearch, timeout_s: float
+    ) -> KnowledgeHits:
+        request = messages.search_knowledge_request(search)
+        with _tool_errors():
+            response = await self._knowledge.SearchKnowledge(
+                request, metadata=self._knowledge_meta(acting), timeout=timeout_s
+            )
+        return messages.knowledge_hits(response)
+
+    async def get_knowledge_entry(
+        self, acting: Acting, entry_id: str, timeout_s: float
+    ) -> KnowledgeEntry:
+        request = knowledge_pb2.GetKnowledgeEntryRequest(entry_id=entry_id)
+        with _tool_errors():
+            response = await self._knowledge.GetKnowledgeEntry(
+                request, metadata=self._knowledge_meta(acting), timeout=timeout_s
+            )
+        return messages.knowledge_entry(response.entry)
+
+    async def create_knowledge_entry(
+        self, acting: Acting, entry: NewKnowledgeEntry, timeout_s: float
+    ) -> KnowledgeEntry:
+        request = messages.create_knowledge_request(entry)
+        with _tool_errors():
+            response = await self._knowledge.CreateKnowledgeEntry(
+                request, metadata=self._knowledge_meta(acting), timeout=timeout_s
+            )
+        return messages.knowledge_entry(response.entry)
+
+    async def update_knowledge_entry(
+        self, acting: Acting, change: KnowledgeEntryChange, timeout_s: float
+    ) -> KnowledgeEntry:
+        request = messages.update_knowledge_request(change)
+        with _tool_errors():
+            response = await self._knowledge.UpdateKnowledgeEntry(
+                request, metadata=self._knowledge_meta(acting), timeout=timeout_s
+            )
+        return messages.knowledge_entry(response.entry)
 
 
-def _operation_json(operation: tracker_pb2.ChangesetOperation) -> JsonObject:
-    # The same shapes propose_changeset takes; a policy a human set is left out.
-    which = operation.WhichOneof("operation")
-    if which == "create_item":
-        create = operation.create_item
-        fields: JsonObject = {
-            "kind": _ITEM_KIND_NAMES.get(create.kind, "unspecified"),
-            "title": create.title,
-            "priority": create.priority,
-        }
-        for name in (
-            "ref",
-            "description",
-            "acceptance_criteria",
-            "ticket_type",
-            "epic_id",
-            "milestone_id",
-        ):
-            value = getattr(create, name)
-            if value:
-                fields[name] = value
-        return {"create_item": fields}
-    if which == "update_item":
-        update: Any = operation.update_item  # HasField by a computed name
-        fields = {"item_id": update.item_id}
-        for name in (
-            "title",
-            "description",
-            "acceptance_criteria",
-            "priority",
-            "epic_id",
-            "milestone_id",
-        ):
-            if update.HasField(name):
-                fields[name] = getattr(update, name)
-        if update.HasField("state"):
-            fields["state"] = _ITEM_STATE_NAMES.get(update.state, "unspecified")
-        return {"update_item": fields}
-    if which == "dependency":
-        dependency = operation.dependency
-        key = "remove_dependency" if dependency.remove else "add_dependency"
-        return {key: {"item_id": dependency.item_id, "blocked_by_id": dependency.blocked_by_id}}
-    return {}
+if TYPE_CHECKING:
+    # mypy checks here that the class implements the port, method by method (issue 10).
+    _PORT: type[ToolBackends] = GrpcToolBackends
 
 
-def _changeset(changeset: tracker_pb2.Changeset) -> JsonObject:
-    output: JsonObject = {
-        "changeset_id": changeset.changeset_id,
-        "status": _CHANGESET_STATUS_NAMES.get(changeset.status, "unspecified"),
-        "title": changeset.title,
-    }
-    if changeset.description:
-        output["description"] = changeset.description
-    output["author_id"] = changeset.author_id
-    output["recorded_by"] = changeset.recorded_by
-    _set_time(output, "create_time", changeset, "create_time")
-    output["operations"] = [shape for shape in map(_operation_json, changeset.operations) if shape]
-    return output
-
-
-def _skill(skill: skills_pb2.Skill) -> JsonObject:
-    return {
-        "name": skill.name,
-        "description": skill.description,
-        "scope": _SKILL_SCOPES.get(skill.scope, "unspecified"),
-        "version": skill.version,
-        "pinned": skill.pinned,
-        "latest_version": skill.latest_version,
-    }
-
-
-def _entry_head(entry: knowledge_pb2.KnowledgeEntry) -> JsonObject:
-    return {
-        "entry_id": entry.entry_id,
-        "kind": _KNOWLEDGE_KIND_NAMES.get(entry.kind, "unspecified"),
-        "title": entry.title,
-        "status": entry.status,
-        "version": entry.version,
-        "author_id": entry.author_id,
-        "recorded_by": entry.recorded_by,
-        "project_ids": list(entry.project_ids),
-        "item_ids": list(entry.item_ids),
-    }
-
-
-def _full_entry(entry: knowledge_pb2.KnowledgeEntry) -> JsonObject:
-    output = _entry_head(entry)
-    output["body"] = entry.body
-    output["supersedes_ids"] = list(entry.supersedes_ids)
-    output["superseded_by_ids"] = list(entry.superseded_by_ids)
-    _set_time(output, "create_time", entry, "create_time")
-    _set_time(output, "update_time", entry, "update_time")
-    return output
-
-
-def _written(entry: knowledge_pb2.KnowledgeEntry) -> BackendResult:
-    return BackendResult(
-        output={"entry": _entry_head(entry)},
-        knowledge_entry_id=entry.entry_id,
-        knowledge_version=entry.version,
-    )
+def _full_item(message: tracker_pb2.Item) -> JsonObject:
+    """A tracker ``Item`` message as the ``get_item`` tool shows it (``{"item": ...}``'s
+    value). Tools outside the service that must produce the planner's exact tool result
+    from a tracker answer (the peer benchmark) use it; the service itself goes through
+    ``service.core.tools``."""
+    return full_item(messages.item(message))

@@ -35,13 +35,14 @@ cannot hold) become U+FFFD.
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
-from ballet.llm.v1 import gateway_pb2, gateway_pb2_grpc
+from ballet.llm.v1 import gateway_pb2
 from google.rpc import error_details_pb2, status_pb2
 
 from ballet_common.redact import scrub
@@ -59,6 +60,7 @@ from service.core.ports import (
     ToolCall,
     ToolCallChunk,
     ToolCallStartChunk,
+    ToolDeclaration,
 )
 
 #: How many characters of gateway text a ``ModelFailure`` message quotes.
@@ -130,7 +132,13 @@ class GrpcModelGateway:
         retry: RetryPolicy | None = None,
         max_answer_bytes: int | None = None,
     ) -> None:
-        self._stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        # The request is serialized here (``to_wire``: the tool declarations once, not on
+        # every call), so the call takes bytes.
+        self._generate = channel.unary_stream(
+            _GENERATE,
+            request_serializer=_as_bytes,
+            response_deserializer=gateway_pb2.GenerateResponse.FromString,
+        )
         self._metadata = metadata
         self._sleep = sleep
         self._jitter = jitter
@@ -139,7 +147,7 @@ class GrpcModelGateway:
 
     async def stream(self, request: ModelRequest) -> AsyncIterator[ModelChunk]:
         """Stream one answer; raises ``ModelFailure`` (see the module docstring)."""
-        proto = to_proto(request)
+        wire = to_wire(request)
         deadline = time.monotonic() + request.deadlines.total_s
         policy = self._retry
         attempt = 0
@@ -147,7 +155,7 @@ class GrpcModelGateway:
             attempt += 1
             state = _Attempt()
             try:
-                async for chunk in self._attempt(proto, request.deadlines, deadline, state):
+                async for chunk in self._attempt(wire, request.deadlines, deadline, state):
                     yield chunk
                 return
             except ModelFailure as failure:
@@ -184,16 +192,14 @@ class GrpcModelGateway:
 
     async def _attempt(
         self,
-        proto: gateway_pb2.GenerateRequest,
+        wire: bytes,
         deadlines: ModelDeadlines,
         deadline: float,
         state: _Attempt,
     ) -> AsyncIterator[ModelChunk]:
         if deadline - time.monotonic() <= 0:
             raise _out_of_time(deadlines)
-        call = self._stub.Generate(
-            proto, timeout=deadline - time.monotonic(), metadata=self._metadata()
-        )
+        call = self._generate(wire, timeout=deadline - time.monotonic(), metadata=self._metadata())
         try:
             while True:
                 response = await self._read(call, deadlines, deadline, state)
@@ -228,7 +234,9 @@ class GrpcModelGateway:
             raise _out_of_time(deadlines)
         read = call.read  # type: ignore[attr-defined]
         try:
-            response = await asyncio.wait_for(read(), timeout=min(wait, left))
+            # A timeout scope, not wait_for: no task per message read.
+            async with asyncio.timeout(min(wait, left)):
+                response = await read()
         except TimeoutError as error:
             if left <= wait:
                 raise _out_of_time(deadlines) from error
@@ -334,7 +342,36 @@ def _storable(text: str) -> str:
     return text.replace("\x00", "\ufffd") if "\x00" in text else text
 
 
-def to_proto(request: ModelRequest) -> gateway_pb2.GenerateRequest:
+#: ``ballet.llm.v1.GatewayService/Generate``, as the generated stub names it.
+_GENERATE = "/ballet.llm.v1.GatewayService/Generate"
+
+
+def _as_bytes(wire: bytes) -> bytes:
+    return wire
+
+
+def to_wire(request: ModelRequest) -> bytes:
+    """``to_proto(request)`` serialized, with the tool declarations serialized once per
+    set of declarations (they are the same on every call of a replica; concatenated
+    protobuf messages merge, and a repeated field's entries append)."""
+    head = to_proto(request, with_tools=False).SerializeToString()
+    return head + _tools_wire(tuple(request.tools))
+
+
+@functools.lru_cache(maxsize=8)
+def _tools_wire(tools: tuple[ToolDeclaration, ...]) -> bytes:
+    return gateway_pb2.GenerateRequest(tools=[_tool(tool) for tool in tools]).SerializeToString()
+
+
+def _tool(tool: ToolDeclaration) -> gateway_pb2.ToolDeclaration:
+    return gateway_pb2.ToolDeclaration(
+        name=tool.name,
+        description=tool.description,
+        parameters_json_schema=tool.parameters_json_schema,
+    )
+
+
+def to_proto(request: ModelRequest, *, with_tools: bool = True) -> gateway_pb2.GenerateRequest:
     """Convert a ``ModelRequest`` to ``ballet.llm.v1.GenerateRequest``."""
     proto = gateway_pb2.GenerateRequest(
         project_id=request.project_id,
@@ -355,12 +392,8 @@ def to_proto(request: ModelRequest) -> gateway_pb2.GenerateRequest:
             item.text = message.text
             for call in message.tool_calls:
                 item.tool_calls.add(id=call.call_id, name=call.name, arguments=call.arguments)
-    for tool in request.tools:
-        proto.tools.add(
-            name=tool.name,
-            description=tool.description,
-            parameters_json_schema=tool.parameters_json_schema,
-        )
+    if with_tools:
+        proto.tools.extend(_tool(tool) for tool in request.tools)
     return proto
 
 

@@ -14,6 +14,17 @@ Three families (after Pydantic AI's split):
 from __future__ import annotations
 
 ERROR_DOMAIN = "planner.ballet"
+#: Most characters of a client's identifier an error quotes (message and ErrorInfo
+#: metadata): a huge id must give a small error, not one that breaks the metadata limit.
+ECHO_MAX_CHARS = 64
+
+
+def echo(identifier: str) -> str:
+    """``identifier`` as an error may quote it: at most ``ECHO_MAX_CHARS`` characters,
+    a cut one ending in ``...``."""
+    if len(identifier) <= ECHO_MAX_CHARS:
+        return identifier
+    return identifier[: ECHO_MAX_CHARS - 3] + "..."
 
 
 class PlannerError(Exception):

@@ -6,13 +6,14 @@ dataclasses; the store and the transport translate them at their edges.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, TypeVar
 
 JsonObject: TypeAlias = dict[str, Any]
+
+_T = TypeVar("_T")
 
 
 class MessageKind(StrEnum):
@@ -113,17 +114,21 @@ class Session:
 
 @dataclass(frozen=True)
 class ContextEstimate:
-    """The running context estimate of a session (seed: Context compaction; SPEC 6).
+    """The running context estimate of a session, in tokens (seed: Context compaction;
+    SPEC 6; decision 0171).
 
     ``base_tokens`` is the usage (input + output) reported for the latest turn-purpose
-    answer, or after a compaction the summary's output tokens; None when nothing is
-    known yet. ``pending_bytes`` counts the UTF-8 bytes of the messages stored after that
-    point (all messages when ``base_tokens`` is None), so the estimate costs O(new
+    answer: everything that request sent and the answer, the system prompt and tool
+    declarations included. None when no usage is known: a new session, after a
+    compaction, or a provider that reports none; the estimate then adds the fixed prompt
+    and the summary at their current size. ``pending_tokens`` is the calibrated estimate
+    (``service.core.estimate.message_tokens``) of the messages stored after that point
+    (after the summary when ``base_tokens`` is None), so the estimate costs O(new
     messages), never O(transcript).
     """
 
     base_tokens: int | None = None
-    pending_bytes: int = 0
+    pending_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -242,8 +247,20 @@ class SessionEvent:
 
     def with_sequence(self, sequence: int) -> SessionEvent:
         """Return a copy numbered ``sequence``, its message numbered the same."""
-        message = dataclasses.replace(self.message, sequence=sequence) if self.message else None
-        return dataclasses.replace(self, sequence=sequence, message=message)
+        # Every commit numbers each of its events: a copy of the fields, not
+        # dataclasses.replace, which re-runs __init__ over every field (ten times slower).
+        if self.message is None:
+            return _copied(self, sequence=sequence)
+        return _copied(self, sequence=sequence, message=_copied(self.message, sequence=sequence))
+
+
+def _copied(value: _T, **changes: object) -> _T:
+    """A copy of the frozen dataclass ``value`` with ``changes``, without ``__init__``."""
+    fields = dict(value.__dict__)
+    fields.update(changes)
+    copied = object.__new__(type(value))
+    object.__setattr__(copied, "__dict__", fields)
+    return copied
 
 
 @dataclass(frozen=True)

@@ -7,14 +7,14 @@ cross-replica notifier); tests use in-memory fakes or the real adapters on the d
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 from typing import Protocol
 
+from service.core import backend_types as backend
 from service.core.model import (
     ContextEstimate,
-    JsonObject,
     Message,
     Session,
     SessionEvent,
@@ -22,6 +22,11 @@ from service.core.model import (
     TurnEndReason,
     Usage,
 )
+
+#: Defined with the backends' other types; named here too, where the ports' users look.
+Acting = backend.Acting
+ProjectInfo = backend.ProjectInfo
+SkillDocument = backend.SkillDocument
 
 # --------------------------------------------------------------------------- storage
 
@@ -144,7 +149,7 @@ class TurnCommit:
     The store numbers ``events`` from the session counter, inserts them and their
     messages, applies ``turn_patch``, sets ``summary`` and ``context`` on the session, and
     notifies other replicas after commit. When ``context`` is None the store adds the
-    UTF-8 size of the stored messages to the session's ``pending_bytes`` instead.
+    estimated tokens of the stored messages to the session's ``pending_tokens`` instead.
 
     Conditions, checked in the transaction (``StoreConflict`` and nothing stored when one
     fails): the turn is RUNNING; when ``owner`` is set, that replica owns it; when
@@ -504,95 +509,68 @@ class ModelGateway(Protocol):
 # --------------------------------------------------------------------------- backends
 
 
-@dataclass(frozen=True)
-class Acting:
-    """Whom a backend call acts for (seed: Authority; SPEC section 4).
-
-    Every call carries ``token`` (the human's bearer token), ``x-ballet-actor:
-    planner:<session_id>`` and the planner's own service credential.
-    """
-
-    human_id: str
-    organization_id: str
-    token: str
-    session_id: str
-
-    @property
-    def actor(self) -> str:
-        """The recorded actor, ``planner:<session_id>``."""
-        return f"planner:{self.session_id}"
-
-
-@dataclass(frozen=True)
-class ProjectInfo:
-    """A project as the system prompt shows it, with its planner settings."""
-
-    project_id: str
-    name: str
-    description: str
-    organization_id: str
-    organization_name: str
-    planner_skill: str
-    model_credential: str
-    permissions: frozenset[str] = frozenset()
-
-
-@dataclass(frozen=True)
-class SkillDocument:
-    """A skill's SKILL.md in the version the project resolves."""
-
-    name: str
-    version: str
-    content: str
-
-
-@dataclass(frozen=True)
-class BackendCall:
-    """One tool's backend work: validated ``arguments`` for tool ``tool``, in the
-    session's project, with ``request_id`` (the tool call's id) for writes, and
-    ``timeout_s`` seconds at most."""
-
-    tool: str
-    arguments: JsonObject
-    project_id: str
-    acting: Acting
-    request_id: str
-    timeout_s: float
-
-
-@dataclass(frozen=True)
-class BackendResult:
-    """A tool's JSON output, and for writes what was written (for session events)."""
-
-    output: JsonObject
-    changeset_id: str = ""
-    knowledge_entry_id: str = ""
-    knowledge_version: int = 0
-    extra: JsonObject = field(default_factory=dict)
-
-
 class ToolBackends(Protocol):
-    """The tracker, skills and knowledge backends, acting for the human.
+    """The tracker, skills and knowledge backends, acting for a human: one method per RPC
+    the tools and the system prompt use, in the types of ``service/core/backend_types.py``.
+    Every call acts as ``acting`` (seed: Authority; SPEC section 4) within ``timeout_s``
+    seconds (SPEC section 5, Deadlines).
 
-    ``invoke`` runs one tool against its backend and returns our own JSON shape
-    (documented per tool in ``service/core/tools.py``); it raises ``ToolFailure`` with a
-    reason (``PERMISSION_DENIED``, ``NOT_FOUND``, ``STALE_VERSION``,
-    ``BACKEND_UNAVAILABLE``, ``DEADLINE_EXCEEDED``, ``CREDENTIAL_EXPIRED``, ...).
+    ``get_project`` (the project, its ``planner.*`` settings and the human's permissions)
+    and ``read_skill`` (SKILL.md in the version the project resolves; seed: Instructions)
+    serve the system prompt and raise ``PlannerError``s: ``NotFound``
+    (``PROJECT_NOT_FOUND``/``SKILL_NOT_FOUND``: unknown or not readable, so existence does
+    not leak), ``Unauthenticated`` (its reason, e.g. ``TOKEN_EXPIRED``, kept) and
+    ``Unavailable`` (``DEPENDENCY_UNAVAILABLE``; SPEC section 5 step 2).
+
+    The tools' methods raise ``ToolFailure`` with the reason the model sees:
+    ``PERMISSION_DENIED``, ``NOT_FOUND``, ``INVALID_ARGUMENTS`` (the backend's explanation,
+    or a number its field cannot hold, named), ``STALE_VERSION``, ``CONFLICT``,
+    ``BACKEND_UNAVAILABLE``, ``DEADLINE_EXCEEDED``, ``CREDENTIAL_EXPIRED``,
+    ``BACKEND_ERROR``. ``read_skill_content`` is ``ReadSkill`` for the ``read_skill`` tool.
     """
 
-    async def invoke(self, call: BackendCall) -> BackendResult: ...
-
-    async def get_project(self, acting: Acting, project_id: str, timeout_s: float) -> ProjectInfo:
-        """The project, if the human may read it. Raises ``NotFound`` (unknown, or not
-        readable by the human), ``Unavailable`` (backend down), ``Unauthenticated``."""
-        ...
-
+    async def get_project(
+        self, acting: Acting, project_id: str, timeout_s: float
+    ) -> ProjectInfo: ...
     async def read_skill(
         self, acting: Acting, project_id: str, name: str, timeout_s: float
-    ) -> SkillDocument:
-        """A skill in the version the project resolves (pins applied). Raises
-        ``NotFound`` or ``Unavailable``."""
-        ...
+    ) -> SkillDocument: ...
+    async def list_items(
+        self, acting: Acting, query: backend.ItemQuery, timeout_s: float
+    ) -> backend.ItemPage: ...
+    async def get_item(
+        self, acting: Acting, project_id: str, item_id: str, timeout_s: float
+    ) -> backend.Item: ...
+    async def list_runnable_tickets(
+        self, acting: Acting, query: backend.RunnableQuery, timeout_s: float
+    ) -> backend.ItemPage: ...
+    async def search_project(
+        self, acting: Acting, search: backend.ProjectSearch, timeout_s: float
+    ) -> backend.ProjectSearchResult: ...
+    async def list_changesets(
+        self, acting: Acting, query: backend.ChangesetQuery, timeout_s: float
+    ) -> backend.ChangesetPage: ...
+    async def propose_changeset(
+        self, acting: Acting, proposal: backend.ChangesetProposal, timeout_s: float
+    ) -> backend.Changeset: ...
+    async def list_skills(
+        self, acting: Acting, query: backend.SkillQuery, timeout_s: float
+    ) -> backend.SkillPage: ...
+    async def read_skill_content(
+        self, acting: Acting, project_id: str, name: str, timeout_s: float
+    ) -> backend.SkillContent: ...
+    async def search_knowledge(
+        self, acting: Acting, search: backend.KnowledgeSearch, timeout_s: float
+    ) -> backend.KnowledgeHits: ...
+    async def get_knowledge_entry(
+        self, acting: Acting, entry_id: str, timeout_s: float
+    ) -> backend.KnowledgeEntry: ...
+    async def create_knowledge_entry(
+        self, acting: Acting, entry: backend.NewKnowledgeEntry, timeout_s: float
+    ) -> backend.KnowledgeEntry: ...
+    async def update_knowledge_entry(
+        self, acting: Acting, change: backend.KnowledgeEntryChange, timeout_s: float
+    ) -> backend.KnowledgeEntry: ...
 
 
 # --------------------------------------------------------------------------- clock

@@ -10,23 +10,27 @@ Authority (seed: Authority; SPEC section 4):
   chat in it or change it (``SendMessage``, ``CancelTurn``, ``UpdateSession``,
   ``DeleteSession``, Chat). Anyone else gets ``NotFound``/``SESSION_NOT_FOUND``, so
   existence never leaks.
-- A service principal (a token with a ``scope`` claim) with ``planner.sessions.read`` may
-  ``Get*`` and ``List*`` every session of its token's organization; it never chats or
-  changes a session (``PermissionDenied``/``HUMAN_REQUIRED``). Without the scope it gets
+- A service principal (a token of the service-token issuer, ``Caller.service``; never a
+  human token that names a scope) with ``planner.sessions.read`` may ``Get*`` and
+  ``List*`` every session of its token's organization; it never chats or changes a
+  session (``PermissionDenied``/``HUMAN_REQUIRED``). Without the scope it gets
   ``PermissionDenied``/``MISSING_SCOPE``.
 - Creating a session asks the tracker, as the human, whether the project exists and the
-  human may read it; ``open``, ``send_message`` and ``ListMessages`` re-check it. Answers
-  are reused for at most ``auth.project_check_cache_s`` (<= 60 s) per (human, project).
+  human may read it. Every other use of a session by a human (each session RPC, Chat
+  ``open``, ``send_message`` and ``cancel_turn``) re-checks it: a human who lost access
+  to the project gets ``NotFound``/``PROJECT_NOT_FOUND``. Answers are reused for at most
+  ``auth.project_check_cache_s`` (<= 60 s) per (organization, human, project)
+  (docs/decisions/0151-access-rechecked-on-every-read.md).
+- Identifiers quoted in errors are cut to ``ECHO_MAX_CHARS``; an id longer than
+  ``ID_MAX_CHARS`` cannot exist and is not looked up.
 
 Pagination follows AIP-158: ``page_size`` 0 means the default, larger values are capped,
 negative ones are ``InvalidArgument``/``INVALID_PAGE_SIZE``; page tokens are opaque and
-tamper-evident (``PageTokens``; docs/decisions/0004-page-tokens.md).
+authenticated (``service.core.pages``; docs/decisions/0152-authenticated-page-tokens.md).
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
 import json
 import uuid
@@ -36,8 +40,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from service.core.errors import InvalidArgument, NotFound, PermissionDenied
+from service.core.errors import InvalidArgument, NotFound, PermissionDenied, echo
 from service.core.model import Message, Session, Turn
+from service.core.pages import PageTokens, bad_page_token
 from service.core.ports import (
     Acting,
     Clock,
@@ -65,6 +70,14 @@ MESSAGES_PAGE_MAX = 1000
 #: sizer).
 MESSAGE_OVERHEAD_BYTES = 256
 PROJECT_CACHE_MAX_ENTRIES = 10_000
+#: Longest session, turn or project id looked up at all: longer ones cannot exist (the
+#: planner's ids are UUIDs; Core's project ids are short), so they are not found without
+#: a query or a tracker call.
+ID_MAX_CHARS = 256
+#: Largest sequence a page token may hold (PostgreSQL bigint).
+MAX_SEQUENCE = 2**63 - 1
+#: Longest ``create_time`` text a ListSessions page token may hold (ISO 8601).
+_TIME_MAX_CHARS = 64
 
 
 @dataclass(frozen=True)
@@ -72,19 +85,26 @@ class Caller:
     """The verified caller of an RPC (SPEC section 4).
 
     ``subject`` is the human id, or a service's name for a service principal;
-    ``scopes`` is non-empty only for service principals; ``token`` is the raw bearer
-    token, forwarded when acting for the human.
+    ``service`` is True only for a token of the service-token issuer (proven by its
+    keys, docs/decisions/0150-service-principals.md), and only then do ``scopes`` count;
+    ``token`` is the raw bearer token, forwarded when acting for the human.
     """
 
     subject: str
     organization_id: str
+    service: bool = False
     scopes: frozenset[str] = frozenset()
     token: str = field(default="", repr=False)
 
     @property
     def is_service(self) -> bool:
-        """True for a service principal (its token has a ``scope`` claim)."""
-        return bool(self.scopes)
+        """True for a service principal (proven by its token's issuer, not by a claim)."""
+        return self.service
+
+    @property
+    def may_read_sessions(self) -> bool:
+        """True for a service principal with ``planner.sessions.read``."""
+        return self.service and READ_SCOPE in self.scopes
 
     def acting(self, session_id: str = "") -> Acting:
         """The human as backend calls act for them, recorded as ``planner:<session>``."""
@@ -126,59 +146,7 @@ class MessagePage:
     next_page_token: str
 
 
-# --------------------------------------------------------------------------- page tokens
-
-
-class PageTokens:
-    """Opaque, tamper-evident page tokens (AIP-158; docs/decisions/0004-page-tokens.md).
-
-    A token is base64url (no padding) of compact JSON ``{"v": 1, "p": position,
-    "f": fingerprint}``; ``position`` is where the next page starts and ``fingerprint``
-    is a SHA-256 digest over the list kind, the query the first page was asked with
-    (everything but ``page_size``), and the position. ``decode`` recomputes it from the
-    current request: a token edited by hand, cut short, or made for another list, caller
-    or query raises ``InvalidArgument``/``INVALID_PAGE_TOKEN``. Authorization never rests
-    on the token: every page re-applies the caller's filters.
-    """
-
-    VERSION = 1
-
-    @staticmethod
-    def _fingerprint(kind: str, query: Mapping[str, str], position: Mapping[str, Any]) -> str:
-        material = json.dumps([kind, query, position], sort_keys=True, separators=(",", ":"))
-        digest = hashlib.sha256(material.encode()).digest()[:16]
-        return base64.urlsafe_b64encode(digest).decode().rstrip("=")
-
-    @classmethod
-    def encode(cls, kind: str, query: Mapping[str, str], position: Mapping[str, Any]) -> str:
-        """The token for the page starting at ``position`` of list ``kind``."""
-        body = {"v": cls.VERSION, "p": dict(position), "f": cls._fingerprint(kind, query, position)}
-        text = json.dumps(body, sort_keys=True, separators=(",", ":"))
-        return base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
-
-    @classmethod
-    def decode(cls, token: str, kind: str, query: Mapping[str, str]) -> dict[str, Any]:
-        """The position in ``token``; raises ``InvalidArgument``/``INVALID_PAGE_TOKEN``."""
-        try:
-            padded = token + "=" * (-len(token) % 4)
-            body = json.loads(base64.urlsafe_b64decode(padded.encode()).decode())
-        except (binascii.Error, UnicodeError, ValueError):
-            raise _bad_token() from None
-        if (
-            not isinstance(body, dict)
-            or body.get("v") != cls.VERSION
-            or not isinstance(body.get("p"), dict)
-            or body.get("f") != cls._fingerprint(kind, query, body["p"])
-        ):
-            raise _bad_token()
-        position: dict[str, Any] = body["p"]
-        return position
-
-
-def _bad_token() -> InvalidArgument:
-    return InvalidArgument(
-        "the page token is invalid, or belongs to another query", reason="INVALID_PAGE_TOKEN"
-    )
+# --------------------------------------------------------------------------- pages
 
 
 def page_size_of(requested: int, default: int, maximum: int) -> int:
@@ -238,6 +206,8 @@ class ProjectAccess:
         organization), and passes on the backend's ``Unavailable`` and
         ``Unauthenticated``.
         """
+        if len(project_id) > ID_MAX_CHARS:
+            raise _project_not_found(project_id)
         # The organization is part of the key: a token of the same subject in another
         # organization must not reuse an answer given for this one.
         key = (caller.organization_id, caller.subject, project_id)
@@ -265,9 +235,9 @@ class ProjectAccess:
 
 def _project_not_found(project_id: str) -> NotFound:
     return NotFound(
-        f"project {project_id!r} does not exist or you may not read it",
+        f"project {echo(project_id)!r} does not exist or you may not read it",
         reason="PROJECT_NOT_FOUND",
-        metadata={"project_id": project_id},
+        metadata={"project_id": echo(project_id)},
     )
 
 
@@ -276,9 +246,9 @@ def _project_not_found(project_id: str) -> NotFound:
 
 def _session_not_found(session_id: str) -> NotFound:
     return NotFound(
-        f"session {session_id!r} not found",
+        f"session {echo(session_id)!r} not found",
         reason="SESSION_NOT_FOUND",
-        metadata={"session_id": session_id},
+        metadata={"session_id": echo(session_id)},
     )
 
 
@@ -310,6 +280,10 @@ def _check_title(title: str) -> None:
         )
 
 
+def _missing_scope() -> PermissionDenied:
+    return PermissionDenied(f"the token lacks the {READ_SCOPE} scope", reason="MISSING_SCOPE")
+
+
 def _human_required() -> PermissionDenied:
     return PermissionDenied(
         "only the session's owner may do this; service principals may only read",
@@ -324,7 +298,8 @@ def _new_id() -> str:
 class SessionRules:
     """The session use cases behind the unary RPCs and Chat ``open``.
 
-    ``message_size`` measures a message for the ListMessages byte cap (default:
+    ``page_tokens`` makes and checks the page tokens of both lists; ``message_size``
+    measures a message for the ListMessages byte cap (default:
     ``estimated_message_bytes``); ``new_id`` makes session ids. Every method raises
     ``PlannerError`` subclasses (mapped by ``service/transport/errors.py``) and passes on
     ``StoreUnavailable``.
@@ -337,10 +312,12 @@ class SessionRules:
         clock: Clock,
         limits: SessionLimits,
         *,
+        page_tokens: PageTokens,
         message_size: Callable[[Message], int] = estimated_message_bytes,
         new_id: Callable[[], str] = _new_id,
     ) -> None:
         self._store = store
+        self._pages = page_tokens
         self._projects = projects
         self._clock = clock
         self._limits = limits
@@ -350,51 +327,59 @@ class SessionRules:
     # -- access ------------------------------------------------------------------
 
     async def readable_session(self, caller: Caller, session_id: str) -> Session:
-        """The session if ``caller`` may read it: its owner, or a service principal with
-        ``planner.sessions.read`` in its organization. Raises ``NotFound``/
-        ``SESSION_NOT_FOUND`` or ``PermissionDenied``/``MISSING_SCOPE``."""
+        """The session if ``caller`` may read it: its owner, who may still read the
+        session's project (re-checked, cached), or a service principal with
+        ``planner.sessions.read`` in its organization.
+
+        Raises ``InvalidArgument``/``SESSION_ID_REQUIRED``, ``NotFound``
+        (``SESSION_NOT_FOUND``; ``PROJECT_NOT_FOUND`` for an owner who lost access to the
+        project), ``PermissionDenied``/``MISSING_SCOPE``, and passes on the tracker's
+        ``Unavailable``.
+        """
         _require(session_id, "session_id")
-        if caller.is_service and READ_SCOPE not in caller.scopes:
-            raise PermissionDenied(
-                f"the token lacks the {READ_SCOPE} scope", reason="MISSING_SCOPE"
-            )
-        session = await self._store.get_session(session_id)
+        if caller.is_service and not caller.may_read_sessions:
+            raise _missing_scope()
+        session = await self._stored_session(session_id)
         if session is None or session.organization_id != caller.organization_id:
             raise _session_not_found(session_id)
-        if not caller.is_service and session.owner_id != caller.subject:
-            raise _session_not_found(session_id)
+        if not caller.is_service:
+            if session.owner_id != caller.subject:
+                raise _session_not_found(session_id)
+            await self.recheck_project(caller, session)
         return session
 
-    async def owned_session(
-        self, caller: Caller, session_id: str, *, recheck_project: bool = False
-    ) -> Session:
-        """The session if ``caller`` is the human who owns it (chat and changes).
+    async def owned_session(self, caller: Caller, session_id: str) -> Session:
+        """The session if ``caller`` is the human who owns it and may still read its
+        project (re-checked, cached): for chatting and changing it.
 
-        With ``recheck_project`` (Chat ``open`` and ``send_message``), also re-checks that
-        the human may still read the project. Raises ``PermissionDenied``/
-        ``HUMAN_REQUIRED`` for service principals, ``NotFound``/``SESSION_NOT_FOUND``,
-        ``NotFound``/``PROJECT_NOT_FOUND``.
+        Raises ``InvalidArgument``/``SESSION_ID_REQUIRED``, ``PermissionDenied``/
+        ``HUMAN_REQUIRED`` for service principals, ``NotFound`` (``SESSION_NOT_FOUND``,
+        ``PROJECT_NOT_FOUND``), and passes on the tracker's ``Unavailable``.
         """
         _require(session_id, "session_id")
         if caller.is_service:
             raise _human_required()
-        session = await self._store.get_session(session_id)
+        session = await self._stored_session(session_id)
         if (
             session is None
             or session.owner_id != caller.subject
             or session.organization_id != caller.organization_id
         ):
             raise _session_not_found(session_id)
-        if recheck_project:
-            await self.recheck_project(caller, session)
+        await self.recheck_project(caller, session)
         return session
 
-    async def recheck_project(self, caller: Caller, session: Session) -> ProjectInfo | None:
-        """Re-check that a human caller may still read the session's project (cached).
+    async def _stored_session(self, session_id: str) -> Session | None:
+        # An id no session can have is not looked up (and never reaches the database).
+        if len(session_id) > ID_MAX_CHARS:
+            return None
+        return await self._store.get_session(session_id)
 
-        Service principals are not re-checked (their read scope covers the organization):
-        None. Raises ``NotFound``/``PROJECT_NOT_FOUND``.
-        """
+    async def recheck_project(self, caller: Caller, session: Session) -> ProjectInfo | None:
+        """Re-check that a human caller may still read the session's project (cached at
+        most 60 s; SPEC 4), for a session already read with ``owned_session`` or
+        ``readable_session``. Service principals are not re-checked: None. Raises
+        ``NotFound``/``PROJECT_NOT_FOUND``."""
         if caller.is_service:
             return None
         return await self._projects.check(caller, session.project_id, session.session_id)
@@ -443,17 +428,16 @@ class SessionRules:
     ) -> SessionPage:
         """``ListSessions`` of one project, newest first, ties by id (SPEC 3).
 
-        A human sees their own sessions; a service principal with the read scope sees
-        every session of the project in its organization. Raises ``InvalidArgument``
-        (``PROJECT_ID_REQUIRED``, ``INVALID_PAGE_SIZE``, ``INVALID_PAGE_TOKEN``) and
-        ``PermissionDenied``/``MISSING_SCOPE``.
+        A human sees their own sessions, while they may still read the project
+        (re-checked, cached); a service principal with the read scope sees every session
+        of the project in its organization. Raises ``InvalidArgument``
+        (``PROJECT_ID_REQUIRED``, ``INVALID_PAGE_SIZE``, ``INVALID_PAGE_TOKEN``),
+        ``NotFound``/``PROJECT_NOT_FOUND`` and ``PermissionDenied``/``MISSING_SCOPE``.
         """
         _require(project_id, "project_id")
         size = page_size_of(page_size, SESSIONS_PAGE_DEFAULT, SESSIONS_PAGE_MAX)
-        if caller.is_service and READ_SCOPE not in caller.scopes:
-            raise PermissionDenied(
-                f"the token lacks the {READ_SCOPE} scope", reason="MISSING_SCOPE"
-            )
+        if caller.is_service and not caller.may_read_sessions:
+            raise _missing_scope()
         owner = None if caller.is_service else caller.subject
         query = {
             "project_id": project_id,
@@ -462,8 +446,11 @@ class SessionRules:
         }
         after = None
         if page_token:
-            position = PageTokens.decode(page_token, "sessions", query)
+            position = self._pages.decode(page_token, "sessions", query)
             after = _cursor_of(position)
+        if not caller.is_service:
+            # Even their own sessions: their summaries quote the project (SPEC 4).
+            await self._projects.check(caller, project_id)
         sessions, cursor = await self._store.list_sessions(
             SessionQuery(
                 project_id=project_id,
@@ -476,12 +463,13 @@ class SessionRules:
         token = ""
         if cursor is not None:
             position = {"t": cursor.create_time.isoformat(), "id": cursor.session_id}
-            token = PageTokens.encode("sessions", query, position)
+            token = self._pages.encode("sessions", query, position)
         return SessionPage(sessions=sessions, next_page_token=token)
 
     async def update_title(self, caller: Caller, session_id: str, title: str) -> Session:
         """``UpdateSession`` of the title, by the owner. Raises ``InvalidArgument``/
-        ``TITLE_TOO_LONG``, ``NotFound``/``SESSION_NOT_FOUND``, ``PermissionDenied``."""
+        ``TITLE_TOO_LONG``, ``NotFound`` (``SESSION_NOT_FOUND``, ``PROJECT_NOT_FOUND``),
+        ``PermissionDenied``."""
         _check_title(title)
         await self.owned_session(caller, session_id)
         updated = await self._store.update_session_title(session_id, title, self._clock.now())
@@ -492,8 +480,9 @@ class SessionRules:
     async def delete_session(self, caller: Caller, session_id: str) -> None:
         """``DeleteSession`` by the owner: cancel a running turn, then remove the session
         with its messages, events, turns and idempotency keys in one transaction (SPEC 3).
-        What the planner wrote to the project stays. Raises ``NotFound``/
-        ``SESSION_NOT_FOUND``, ``PermissionDenied``/``HUMAN_REQUIRED``."""
+        What the planner wrote to the project stays. Raises ``NotFound``
+        (``SESSION_NOT_FOUND``, ``PROJECT_NOT_FOUND``), ``PermissionDenied``/
+        ``HUMAN_REQUIRED``."""
         session = await self.owned_session(caller, session_id)
         if session.running_turn_id:
             await self._store.request_cancel(session.running_turn_id)
@@ -523,15 +512,18 @@ class SessionRules:
                 reason="INVALID_AFTER_SEQUENCE",
             )
         size = page_size_of(page_size, MESSAGES_PAGE_DEFAULT, MESSAGES_PAGE_MAX)
-        session = await self.readable_session(caller, session_id)
-        await self.recheck_project(caller, session)
+        await self.readable_session(caller, session_id)
         query = {"session_id": session_id, "after_sequence": str(after_sequence)}
         start = after_sequence
         if page_token:
-            position = PageTokens.decode(page_token, "messages", query)
+            position = self._pages.decode(page_token, "messages", query)
             start = position.get("s", -1)
-            if not isinstance(start, int) or start < after_sequence:
-                raise _bad_token()
+            if (
+                not isinstance(start, int)
+                or isinstance(start, bool)
+                or not after_sequence <= start <= MAX_SEQUENCE
+            ):
+                raise bad_page_token()
         fetched = await self._store.list_messages(session_id, start, size + 1)
         page: list[Message] = []
         used = 0
@@ -542,30 +534,38 @@ class SessionRules:
             page.append(message)
             used += cost
         more = len(page) < len(fetched)
-        token = PageTokens.encode("messages", query, {"s": page[-1].sequence}) if more else ""
+        token = self._pages.encode("messages", query, {"s": page[-1].sequence}) if more else ""
         return MessagePage(messages=page, next_page_token=token)
 
     async def get_turn(self, caller: Caller, session_id: str, turn_id: str) -> Turn:
-        """``GetTurn``: a turn of a session the caller may read. Raises ``NotFound``/
-        ``TURN_NOT_FOUND`` (also for a turn of another session), ``InvalidArgument``/
-        ``TURN_ID_REQUIRED``."""
+        """``GetTurn``: a turn of a session the caller may read. Raises ``NotFound``
+        (``TURN_NOT_FOUND``, also for a turn of another session; ``SESSION_NOT_FOUND``;
+        ``PROJECT_NOT_FOUND``), ``InvalidArgument``/``TURN_ID_REQUIRED``."""
         _require(turn_id, "turn_id")
         session = await self.readable_session(caller, session_id)
-        turn = await self._store.get_turn(turn_id)
+        turn = await self._store.get_turn(turn_id) if len(turn_id) <= ID_MAX_CHARS else None
         if turn is None or turn.session_id != session.session_id:
             raise NotFound(
-                f"turn {turn_id!r} not found",
+                f"turn {echo(turn_id)!r} not found",
                 reason="TURN_NOT_FOUND",
-                metadata={"session_id": session_id, "turn_id": turn_id},
+                metadata={"session_id": echo(session_id), "turn_id": echo(turn_id)},
             )
         return turn
 
 
 def _cursor_of(position: Mapping[str, Any]) -> SessionCursor:
     created, session_id = position.get("t"), position.get("id")
-    if not isinstance(created, str) or not isinstance(session_id, str):
-        raise _bad_token()
+    if (
+        not isinstance(created, str)
+        or not isinstance(session_id, str)
+        or len(created) > _TIME_MAX_CHARS
+        or len(session_id) > ID_MAX_CHARS
+    ):
+        raise bad_page_token()
     try:
-        return SessionCursor(create_time=datetime.fromisoformat(created), session_id=session_id)
+        create_time = datetime.fromisoformat(created)
     except ValueError:
-        raise _bad_token() from None
+        raise bad_page_token() from None
+    if create_time.tzinfo is None:
+        raise bad_page_token()
+    return SessionCursor(create_time=create_time, session_id=session_id)

@@ -13,6 +13,12 @@ The protocol rules of SPEC section 3 live here:
   ``max_replay_events`` is refused with ``REPLAY_TOO_LARGE`` (page with ListMessages);
 - the token's ``exp`` is checked on every client message; once expired the stream ends
   ``UNAUTHENTICATED``/``TOKEN_EXPIRED``;
+- ``open``, ``send_message`` and ``cancel_turn`` each re-check that the human may still
+  read the session's project (cached at most 60 s; ``NOT_FOUND`` once they may not);
+- a client message that cannot be decoded (``service.transport.decoding``) gets an
+  ``INVALID_ARGUMENT`` reply (``INVALID_UTF8``) and the stream goes on; if reading the
+  client's messages fails otherwise, the stream ends ``UNAVAILABLE``/
+  ``REQUEST_STREAM_FAILED`` (reopen with ``after_sequence``), never in silence;
 - a client that half-closes keeps receiving until the turn it started ends; a client
   that disconnects does not cancel anything.
 """
@@ -29,6 +35,7 @@ from typing import Any, NoReturn
 
 from ballet.planner.v1 import chat_pb2, planner_service_pb2
 
+from ballet_common.tokens import Claims
 from service.core.errors import (
     FailedPrecondition,
     Internal,
@@ -46,9 +53,9 @@ from service.core.ports import SessionStore
 from service.core.sessions import Caller, SessionRules, check_request_id
 from service.core.streams import StreamRegistry, StreamSlot
 from service.core.turn import SendRequest, TurnService
-from service.tokens import Claims
 from service.transport import convert
 from service.transport.auth import Authenticator, caller_from_claims
+from service.transport.decoding import Undecodable
 from service.transport.errors import abort, rpc_errors, status_of
 
 log = logging.getLogger(__name__)
@@ -103,9 +110,7 @@ class TurnRpcs:
         async with rpc_errors(context):
             claims = self._auth.authenticate(context)
             caller = caller_from_claims(claims)
-            session = await self._rules.owned_session(
-                caller, request.session_id, recheck_project=True
-            )
+            session = await self._rules.owned_session(caller, request.session_id)
             accepted = await self._turns.send_message(
                 _send_request(session, caller, request.text, request.request_id)
             )
@@ -138,7 +143,7 @@ class TurnRpcs:
     # ----------------------------------------------------------------- Chat
 
     async def chat(
-        self, requests: AsyncIterator[chat_pb2.ChatRequest], context: Any
+        self, requests: AsyncIterator[chat_pb2.ChatRequest | Undecodable], context: Any
     ) -> AsyncIterator[chat_pb2.ChatResponse]:
         """The bidirectional Chat stream (an async generator of responses)."""
         try:
@@ -193,7 +198,7 @@ class TurnRpcs:
     async def _take_slot(
         self,
         caller: Caller,
-        requests: AsyncIterator[chat_pb2.ChatRequest],
+        requests: AsyncIterator[chat_pb2.ChatRequest | Undecodable],
         context: Any,
     ) -> StreamSlot | None:
         """Admit the caller's stream against the per-human limit (SPEC 8), or refuse the
@@ -276,7 +281,7 @@ class _Stream:
                 )
             )
 
-    async def read(self, requests: AsyncIterator[chat_pb2.ChatRequest]) -> None:
+    async def read(self, requests: AsyncIterator[chat_pb2.ChatRequest | Undecodable]) -> None:
         try:
             async for request in requests:
                 if self._claims.expired():
@@ -287,6 +292,10 @@ class _Stream:
                         )
                     )
                     return
+                if isinstance(request, Undecodable):
+                    log.info("chat: refused an undecodable message: field=%s", request.field or "-")
+                    self._reply_error(request.error(), request.request_id)
+                    continue
                 try:
                     await self._handle(request)
                 except PlannerError as error:
@@ -378,9 +387,7 @@ class _Stream:
             raise InvalidArgument("after_sequence must not be negative", reason="INVALID_SEQUENCE")
         rules = self._rpcs._rules
         if action.session_id:
-            session = await rules.owned_session(
-                self._caller, action.session_id, recheck_project=True
-            )
+            session = await rules.owned_session(self._caller, action.session_id)
             if action.project_id and action.project_id != session.project_id:
                 raise InvalidArgument(
                     "project_id names another project than the session's; send one or the "
@@ -421,7 +428,7 @@ class _Stream:
     async def _send(self, request: chat_pb2.ChatRequest) -> None:
         session = self._require_open()
         rules = self._rpcs._rules
-        current = await rules.owned_session(self._caller, session.session_id, recheck_project=True)
+        current = await rules.owned_session(self._caller, session.session_id)
         accepted = await self._rpcs._turns.send_message(
             _send_request(current, self._caller, request.send_message.text, request.request_id)
         )
@@ -436,9 +443,14 @@ class _Stream:
         session = self._require_open()
         try:
             check_request_id(request.request_id, required=False)
-            if not request.cancel_turn.turn_id:
-                # "The running turn": the session read at open predates it, so read it now.
-                session = await self._rpcs._rules.owned_session(self._caller, session.session_id)
+            rules = self._rpcs._rules
+            if request.cancel_turn.turn_id:
+                # The human's access to the project is re-checked on every action.
+                await rules.recheck_project(self._caller, session)
+            else:
+                # "The running turn": the session read at open predates it, so read it
+                # now (which re-checks the project too).
+                session = await rules.owned_session(self._caller, session.session_id)
             await self._rpcs._turns.cancel(session, request.cancel_turn.turn_id)
         except PlannerError as error:
             self._reply_error(error, request.request_id)
@@ -446,7 +458,9 @@ class _Stream:
             self._reply_error(error, request.request_id)
 
 
-async def _read_requests(stream: _Stream, requests: AsyncIterator[chat_pb2.ChatRequest]) -> None:
+async def _read_requests(
+    stream: _Stream, requests: AsyncIterator[chat_pb2.ChatRequest | Undecodable]
+) -> None:
     """The reader task of a Chat stream. Whatever ends it, but the cancellation that
     stops it, ends the stream with a status and an ErrorInfo: never silence, and never an
     exception nobody retrieves (issue 12)."""
@@ -461,7 +475,7 @@ _REFUSE_READ_S = 1.0
 
 
 async def _refuse(
-    requests: AsyncIterator[chat_pb2.ChatRequest], context: Any, error: Exception
+    requests: AsyncIterator[chat_pb2.ChatRequest | Undecodable], context: Any, error: Exception
 ) -> NoReturn:
     """End a stream refused before it started (bad token, limits).
 

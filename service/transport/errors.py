@@ -25,8 +25,8 @@ import grpc
 from google.protobuf import duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 
+from ballet_common.tokens import TokenError
 from service.core import errors
-from service.tokens import TokenError
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,16 @@ STATUS_DETAILS_KEY = "grpc-status-details-bin"
 #: ``RetryInfo`` sent with DATABASE_UNAVAILABLE: the database is usually back quickly.
 DATABASE_RETRY_AFTER_S = 1.0
 INTERNAL_MESSAGE = "internal error"
+#: Bounds on what an error carries (UTF-8 bytes), whatever raised it: quoted identifiers
+#: are cut where they are quoted (``service.core.errors.echo``); these keep any other
+#: path from a reply over gRPC's metadata limit (8 KiB by default, which the client then
+#: reports as RESOURCE_EXHAUSTED): the message travels twice (``grpc-message``,
+#: percent-encoded, up to 3 bytes per byte; and in ``grpc-status-details-bin``, base64),
+#: so message and metadata together stay under about 5 KiB on the wire.
+MESSAGE_MAX_BYTES = 512
+METADATA_KEY_MAX_BYTES = 64
+METADATA_VALUE_MAX_BYTES = 128
+METADATA_MAX_ENTRIES = 8
 
 #: Domain error class -> gRPC code. Resolved along the class's MRO, so a subclass maps
 #: like its nearest listed ancestor. Pinned by tests/unit/test_transport_errors.py.
@@ -101,7 +111,17 @@ def failure_of(error: Exception) -> RpcFailure:
         code = _code_for(error) or grpc.StatusCode.INTERNAL
         if isinstance(error, errors.Internal) or type(error) is errors.PlannerError:
             log.error("internal error: %s", error.reason, exc_info=error)
-        return RpcFailure(code, error.message, error.reason, error.metadata, error.retry_after_s)
+        metadata = {
+            _cut(key, METADATA_KEY_MAX_BYTES): _cut(value, METADATA_VALUE_MAX_BYTES)
+            for key, value in list(error.metadata.items())[:METADATA_MAX_ENTRIES]
+        }
+        return RpcFailure(
+            code,
+            _cut(error.message, MESSAGE_MAX_BYTES),
+            error.reason,
+            metadata,
+            error.retry_after_s,
+        )
     if isinstance(error, errors.StoreUnavailable):
         return RpcFailure(
             grpc.StatusCode.UNAVAILABLE,
@@ -115,9 +135,22 @@ def failure_of(error: Exception) -> RpcFailure:
             grpc.StatusCode.ABORTED, "a concurrent change won; retry", "CONCURRENT_CHANGE", {}
         )
     if isinstance(error, TokenError):
-        return RpcFailure(grpc.StatusCode.UNAUTHENTICATED, error.message, error.reason, {})
+        return RpcFailure(
+            grpc.StatusCode.UNAUTHENTICATED,
+            _cut(error.message, MESSAGE_MAX_BYTES),
+            error.reason,
+            {},
+        )
     log.error("unexpected error", exc_info=error)
     return RpcFailure(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE, "INTERNAL", {})
+
+
+def _cut(text: str, max_bytes: int) -> str:
+    """``text`` in at most ``max_bytes`` bytes of UTF-8, a cut one ending in ``...``."""
+    encoded = text.encode()
+    if len(encoded) <= max_bytes:
+        return text
+    return encoded[: max_bytes - 3].decode(errors="ignore") + "..."
 
 
 def status_of(error: Exception) -> status_pb2.Status:

@@ -56,20 +56,21 @@ def metadata(
     user: str | None,
     *,
     actor: str | None = None,
-    planner: bool = False,
+    planner: str = "",
     credential: str | None = None,
     **token: Any,
 ) -> Metadata:
     """What a call as ``user`` carries: their bearer token (none when ``user`` is None),
-    ``x-ballet-actor`` when ``actor`` is given, and the planner's service credential when
-    ``planner`` (or the explicit ``credential``)."""
+    ``x-ballet-actor`` when ``actor`` is given, and the planner's service credential for
+    the audience ``planner`` (e.g. ``ballet-tracker``) when given, or the explicit
+    ``credential``."""
     pairs: list[tuple[str, str]] = []
     if user is not None:
         pairs.append(("authorization", f"Bearer {stack.token(user, **token)}"))
     if actor is not None:
         pairs.append(("x-ballet-actor", actor))
     if planner or credential is not None:
-        value = credential if credential is not None else stack.planner_credential()
+        value = credential if credential is not None else stack.planner_credential(planner)
         pairs.append(("x-ballet-service-authorization", f"Bearer {value}"))
     return tuple(pairs)
 

@@ -11,6 +11,12 @@ from ballet.llm.v1 import gateway_pb2, gateway_pb2_grpc
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from ballet_common.tokens import (
+    GATEWAY_AUDIENCE,
+    PLANNER_SERVICE_SUBJECT,
+    Trust,
+    mint_dev_service_token,
+)
 from devstack.gateway import (
     GatewayServicer,
     Provider,
@@ -19,6 +25,19 @@ from devstack.gateway import (
     ToolCallDeltaChunk,
     ToolCallStartChunk,
     add_gateway_service,
+)
+
+Metadata = tuple[tuple[str, str], ...]
+#: The key these gateways trust, and the planner's credential signed with it.
+SECRET = b"gateway-tests-dev-secret-0123456789abcdef"
+PLANNER_METADATA = (
+    (
+        "x-ballet-service-authorization",
+        "Bearer "
+        + mint_dev_service_token(
+            SECRET, PLANNER_SERVICE_SUBJECT, audiences=(GATEWAY_AUDIENCE,), ttl_s=24 * 3600
+        ),
+    ),
 )
 
 StartGateway = Callable[[Provider], Awaitable["GatewayHarness"]]
@@ -151,14 +170,18 @@ class GatewayHarness:
     stub: gateway_pb2_grpc.GatewayServiceAsyncStub
     address: str
 
-    async def generate(self, req: gateway_pb2.GenerateRequest) -> Answer:
-        responses = [r async for r in self.stub.Generate(req, timeout=10)]
+    async def generate(
+        self, req: gateway_pb2.GenerateRequest, metadata: Metadata = PLANNER_METADATA
+    ) -> Answer:
+        responses = [r async for r in self.stub.Generate(req, timeout=10, metadata=metadata)]
         return Answer(responses)
 
-    async def fail(self, req: gateway_pb2.GenerateRequest) -> Failure:
+    async def fail(
+        self, req: gateway_pb2.GenerateRequest, metadata: Metadata = PLANNER_METADATA
+    ) -> Failure:
         responses: list[gateway_pb2.GenerateResponse] = []
         try:
-            async for response in self.stub.Generate(req, timeout=10):
+            async for response in self.stub.Generate(req, timeout=10, metadata=metadata):
                 responses.append(response)
         except grpc.aio.AioRpcError as exc:
             return Failure(exc.code(), exc.details() or "", responses, rpc_status.from_call(exc))
@@ -169,7 +192,7 @@ async def start_harness(
     provider: Provider,
 ) -> tuple[GatewayHarness, grpc.aio.Server, grpc.aio.Channel]:
     server = grpc.aio.server()
-    servicer = add_gateway_service(server, provider)
+    servicer = add_gateway_service(server, provider, trust=Trust.dev(SECRET))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     address = f"127.0.0.1:{port}"

@@ -16,14 +16,14 @@ from ballet.skills.v1 import skills_pb2
 from ballet.tracker.v1 import tracker_pb2
 from google.protobuf.message import Message
 
-from devstack.server import DevStack
-from service.tokens import (
+from ballet_common.tokens import (
     HUMAN_AUDIENCES,
     KNOWLEDGE_AUDIENCE,
     SKILLS_AUDIENCE,
     TRACKER_AUDIENCE,
     mint_dev_token,
 )
+from devstack.server import DevStack
 from tests.devstack.fixtures import Clients, clients, demo_stack, metadata, rpc_error
 
 __all__ = ["clients", "demo_stack"]

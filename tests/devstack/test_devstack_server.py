@@ -17,8 +17,8 @@ from ballet.tracker.v1 import tracker_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from ballet_common.tokens import TRACKER_AUDIENCE, dev_secret, mint_dev_token
 from devstack.server import DevStack, DevStackConfig
-from service.tokens import dev_secret, mint_dev_token
 from tests.devstack.fixtures import (
     Clients,
     clients,
@@ -117,7 +117,8 @@ async def test_calls_record_human_actor_and_request_id(
     demo_stack: DevStack, clients: Clients
 ) -> None:
     await clients.tracker.GetItem(
-        _get_item(), metadata=metadata(demo_stack, "bob", actor="planner:s-7", planner=True)
+        _get_item(),
+        metadata=metadata(demo_stack, "bob", actor="planner:s-7", planner=TRACKER_AUDIENCE),
     )
     record = demo_stack.calls_for("GetItem")[-1]
     assert record.service == "ballet.tracker.v1.TrackerService"

@@ -560,7 +560,8 @@ async def test_demo_scenario_explains_itself_and_summarizes(start_gateway: Start
     answer = await gw.generate(request(human("Write me a poem")))
     assert "demo model" in answer.text
     assert "--provider openai" in answer.text
-    assert answer.tool_calls == []
+    # Then it looks up the project's own items to suggest (issue 16; decision 0164).
+    assert [call.name for call in answer.tool_calls] == ["list_runnable", "list_items"]
     summary = await gw.generate(request(human("q"), assistant("a"), purpose="compaction"))
     assert summary.text
     assert summary.finish.reason == gateway_pb2.FINISH_REASON_STOP

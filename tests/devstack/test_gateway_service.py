@@ -21,7 +21,13 @@ from devstack.gateway import (
     UsageLedger,
     UsageRecord,
 )
-from tests.devstack.gateway_support import StartGateway, assistant, human, request
+from tests.devstack.gateway_support import (
+    PLANNER_METADATA,
+    StartGateway,
+    assistant,
+    human,
+    request,
+)
 
 
 class Scripted:
@@ -213,7 +219,7 @@ class Endless:
 async def test_a_client_cancel_closes_the_provider_stream(start_gateway: StartGateway) -> None:
     provider = Endless()
     gw = await start_gateway(provider)
-    call = gw.stub.Generate(request(human("hi")))
+    call = gw.stub.Generate(request(human("hi")), metadata=PLANNER_METADATA)
     first = await call.read()
     assert isinstance(first, gateway_pb2.GenerateResponse)
     assert first.text_delta.text == "first"

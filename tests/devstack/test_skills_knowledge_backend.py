@@ -9,6 +9,7 @@ import grpc
 from ballet.knowledge.v1 import knowledge_pb2
 from ballet.skills.v1 import skills_pb2
 
+from ballet_common.tokens import KNOWLEDGE_AUDIENCE
 from devstack.server import DevStack
 from tests.devstack.fixtures import Clients, clients, demo_stack, metadata, rpc_error
 
@@ -108,7 +109,7 @@ async def test_search_and_get_knowledge(demo_stack: DevStack, clients: Clients) 
 async def test_create_knowledge_is_attributed_and_idempotent(
     demo_stack: DevStack, clients: Clients
 ) -> None:
-    planner = metadata(demo_stack, "alice", actor="planner:s-9", planner=True)
+    planner = metadata(demo_stack, "alice", actor="planner:s-9", planner=KNOWLEDGE_AUDIENCE)
     request = K.CreateKnowledgeEntryRequest(
         request_id=f"tool-{uuid.uuid4().hex}",
         kind=K.KNOWLEDGE_KIND_DEBT,
@@ -193,7 +194,7 @@ async def test_update_needs_the_version_read(demo_stack: DevStack, clients: Clie
         item_ids=["PAN-16"],
         replace_item_ids=True,
     )
-    planner = metadata(demo_stack, "alice", actor="planner:s-3", planner=True)
+    planner = metadata(demo_stack, "alice", actor="planner:s-3", planner=KNOWLEDGE_AUDIENCE)
     updated = (await clients.knowledge.UpdateKnowledgeEntry(first, metadata=planner)).entry
     assert (updated.version, updated.body, list(updated.item_ids)) == (2, "v2", ["PAN-16"])
     assert (updated.author_id, updated.recorded_by) == ("alice", "planner:s-3")

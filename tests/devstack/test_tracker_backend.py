@@ -9,6 +9,7 @@ import uuid
 import grpc
 from ballet.tracker.v1 import tracker_pb2
 
+from ballet_common.tokens import KNOWLEDGE_AUDIENCE, TRACKER_AUDIENCE
 from devstack.server import DevStack
 from tests.devstack.fixtures import Clients, clients, demo_stack, metadata, rpc_error
 
@@ -426,7 +427,7 @@ async def test_actor_is_honoured_only_with_the_planner_credential(
             operations=[_dependency("PAN-11", "PAN-13")],
         )
 
-    planner = metadata(demo_stack, "alice", actor="planner:s-1", planner=True)
+    planner = metadata(demo_stack, "alice", actor="planner:s-1", planner=TRACKER_AUDIENCE)
     changeset = (await clients.tracker.ProposeChangeset(request(), metadata=planner)).changeset
     assert (changeset.author_id, changeset.recorded_by) == ("alice", "planner:s-1")
     record = demo_stack.calls_for("ProposeChangeset")[-1]
@@ -437,28 +438,38 @@ async def test_actor_is_honoured_only_with_the_planner_credential(
     )
     assert record.request_id
 
-    forgeries = [
+    ignored = [
         metadata(demo_stack, "alice", actor="planner:s-1"),  # no credential
-        # A credential that is not the planner's, or not for the tracker's audience.
-        metadata(demo_stack, "alice", actor="planner:s-1", credential=demo_stack.token("bob")),
+        # Another service's valid credential for the tracker: verified, but not the planner.
         metadata(
             demo_stack,
             "alice",
             actor="planner:s-1",
-            credential=demo_stack.planner_credential(audiences=["ballet-knowledge"]),
-        ),
-        (
-            *metadata(demo_stack, "alice", actor="planner:s-1"),
-            ("x-ballet-service-authorization", "Bearer junk"),
+            credential=demo_stack.planner_credential(TRACKER_AUDIENCE, subject="service:other"),
         ),
         # The planner's credential cannot make someone else's actor.
-        metadata(demo_stack, "alice", actor="admin", planner=True),
+        metadata(demo_stack, "alice", actor="admin", planner=TRACKER_AUDIENCE),
     ]
-    for md in forgeries:
+    for md in ignored:
         changeset = (await clients.tracker.ProposeChangeset(request(), metadata=md)).changeset
         assert (changeset.author_id, changeset.recorded_by) == ("alice", "alice")
         record = demo_stack.calls_for("ProposeChangeset")[-1]
         assert record.actor == "" and record.actor_forged
+    refused = {
+        # A human's token is no service credential, whatever it claims.
+        "TOKEN_INVALID": demo_stack.token("bob"),
+        # The planner's credential for another dependency is refused here (issue 14).
+        "WRONG_AUDIENCE": demo_stack.planner_credential(KNOWLEDGE_AUDIENCE),
+        "TOKEN_INVALID ": "junk",
+    }
+    for reason, credential in refused.items():
+        md = metadata(demo_stack, "alice", actor="planner:s-1", credential=credential)
+        refusal = await rpc_error(clients.tracker.ProposeChangeset(request(), metadata=md))
+        assert (refusal.code, refusal.reason) == (
+            grpc.StatusCode.UNAUTHENTICATED,
+            "SERVICE_CREDENTIAL_INVALID",
+        )
+        assert refusal.info.metadata["credential_reason"] == reason.strip()
 
 
 async def test_the_planner_may_not_set_an_execution_policy(
@@ -475,7 +486,8 @@ async def test_the_planner_may_not_set_an_execution_policy(
     )
     refusal = await rpc_error(
         clients.tracker.ProposeChangeset(
-            request, metadata=metadata(demo_stack, "alice", actor="planner:s-2", planner=True)
+            request,
+            metadata=metadata(demo_stack, "alice", actor="planner:s-2", planner=TRACKER_AUDIENCE),
         )
     )
     assert (refusal.code, refusal.reason) == (

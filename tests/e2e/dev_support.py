@@ -199,6 +199,10 @@ class Terminal:
         """Type ``line`` and Enter."""
         os.write(self.fd, (line + "\n").encode())
 
+    def keys(self, keys: str) -> None:
+        """Type ``keys`` as they are (escape sequences for arrows, "\\r" for Enter)."""
+        os.write(self.fd, keys.encode())
+
     def expect(self, pattern: str, timeout: float = 15) -> re.Match[str]:
         """Wait until ``pattern`` appears after the last match; fail with the output."""
         regex = re.compile(pattern)

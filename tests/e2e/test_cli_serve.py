@@ -27,6 +27,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
+from ballet_common.tokens import DEV_SERVICE_ISSUER, dev_service_key
+
 GRACE_S = 3.0
 RPCS = {
     "CreateSession",
@@ -168,7 +170,10 @@ def test_health_without_a_server(tmp_path: Path) -> None:
 
 
 def test_token_is_signed_with_the_data_dirs_secret(tmp_path: Path) -> None:
-    result = run(["token", "--user", "alice", "--data-dir", "state", "--ttl", "60"], tmp_path)
+    result = run(
+        ["token", "--user", "alice", "--data-dir", "state", "--ttl", "60", "--create-secret"],
+        tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     secret = (tmp_path / "state" / "dev-secret").read_text().strip().encode()
     claims = jwt.decode(
@@ -180,8 +185,15 @@ def test_token_is_signed_with_the_data_dirs_secret(tmp_path: Path) -> None:
         ["token", "--user", "svc", "--data-dir", "state", "--scope", "planner.sessions.read"],
         tmp_path,
     )
+    # A service principal: signed by the dev service-token issuer, never the human key.
+    with pytest.raises(jwt.InvalidSignatureError):
+        jwt.decode(scoped.stdout.strip(), secret, algorithms=["HS256"], audience="ballet-planner")
     decoded = jwt.decode(
-        scoped.stdout.strip(), secret, algorithms=["HS256"], audience="ballet-planner"
+        scoped.stdout.strip(),
+        dev_service_key(secret),
+        algorithms=["HS256"],
+        audience="ballet-planner",
+        issuer=DEV_SERVICE_ISSUER,
     )
     assert decoded["scope"] == "planner.sessions.read"
 

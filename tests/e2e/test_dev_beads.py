@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
-from service.devmode import DEPENDENCY_SERVICES
+from devstack.dev import DEPENDENCY_SERVICES
 from tests.e2e.dev_support import DevProcess, clean_env, command, find_buf, run_cli
 
 READY_LIMIT_S = 30.0

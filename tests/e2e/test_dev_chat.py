@@ -17,7 +17,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
+from ballet.planner.v1 import planner_service_pb2, planner_service_pb2_grpc, resources_pb2
 
 from tests.e2e.dev_support import DevProcess, Terminal, clean_env, command, run_cli
 
@@ -191,9 +193,11 @@ def test_interactive_chat_in_a_terminal(dev: DevProcess) -> None:
         clean_env(),
     )
     try:
-        first = terminal.expect(r"new session (\S+) in project demo")
+        # No session until the first message (issue 16).
+        terminal.expect(r"project demo on \S+: a new session starts with your first message")
         terminal.expect(r"> ")
         terminal.send("What are the open epics?")
+        first = terminal.expect(r"new session (\S+) in project demo")
         terminal.expect(r'-> list_items \{"kind":"epic"\}')
         terminal.expect(r"<- list_items: ok, \d+ items")
         terminal.expect(r"Here is what I found: \{\"items\"")
@@ -206,11 +210,12 @@ def test_interactive_chat_in_a_terminal(dev: DevProcess) -> None:
         terminal.expect(r"> ")
 
         terminal.send("/new")
-        second = terminal.expect(r"new session (\S+) in project demo")
-        assert second.group(1) != first.group(1)
+        terminal.expect(r"a new session starts with your first message")
         terminal.expect(r"> ")
 
         terminal.send("tell me something slow")
+        second = terminal.expect(r"new session (\S+) in project demo")
+        assert second.group(1) != first.group(1)
         terminal.expect(SLOW_TEXT[:8])  # the first deltas are on screen
         terminal.send("/cancel")
         terminal.expect(r"\(cancelling\)")
@@ -236,6 +241,53 @@ def test_interactive_chat_in_a_terminal(dev: DevProcess) -> None:
         assert terminal.wait() == 0
     finally:
         terminal.close()
+
+
+LEFT, UP, ENTER = "\x1b[D", "\x1b[A", "\r"
+
+
+def test_the_terminal_edits_the_line_and_recalls_history(dev: DevProcess) -> None:
+    # Issue 16, Done-when 4: in a real pty, arrow keys edit the line (they never reach
+    # the message) and the up arrow recalls the previous message.
+    terminal = Terminal(
+        [*command(), "chat", "--address", dev.planner, "--user", "alice", "--data-dir", "data"],
+        dev.cwd,
+        clean_env(TERM="xterm"),
+    )
+    try:
+        terminal.expect(r"a new session starts with your first message")
+        terminal.expect(r"> ")
+        # "epis?", two left arrows (before "s"), "c", Enter: "epics?".
+        terminal.keys("What are the open epis?")
+        terminal.expect(r"What are the open epis\?")  # echoed as typed: readline shows it
+        terminal.keys(LEFT + LEFT + "c" + ENTER)
+        session = terminal.expect(r"new session (\S+) in project demo").group(1)
+        terminal.expect(r'-> list_items \{"kind":"epic"\}')  # the scenario saw "epics"
+        terminal.expect(r"\[COMPLETED: 1 round\]")
+        terminal.expect(r"> ")
+        terminal.keys(UP + ENTER)  # the previous message again
+        terminal.expect(r'-> list_items \{"kind":"epic"\}')
+        terminal.expect(r"\[COMPLETED: 1 round\]")
+        terminal.expect(r"> ")
+        terminal.send("/quit")
+        assert terminal.wait() == 0
+    finally:
+        terminal.close()
+    assert human_messages(dev, session) == ["What are the open epics?"] * 2
+
+
+def human_messages(dev: DevProcess, session_id: str) -> list[str]:
+    """The texts of the session's human messages, read with ListMessages."""
+    minted = run_cli(["token", "--user", "alice", "--data-dir", "data"], dev.cwd)
+    assert minted.returncode == 0, minted.stderr
+    metadata = (("authorization", f"Bearer {minted.stdout.strip()}"),)
+    with grpc.insecure_channel(dev.planner) as channel:
+        listed = planner_service_pb2_grpc.PlannerServiceStub(channel).ListMessages(
+            planner_service_pb2.ListMessagesRequest(session_id=session_id),
+            metadata=metadata,
+            timeout=10,
+        )
+    return [m.text for m in listed.messages if m.kind == resources_pb2.MESSAGE_KIND_HUMAN]
 
 
 @pytest.mark.postgres

@@ -32,6 +32,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
+from ballet_common.tokens import Trust, dev_secret
 from devstack.gateway import GatewayServicer, ScriptedProvider, add_gateway_service
 from devstack.server import DevStack, DevStackConfig
 from service.adapters.store import migrate
@@ -115,12 +116,15 @@ async def start_stack(
     started later use ``database_url`` (migrated here; empty: SQLite in ``data_dir``).
     ``devstack_config`` are more ``DevStackConfig`` fields (e.g. ``token_leeway_s``)."""
     provider = ScriptedProvider({"rules": rules or QUICK_RULES})
+    trust = Trust.dev(dev_secret(data_dir))
     added: list[GatewayServicer] = []
     devstack = await DevStack.start(
         DevStackConfig(
             data_dir=data_dir,
             address="127.0.0.1:0",
-            extra_services=lambda server: added.append(add_gateway_service(server, provider)),
+            extra_services=lambda server: added.append(
+                add_gateway_service(server, provider, trust=trust)
+            ),
             **devstack_config,
         )
     )

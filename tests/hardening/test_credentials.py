@@ -29,9 +29,10 @@ from ballet.planner.v1 import resources_pb2
 from ballet.skills.v1 import skills_pb2, skills_pb2_grpc
 from ballet.tracker.v1 import tracker_pb2, tracker_pb2_grpc
 
-from service.tokens import PLANNER_AUDIENCE, TRACKER_AUDIENCE
+from ballet_common.tokens import KNOWLEDGE_AUDIENCE, PLANNER_AUDIENCE, TRACKER_AUDIENCE
 from tests.hardening.support import (
     Chat,
+    Metadata,
     Stack,
     failure,
     planner_command,
@@ -146,22 +147,26 @@ async def test_a_forged_actor_without_the_planner_credential_is_not_the_planner(
 ) -> None:
     devstack = stack.devstack
     token = devstack.token("alice")
-    forged = devstack.planner_credential(subject="service:someone-else")
-    attempts = {
-        "none": (),
-        "other service": (("x-ballet-service-authorization", f"Bearer {forged}"),),
+
+    def other_service(audience: str) -> Metadata:
+        # Valid for that backend, from the service-token issuer, but not the planner.
+        forged = devstack.planner_credential(audience, subject="service:someone-else")
+        return (("x-ballet-service-authorization", f"Bearer {forged}"),)
+
+    attempts: dict[str, tuple[Metadata, Metadata]] = {
+        "none": ((), ()),
+        "other service": (other_service(TRACKER_AUDIENCE), other_service(KNOWLEDGE_AUDIENCE)),
     }
     async with grpc.aio.insecure_channel(devstack.address) as channel:
         tracker = tracker_pb2_grpc.TrackerServiceStub(channel)
         knowledge = knowledge_pb2_grpc.KnowledgeServiceStub(channel)
-        for label, credential in attempts.items():
-            metadata = (
+        for label, (to_tracker, to_knowledge) in attempts.items():
+            base = (
                 ("authorization", f"Bearer {token}"),
                 ("x-ballet-actor", "planner:forged-session"),
-                *credential,
             )
             await tracker.ListItems(
-                tracker_pb2.ListItemsRequest(project_id="demo"), metadata=metadata
+                tracker_pb2.ListItemsRequest(project_id="demo"), metadata=(*base, *to_tracker)
             )
             written = await knowledge.CreateKnowledgeEntry(
                 knowledge_pb2.CreateKnowledgeEntryRequest(
@@ -171,7 +176,7 @@ async def test_a_forged_actor_without_the_planner_credential_is_not_the_planner(
                     body="b",
                     project_id="demo",
                 ),
-                metadata=metadata,
+                metadata=(*base, *to_knowledge),
             )
             for method in ("ListItems", "CreateKnowledgeEntry"):
                 record = devstack.calls_for(method)[-1]

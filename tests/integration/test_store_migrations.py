@@ -88,3 +88,29 @@ async def test_schema_status_behind_and_current(db_url: str) -> None:
         assert (newer.current, newer.behind) == ("from-the-future", False)
     finally:
         await engine.dispose()
+
+
+async def test_0004_turns_the_pending_bytes_into_tokens_and_back(db_url: str) -> None:
+    """Decision 0171: the running estimate holds tokens; a session stored before holds
+    bytes, read from then on as one token per four bytes, rounded up."""
+    engine = make_engine(db_url)
+    insert_session = text(
+        "INSERT INTO sessions (session_id, project_id, organization_id, owner_id, title, "
+        "create_time, update_time, summary, summary_up_to, last_sequence, "
+        "context_base_tokens, context_pending_bytes, create_request_id, create_request_hash) "
+        "VALUES ('s1', 'p', 'o', 'alice', '', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP, '', 0, 0, "
+        "NULL, 4001, '', '')"
+    )
+    try:
+        async with engine.begin() as conn:
+            await conn.run_sync(lambda sync: command.upgrade(alembic_config(sync), "0003"))
+            await conn.execute(insert_session)
+        await migrate(db_url)
+        async with engine.begin() as conn:
+            pending = await conn.scalar(text("SELECT context_pending_tokens FROM sessions"))
+            assert pending == 1001
+            await conn.run_sync(lambda sync: command.downgrade(alembic_config(sync), "0003"))
+            pending = await conn.scalar(text("SELECT context_pending_bytes FROM sessions"))
+            assert pending == 4004
+    finally:
+        await engine.dispose()

@@ -24,6 +24,7 @@ from service.core.errors import (
     ResourceExhausted,
     StoreConflict,
 )
+from service.core.estimate import message_tokens
 from service.core.model import (
     ContextEstimate,
     EventKind,
@@ -68,7 +69,7 @@ async def test_created_session_reads_back(store: SqlSessionStore) -> None:
     assert created.title == "Q3 planning"
     assert created.last_sequence == 0
     assert created.running_turn_id == ""
-    assert created.context == ContextEstimate(base_tokens=None, pending_bytes=0)
+    assert created.context == ContextEstimate(base_tokens=None, pending_tokens=0)
     assert created.create_time == T0
     assert created.create_time.utcoffset() == timedelta(0)
     assert await store.get_session("nope") is None
@@ -217,7 +218,7 @@ async def test_start_turn_stores_the_message_and_opens_the_turn(store: SqlSessio
     assert session is not None
     assert session.last_sequence == 2
     assert session.running_turn_id == "t1"
-    assert session.context.pending_bytes == start.message.size_bytes()
+    assert session.context.pending_tokens == message_tokens(start.message)
 
 
 async def test_start_turn_in_a_missing_session(store: SqlSessionStore) -> None:
@@ -392,8 +393,8 @@ async def test_commit_numbers_events_and_patches_the_turn(store: SqlSessionStore
     assert turn.state is TurnState.RUNNING
     session = await store.get_session("s1")
     assert session is not None
-    assert session.context.pending_bytes == sum(
-        e.message.size_bytes() for e in [*start.events, *stored] if e.message
+    assert session.context.pending_tokens == sum(
+        message_tokens(e.message) for e in [*start.events, *stored] if e.message
     )
     transcript = [e.message for e in [*start.events, *stored] if e.message]
     assert await store.turn_messages("t1") == transcript
@@ -480,7 +481,7 @@ async def test_commit_stores_summary_and_context(store: SqlSessionStore) -> None
             later,
             events=[compacted],
             summary=SummaryUpdate("Alice asked what is runnable.", up_to=4),
-            context=ContextEstimate(base_tokens=300, pending_bytes=17),
+            context=ContextEstimate(base_tokens=300, pending_tokens=17),
             turn_patch=TurnPatch(compaction_usage=Usage(5000, 300)),
         )
     )
@@ -493,7 +494,7 @@ async def test_commit_stores_summary_and_context(store: SqlSessionStore) -> None
         4,
         later,
     )
-    assert session.context == ContextEstimate(base_tokens=300, pending_bytes=17)
+    assert session.context == ContextEstimate(base_tokens=300, pending_tokens=17)
     # Only what follows the summary: the tool result (5) and the compaction marker (6).
     assert [m.sequence for m in snapshot.messages] == [5, 6]
     assert snapshot.messages[-1].kind is MessageKind.COMPACTION

@@ -35,6 +35,7 @@ from ballet.planner.v1 import chat_pb2, planner_service_pb2, planner_service_pb2
 from ballet.planner.v1 import resources_pb2 as res
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ballet_common.tokens import Trust, dev_secret
 from devstack.gateway import GatewayServicer, ScriptedProvider, add_gateway_service
 from devstack.server import DevStack, DevStackConfig
 
@@ -346,7 +347,9 @@ async def rig(
         DevStackConfig(
             data_dir=data_dir,
             address="127.0.0.1:0",
-            extra_services=lambda s: servicers.append(add_gateway_service(s, provider)),
+            extra_services=lambda s: servicers.append(
+                add_gateway_service(s, provider, trust=Trust.dev(dev_secret(data_dir)))
+            ),
         )
     )
     planners: list[Planner] = []

@@ -15,8 +15,14 @@ from typing import Any
 import grpc
 from ballet.tracker.v1 import tracker_pb2, tracker_pb2_grpc
 
+from ballet_common.tokens import (
+    HUMAN_AUDIENCES,
+    PLANNER_AUDIENCE,
+    dev_secret,
+    mint_dev_service_token,
+    mint_dev_token,
+)
 from service.config import SHUTDOWN_OVERHEAD_S, Settings, load_settings
-from service.tokens import HUMAN_AUDIENCES, dev_secret, mint_dev_token
 from service.transport.errors import error_info_of, status_from_trailers
 
 
@@ -106,6 +112,21 @@ def token(data_dir: Path, user: str, **kw: Any) -> str:
     """A dev token of ``user`` signed with the planner's dev secret."""
     kw.setdefault("audiences", HUMAN_AUDIENCES)
     return mint_dev_token(dev_secret(data_dir), user, **kw)
+
+
+def service_token(
+    data_dir: Path, subject: str, scopes: tuple[str, ...], organization_id: str = "acme"
+) -> str:
+    """A service principal's dev token for the planner, from the dev service-token
+    issuer (the only way to be a service principal; a human token with ``scope`` is
+    refused)."""
+    return mint_dev_service_token(
+        dev_secret(data_dir),
+        subject,
+        audiences=(PLANNER_AUDIENCE,),
+        scopes=scopes,
+        organization_id=organization_id,
+    )
 
 
 def auth(bearer: str) -> tuple[tuple[str, str], ...]:

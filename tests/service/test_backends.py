@@ -17,12 +17,13 @@ from typing import Any
 import grpc
 import pytest
 
+from ballet_common.tokens import KNOWLEDGE_AUDIENCE, SKILLS_AUDIENCE, TRACKER_AUDIENCE
 from devstack.server import DevStack, DevStackConfig
 from service.adapters.backends import GrpcToolBackends
 from service.adapters.channels import make_channel
 from service.core.errors import NotFound, Unauthenticated, Unavailable
 from service.core.ports import Acting, ToolCall
-from service.core.tools import ToolContext, ToolOutcome, ToolRunner
+from service.core.tools import TOOLS, Tool, ToolContext, ToolOutcome, ToolRunner
 
 SESSION = "sess-backends"
 ACTOR = f"planner:{SESSION}"
@@ -84,7 +85,9 @@ def connect(stack: DevStack) -> tuple[grpc.aio.Channel, GrpcToolBackends]:
         tracker=channel,
         skills=channel,
         knowledge=channel,
-        service_token=stack.planner_credential,
+        tracker_credential=lambda: stack.planner_credential(TRACKER_AUDIENCE),
+        skills_credential=lambda: stack.planner_credential(SKILLS_AUDIENCE),
+        knowledge_credential=lambda: stack.planner_credential(KNOWLEDGE_AUDIENCE),
     )
     return channel, backends
 
@@ -122,6 +125,51 @@ def assert_acted_for(stack: DevStack, human: str) -> None:
     assert records, "the backends saw calls"
     for record in records:
         assert (record.human, record.actor) == (human, ACTOR), record
+
+
+# --------------------------------------------------------------------------- every tool
+
+#: One call of each tool that the demo project answers with a success (the ids are the
+#: demo's, devstack/demo/project.py).
+ONE_CALL_EACH: dict[str, dict[str, Any]] = {
+    "list_items": {"kind": "epic"},
+    "get_item": {"item_id": "PAN-9"},
+    "list_runnable": {"page_size": 2},
+    "search_project": {"query": "barcode"},
+    "list_changesets": {},
+    "propose_changeset": {
+        "title": "Once",
+        "operations": [{"add_dependency": {"item_id": "PAN-14", "blocked_by_id": "PAN-9"}}],
+    },
+    "list_skills": {},
+    "read_skill": {"name": "demo-planning"},
+    "search_knowledge": {"query": "decimal"},
+    "get_knowledge": {"entry_id": "{entry_id}"},
+    "create_knowledge": {"kind": "note", "title": "Once", "body": "Every tool, once."},
+    "update_knowledge": {"entry_id": "{entry_id}", "version": 1, "status": "noted"},
+}
+
+
+@pytest.mark.parametrize("tool", TOOLS, ids=lambda tool: tool.name)
+async def test_every_tool_once_on_the_devstack(planner: Planner, tool: Tool) -> None:
+    """The gRPC adapter is a ``ToolBackends`` at run time too (mypy checks it statically):
+    each tool succeeds against the real backends, and makes exactly the RPCs it declares,
+    as the human, recorded as the planner."""
+    arguments = dict(ONE_CALL_EACH[tool.name])
+    if arguments.get("entry_id") == "{entry_id}":
+        note = {"kind": "note", "title": f"For {tool.name}", "body": "x"}
+        created = await planner.run("create_knowledge", note, call_id=f"call-note-{tool.name}")
+        arguments["entry_id"] = created.knowledge_entry_id
+        planner.stack.call_log.clear()
+    outcome = await planner.run(tool.name, arguments, call_id=f"call-once-{tool.name}")
+    assert not outcome.is_error, outcome.content
+    json.loads(outcome.content)
+    made = [f"{record.service.rsplit('.', 1)[1]}.{record.method}" for record in planner.stack.calls]
+    assert made == list(tool.rpcs)
+    assert_acted_for(planner.stack, "alice")
+    if tool.is_write:
+        (record,) = planner.stack.calls
+        assert record.request_id == f"call-once-{tool.name}", "the call id is the request id"
 
 
 # --------------------------------------------------------------------------- reads
@@ -448,7 +496,12 @@ async def test_without_the_planner_credential_the_actor_is_not_honoured(stack: D
     channel = make_channel(stack.address, tls=None, insecure=False)
     try:
         backends = GrpcToolBackends(
-            tracker=channel, skills=channel, knowledge=channel, service_token=lambda: ""
+            tracker=channel,
+            skills=channel,
+            knowledge=channel,
+            tracker_credential=lambda: "",
+            skills_credential=lambda: "",
+            knowledge_credential=lambda: "",
         )
         planner = Planner(stack, channel, backends)
         assert not (await planner.run("list_skills", {})).is_error

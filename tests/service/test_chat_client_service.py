@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import io
 import json
-import re
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 from ballet.planner.v1 import chat_pb2, resources_pb2
 from ballet.planner.v1 import planner_service_pb2 as pb
 
+from devstack.dev import DevApp, DevOptions, start_dev
 from service.adapters.channels import make_channel
 from service.chat_client import ChatClient, ChatOptions
-from service.devmode import DevApp, DevOptions, start_dev
 
 SCENARIO = {"rules": [{"reply": {"text": "Noted.", "chunk_chars": 2}}]}
 
@@ -98,34 +96,3 @@ async def test_dev_registers_the_gateway_and_points_the_planner_at_the_devstack(
         await client.close()
     assert len(app.gateway.requests) == before + 1
     assert app.gateway.requests[-1].model == app.settings.planner.model
-
-
-async def test_every_question_the_demo_model_suggests_works_on_the_demo_project(
-    tmp_path: Path,
-) -> None:
-    # `ballet-planner dev` without --scenario: the built-in demo scenario (SPEC 10) and
-    # the demo project; its fallback answer names questions to try, and each must find
-    # something there.
-    demo = await start_dev(
-        DevOptions(data_dir=tmp_path, address="127.0.0.1:0", devstack_address="127.0.0.1:0"),
-        {"BALLET_PLANNER__SERVER__METRICS_ADDRESS": "", "BALLET_PLANNER__SERVER__GRACE_S": "7"},
-    )
-    client = await client_of(demo)
-    try:
-        await client.open(title="demo")
-        await client.send("hello")
-        await until_idle(client)
-        fallback = client.renderer.out.getvalue()  # type: ignore[attr-defined]
-        suggestions = re.findall(r'"([^"]+\?)"|"(Tell me about [^"]+)"', fallback)
-        questions = [first or second for first, second in suggestions]
-        assert len(questions) == 4, fallback
-        for question in questions:
-            before = client.renderer.out.getvalue()  # type: ignore[attr-defined]
-            await client.send(question)
-            await until_idle(client)
-            shown = client.renderer.out.getvalue()[len(before) :]  # type: ignore[attr-defined]
-            assert "  <- " in shown and ": ok, " in shown, f"{question}\n{shown}"
-            assert ": ok, 0 " not in shown, f"{question}\n{shown}"
-    finally:
-        await client.close()
-        await demo.stop()

@@ -32,7 +32,9 @@ from sqlalchemy import insert, update
 
 from devstack.gateway.base import Provider, ProviderChunk
 from service.adapters.store import codec, tables
-from service.core.compaction import tokens_for_bytes
+from service.core.compaction import compaction_request_tokens
+from service.core.context import SUMMARY_TAG
+from service.core.estimate import MESSAGE_OVERHEAD_TOKENS, text_tokens
 from service.core.model import (
     ContextEstimate,
     EventKind,
@@ -58,6 +60,12 @@ SETTINGS = {
 COMPACTION = gateway_pb2.PURPOSE_COMPACTION
 KIND = resources_pb2.MessageKind
 END = resources_pb2.TurnEndReason
+#: Padding that makes a summary plausible for a long history (decision 0170).
+LONG_SUMMARY = (
+    "They want to know what the demo project holds and what to work on next. The "
+    "planner listed the skills and the runnable tickets of the pantry epics, found no "
+    "blocker that is still open, and proposed nothing yet; nothing waits for a decision."
+)
 SUMMARY_RULE: dict[str, Any] = {
     "match": {"purpose": "compaction"},
     "reply": {"text": "SUMMARY: the human asked things", "usage": {"input_tokens": 900,
@@ -103,6 +111,11 @@ def human_texts(request: gateway_pb2.GenerateRequest) -> list[str]:
     return [m.text for m in request.messages if m.role == gateway_pb2.ROLE_USER]
 
 
+def summary_block(summary: str) -> str:
+    """The summary as the model gets it: system-side, delimited (decision 0172)."""
+    return f"<{SUMMARY_TAG}>\n{summary}\n</{SUMMARY_TAG}>"
+
+
 # --------------------------------------------------------------------------- Done-when 4
 
 
@@ -115,8 +128,8 @@ async def test_a_compaction_is_stored_streamed_and_counted(rig: Rig) -> None:
     before = await compactions_total(rig)
     _, received = await rig.run_turn("second question", session_id=session_id)
 
-    # Estimate: the usage the first answer reported, plus the new human message's bytes.
-    estimated = 2000 + 10 + tokens_for_bytes(len(b"second question"))
+    # Estimate: the usage the first answer reported, plus the new human message.
+    estimated = 2000 + 10 + MESSAGE_OVERHEAD_TOKENS + text_tokens("second question")
     (compacted,) = events(received, "compacted")
     transcript = await rig.transcript(session_id)
     first_answer = next(m for m in transcript if m.text == "first answer")
@@ -137,14 +150,12 @@ async def test_a_compaction_is_stored_streamed_and_counted(rig: Rig) -> None:
         first_answer.sequence,
     )
     (summarized,) = rig.requests(COMPACTION)
-    assert "Human: first question" in summarized.messages[0].text
-    assert "second question" not in summarized.messages[0].text, "the current turn stays"
+    assert "Human: first question" in summarized.system_prompt
+    assert "second question" not in summarized.system_prompt, "the current turn stays"
     assert not summarized.tools
     _, after = rig.requests()
-    assert human_texts(after) == [
-        "[Summary of the earlier conversation]\nSUMMARY: the human asked things",
-        "second question",
-    ]
+    assert human_texts(after) == ["second question"]
+    assert summary_block("SUMMARY: the human asked things") in after.system_prompt
     turn = await rig.get_turn(session_id, compacted.turn_id)
     assert (turn.compaction_usage.input_tokens, turn.compaction_usage.output_tokens) == (900, 20)
     assert (turn.usage.input_tokens, turn.usage.output_tokens) == (300, 10)
@@ -223,9 +234,11 @@ async def test_a_history_many_times_the_threshold_is_folded_in_one_compaction(
     threshold: the turn goes on, and compacts nothing more, since ``up_to`` cannot move
     into the current turn; the next turn compacts again."""
     filler = "x" * 6000
+    # Long enough to stand for about 14,000 tokens (decision 0170: at least 50 tokens).
+    long_summary = "SUMMARY: the human asked things. " + LONG_SUMMARY
     rig.scenario(
         [
-            {**SUMMARY_RULE, "reply": {**SUMMARY_RULE["reply"],
+            {**SUMMARY_RULE, "reply": {"text": long_summary,
                                        "usage": {"input_tokens": 3000, "output_tokens": 1500}}},
             {"match": {"purpose": "turn", "last_text_regex": r"^fill (?P<n>\d+)"},
              "reply": {"text": f"FILL-{{{{match:n}}}} {filler}",
@@ -252,21 +265,21 @@ async def test_a_history_many_times_the_threshold_is_folded_in_one_compaction(
     (compacted,) = events(heavy, "compacted")
     assert compacted.compacted.estimated_tokens > COMPACT_AT
     purposes = [r.purpose for r in rig.gateway.requests]
-    chunks = [r.messages[0].text for r in rig.requests(COMPACTION)]
+    chunks = [r.system_prompt for r in rig.requests(COMPACTION)]
     assert purposes == [gateway_pb2.PURPOSE_TURN, *[COMPACTION] * len(chunks),
                         gateway_pb2.PURPOSE_TURN, gateway_pb2.PURPOSE_TURN]  # fmt: skip
     assert len(chunks) >= 5, "about 60 KB of history in chunks of about 11 KB"
-    assert "Earlier summary:\n(none)" in chunks[0]
+    assert "<earlier_summary>\n(none)\n</earlier_summary>" in chunks[0]
     for chunk in chunks[1:]:
-        assert "Earlier summary:\nSUMMARY: the human asked things" in chunk
-    assert all(len(c.encode()) <= INPUT_MAX * 4 for c in chunks)
+        assert f"<earlier_summary>\n{long_summary.strip()}\n</earlier_summary>" in chunk
+    assert all(compaction_request_tokens(c) <= INPUT_MAX for c in chunks)
     folded = [int(n) for c in chunks for n in re.findall(r"FILL-(\d+)", c)]
     assert folded == list(range(10)), "oldest first, each answer once"
     assert "heavy question" not in "".join(chunks), "the current turn is never summarized"
     assert await compactions_total(rig) == counted + 1
-    summary_text = "[Summary of the earlier conversation]\nSUMMARY: the human asked things"
     for request in rig.requests()[1:]:
-        assert human_texts(request) == [summary_text, "heavy question"]
+        assert human_texts(request) == ["heavy question"]
+        assert summary_block(long_summary.strip()) in request.system_prompt
         results = [m.tool_result.tool_call_id for m in request.messages if m.role == 3]
         calls = [c.id for m in request.messages for c in m.tool_calls]
         assert calls == results, "the current turn's calls and results are sent whole"
@@ -280,11 +293,11 @@ async def test_a_history_many_times_the_threshold_is_folded_in_one_compaction(
     (again,) = events(following, "compacted")
     assert again.compacted.up_to > first_up_to, "up_to moved over the heavy turn"
     (summarized,) = rig.requests(COMPACTION)
-    assert "Earlier summary:\nSUMMARY: the human asked things" in summarized.messages[0].text
-    assert "Tool call list_skills" in summarized.messages[0].text
-    assert "Tool result list_runnable" in summarized.messages[0].text
+    assert f"<earlier_summary>\n{long_summary.strip()}" in summarized.system_prompt
+    assert "Tool call list_skills" in summarized.system_prompt
+    assert "Tool result list_runnable" in summarized.system_prompt
     (request,) = rig.requests()
-    assert human_texts(request) == [summary_text, "next question"]
+    assert human_texts(request) == ["next question"]
     session = await rig.get_session(session_id)
     assert session.summary_up_to == again.compacted.up_to
     # The transcript stays complete: 10 x (human, answer); heavy: human, call, result,
@@ -304,6 +317,9 @@ class RowCounter:
         self.at_model_calls: list[tuple[int, int]] = []
 
         def after(_conn: Any, cursor: Any, statement: str, *_: Any) -> None:
+            # The health monitor's ``SELECT 1`` runs on its own clock, not the turn's.
+            if statement.strip().upper() == "SELECT 1":
+                return
             if statement.lstrip().upper().startswith("SELECT"):
                 self.statements += 1
                 # psycopg reports the rows a SELECT returned (PostgreSQL only).
@@ -396,7 +412,7 @@ async def seed(rig: Rig, session_id: str, count: int, keep: int) -> None:
             session_id, turn_id, now,
             turn_patch=TurnPatch(end_reason=TurnEndReason.COMPLETED),
             summary=SummaryUpdate("SUMMARY of the seeded turn", up_to=count - keep),
-            context=ContextEstimate(base_tokens=100, pending_bytes=0),
+            context=ContextEstimate(base_tokens=100, pending_tokens=0),
         )
     )  # fmt: skip
 
@@ -423,7 +439,7 @@ async def test_what_a_turn_reads_does_not_grow_with_the_transcript(pg_rig: Rig) 
         rig.remove_listeners()
         assert events(received, "turn_ended")[0].turn_ended.reason == END.TURN_END_REASON_COMPLETED
         assert len(rig.requests()) >= 2
-        assert human_texts(rig.requests()[-1])[0].endswith("SUMMARY of the seeded turn")
+        assert summary_block("SUMMARY of the seeded turn") in rig.requests()[-1].system_prompt
         measured[count] = counter.per_call()
         rig.gateway.reset()
     assert measured[100] == measured[5000], measured

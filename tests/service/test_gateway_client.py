@@ -9,6 +9,7 @@ from typing import Any
 import grpc
 import pytest
 
+from ballet_common.tokens import GATEWAY_AUDIENCE, Trust
 from devstack.gateway import ScriptedProvider, add_gateway_service
 from service.adapters.gateway import GrpcModelGateway
 from service.core.errors import ModelFailure
@@ -24,6 +25,7 @@ from service.core.ports import (
     ToolCallChunk,
     ToolDeclaration,
 )
+from service.credentials import ServiceCredential
 
 
 class Rig:
@@ -36,7 +38,8 @@ class Rig:
 
     async def start(self) -> GrpcModelGateway:
         self.server = grpc.aio.server()
-        servicer = add_gateway_service(self.server, self.provider)
+        secret = b"gateway-client-tests-secret-0123456789"
+        servicer = add_gateway_service(self.server, self.provider, trust=Trust.dev(secret))
         self.requests = servicer.requests
         port = self.server.add_insecure_port("127.0.0.1:0")
         await self.server.start()
@@ -45,7 +48,10 @@ class Rig:
         async def no_sleep(seconds: float) -> None:
             self.sleeps.append(seconds)
 
-        return GrpcModelGateway(self.channel, sleep=no_sleep, jitter=lambda: 1.0)
+        credential = ServiceCredential(GATEWAY_AUDIENCE, dev_secret=secret)
+        return GrpcModelGateway(
+            self.channel, metadata=credential.metadata, sleep=no_sleep, jitter=lambda: 1.0
+        )
 
     async def stop(self) -> None:
         if self.channel is not None:

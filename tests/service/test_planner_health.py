@@ -16,7 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service.adapters.store import migrate
-from service.main import StartupError, start_planner
+from service.main import LIVENESS_SERVICE, StartupError, start_planner
 from tests.pg import PgCluster
 from tests.service.planner_support import FakeTracker, planner_settings
 
@@ -67,6 +67,9 @@ async def test_health_follows_the_database_without_a_restart(
         await wait_for_status(watch, NOT_SERVING, 20)
         overall = await health.Check(health_pb2.HealthCheckRequest(service=""))
         assert overall.status == NOT_SERVING
+        # Liveness probes ask "liveness": the process serves, so no restart (0163).
+        alive = await health.Check(health_pb2.HealthCheckRequest(service=LIVENESS_SERVICE))
+        assert alive.status == SERVING
         await asyncio.to_thread(own_pg_cluster.start)
         await wait_for_status(watch, SERVING, 30)
         overall = await health.Check(health_pb2.HealthCheckRequest(service=""))

@@ -8,6 +8,7 @@ server (``FakeTracker``).
 from __future__ import annotations
 
 import asyncio
+import platform
 import urllib.request
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -22,11 +23,19 @@ from google.protobuf import field_mask_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from ballet_common.tokens import TRACKER_AUDIENCE, mint_dev_token
 from service.adapters.store import migrate
 from service.core.sessions import READ_SCOPE
 from service.main import PlannerApp, start_planner
-from service.tokens import TRACKER_AUDIENCE, mint_dev_token
-from tests.service.planner_support import FakeTracker, auth, planner_settings, reason_of, token
+from service.version import version
+from tests.service.planner_support import (
+    FakeTracker,
+    auth,
+    planner_settings,
+    reason_of,
+    service_token,
+    token,
+)
 
 PLANNER_SERVICE = "ballet.planner.v1.PlannerService"
 RPCS = {
@@ -291,8 +300,8 @@ async def test_update_get_list_messages_and_delete(planner: Running) -> None:
 
 async def test_a_service_principal_reads_its_organization_only(planner: Running) -> None:
     session = await planner.create()
-    reader = auth(planner.token("service:reports", scopes=(READ_SCOPE,)))
-    foreign = auth(planner.token("service:reports", scopes=(READ_SCOPE,), organization_id="globex"))
+    reader = auth(service_token(planner.data_dir, "service:reports", (READ_SCOPE,)))
+    foreign = auth(service_token(planner.data_dir, "service:reports", (READ_SCOPE,), "globex"))
     got = await planner.stub.GetSession(
         pb.GetSessionRequest(session_id=session.session_id), metadata=reader
     )
@@ -406,3 +415,22 @@ async def test_metrics_endpoint(planner: Running) -> None:
     ):
         assert name in body
     assert "alice" not in body and "demo" not in body
+
+
+async def test_metrics_endpoint_has_build_process_and_runtime_metrics(planner: Running) -> None:
+    # Issue 16: process and runtime metrics, and a build-info metric with the version.
+    url = f"http://{planner.app.metrics_address}/metrics"
+    body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
+    python = platform.python_version()
+    build = f'ballet_planner_build_info{{python="{python}",version="{version()}"}} 1.0'
+    assert build in body
+    assert version() != "0+unknown"
+    for name in (
+        "process_cpu_seconds_total",
+        "process_resident_memory_bytes",
+        "process_open_fds",
+        "process_start_time_seconds",
+        "python_info",
+        "python_gc_collections_total",
+    ):
+        assert f"\n{name}" in body, name

@@ -73,7 +73,10 @@ def human(regex: str, *calls: dict[str, Any]) -> dict[str, Any]:
 
 
 RULES: list[dict[str, Any]] = [
-    {"match": {"purpose": "compaction"}, "reply": {"text": "SUMMARY of the earlier turns"}},
+    {
+        "match": {"purpose": "compaction"},
+        "reply": {"text": "SUMMARY of the earlier turns: the human read items, proposed A and B."},
+    },
     human("^first$", get_item("PAN-5")),
     human("^propose A$", propose("Plan A")),
     human("^parallel$", get_item("PAN-6"), get_item("PAN-3")),
@@ -149,17 +152,21 @@ async def test_reused_provider_ids_never_pair_a_call_with_another_calls_result(r
     compactions = rig.requests(COMPACTION)
     assert compactions, "the test needs a compaction between the turns"
     for request in compactions:
-        blocks = request.messages[-1].text.split("\n\n")
+        # The conversation is data in the summarizer's system prompt; a call and its
+        # result are one block (decision 0172).
+        conversation = request.system_prompt.split("<conversation>\n", 1)[1]
+        blocks = conversation.rsplit("\n</conversation>", 1)[0].split("\n\n")
         calls = [b for b in blocks if b.startswith("Tool call ")]
         assert calls
         ids = [re.match(r"Tool call \w+ \((\w+)\)", b).group(1) for b in calls]  # type: ignore[union-attr]
         assert len(set(ids)) == len(ids)
         for block, call_id in zip(calls, ids, strict=True):
-            result = blocks[blocks.index(block) + 1]
+            call_text, result = block.split("\nTool result ", 1)
+            result = "Tool result " + result
             assert result.startswith(f"Tool result get_item ({call_id})") or result.startswith(
                 f"Tool result propose_changeset ({call_id})"
             ), (block, result)
-            name, arguments = re.match(r"Tool call (\w+) \(\w+\): (.*)", block, re.S).groups()  # type: ignore[union-attr]
+            name, arguments = re.match(r"Tool call (\w+) \(\w+\): (.*)", call_text, re.S).groups()  # type: ignore[union-attr]
             content = result.split(": ", 1)[1]
             call = gateway_pb2.ToolCall(name=name, arguments=arguments)
             assert matches(call, content)

@@ -35,11 +35,11 @@ from ballet.planner.v1 import chat_pb2, planner_service_pb2_grpc, resources_pb2
 from ballet.planner.v1 import planner_service_pb2 as pb
 from sqlalchemy import event
 
+from ballet_common.tokens import Trust, dev_secret, mint_dev_token
 from devstack.gateway import GatewayServicer, ScriptedProvider, add_gateway_service
 from devstack.server import DevStack, DevStackConfig
 from service.adapters.store import migrate
 from service.main import PlannerApp, start_planner
-from service.tokens import mint_dev_token
 from tests.service.planner_support import auth, planner_settings
 
 #: How long any single wait of a test may take before it fails (seconds). Generous: it
@@ -378,11 +378,12 @@ async def start_rig(
     sleep = GatedSleep()
     provider = ScriptedProvider({"rules": []}, sleep=sleep)
     servicers: list[GatewayServicer] = []
+    trust = Trust.dev(dev_secret(data_dir))
     gateway_server: Any = None
     gateway_address = ""
     if separate_gateway:
         gateway_server = grpc.aio.server()
-        servicers.append(add_gateway_service(gateway_server, provider))
+        servicers.append(add_gateway_service(gateway_server, provider, trust=trust))
         gateway_address = f"127.0.0.1:{gateway_server.add_insecure_port('127.0.0.1:0')}"
         await gateway_server.start()
     stack = await DevStack.start(
@@ -393,7 +394,9 @@ async def start_rig(
             project_id=project_id,
             extra_services=None
             if separate_gateway
-            else lambda server: servicers.append(add_gateway_service(server, provider)),
+            else lambda server: servicers.append(
+                add_gateway_service(server, provider, trust=trust)
+            ),
         )
     )
     rig = Rig(

@@ -9,12 +9,37 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from service.core.backend_types import (
+    Changeset,
+    ChangesetPage,
+    ChangesetProposal,
+    ChangesetQuery,
+    ChangesetStatus,
+    Item,
+    ItemKind,
+    ItemPage,
+    ItemQuery,
+    ItemState,
+    KnowledgeEntry,
+    KnowledgeEntryChange,
+    KnowledgeHits,
+    KnowledgeKind,
+    KnowledgeSearch,
+    NewKnowledgeEntry,
+    ProjectSearch,
+    ProjectSearchResult,
+    RunnableQuery,
+    Skill,
+    SkillContent,
+    SkillPage,
+    SkillQuery,
+    SkillScope,
+)
 from service.core.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -24,6 +49,7 @@ from service.core.errors import (
     StoreConflict,
     ToolFailure,
 )
+from service.core.estimate import message_tokens
 from service.core.model import (
     ContextEstimate,
     EventKind,
@@ -36,8 +62,6 @@ from service.core.model import (
 )
 from service.core.ports import (
     Acting,
-    BackendCall,
-    BackendResult,
     ContextSnapshot,
     FinishChunk,
     FinishReason,
@@ -261,9 +285,9 @@ class FakeStore:
             self.events[session_id].append(numbered)
             if numbered.message is not None:
                 self.messages[session_id].append(numbered.message)
-                added += numbered.message.size_bytes()
+                added += message_tokens(numbered.message)
         estimate = context or replace(
-            session.context, pending_bytes=session.context.pending_bytes + added
+            session.context, pending_tokens=session.context.pending_tokens + added
         )
         self.sessions[session_id] = replace(session, last_sequence=sequence, context=estimate)
         return stored
@@ -361,37 +385,169 @@ def tool_results_in_turn(request: ModelRequest) -> int:
     return count
 
 
+@dataclass(frozen=True)
+class BackendCall:
+    """One call ``FakeBackends`` received: the tool it serves (``ToolBackends`` methods
+    are per RPC; the fake names them by tool, so tests can say "get_item"), whom it acts
+    for, its domain request, the request id a write carries (empty for reads) and its
+    deadline in seconds."""
+
+    tool: str
+    acting: Acting
+    project_id: str
+    request: Any
+    request_id: str = ""
+    timeout_s: float = 0.0
+
+
 @dataclass
 class FakeBackends:
-    """An in-memory ``ToolBackends``: every tool returns a small JSON object unless
-    ``failures`` names it; ``block`` makes a tool wait on an event."""
+    """An in-memory ``ToolBackends``: every tool's RPC answers with a small value, or with
+    what ``answers`` holds for the tool (a value, or an exception to raise), unless
+    ``failures`` names the tool; ``block`` makes a tool wait on an event; ``cancelled``
+    lists the tools whose call was cancelled while it waited (``cancel_seen`` is set)."""
 
     calls: list[BackendCall] = field(default_factory=list)
+    answers: dict[str, Any] = field(default_factory=dict)
     failures: dict[str, ToolFailure] = field(default_factory=dict)
     block: dict[str, asyncio.Event] = field(default_factory=dict)
     project_reads: int = 0
     skill_reads: int = 0
     skill: SkillDocument | None = None
     entered: dict[str, asyncio.Event] = field(default_factory=dict)
+    cancelled: list[str] = field(default_factory=list)
+    cancel_seen: asyncio.Event = field(default_factory=asyncio.Event)
 
     def reached(self, tool: str) -> asyncio.Event:
         """Set once a blocked ``tool`` has been entered."""
         return self.entered.setdefault(tool, asyncio.Event())
 
-    async def invoke(self, call: BackendCall) -> BackendResult:
-        self.calls.append(call)
-        event = self.block.get(call.tool)
+    async def _call(
+        self,
+        tool: str,
+        acting: Acting,
+        project_id: str,
+        request: Any,
+        default: Any,
+        timeout_s: float,
+        request_id: str = "",
+    ) -> Any:
+        self.calls.append(BackendCall(tool, acting, project_id, request, request_id, timeout_s))
+        event = self.block.get(tool)
         if event is not None:
-            self.reached(call.tool).set()
-            await event.wait()
-        if call.tool in self.failures:
-            raise self.failures[call.tool]
-        if call.tool == "propose_changeset":
-            return BackendResult(
-                {"changeset_id": f"cs-{call.request_id}"}, changeset_id=f"cs-{call.request_id}"
-            )
-        return BackendResult(
-            {"tool": call.tool, "arguments": json.loads(json.dumps(call.arguments))}
+            self.reached(tool).set()
+            try:
+                await event.wait()
+            except asyncio.CancelledError:
+                self.cancelled.append(tool)
+                self.cancel_seen.set()
+                raise
+        if tool in self.failures:
+            raise self.failures[tool]
+        answer = self.answers.get(tool, default)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    async def list_items(self, acting: Acting, query: ItemQuery, timeout_s: float) -> ItemPage:
+        page = ItemPage((_item("epic-1"),), total_size=1)
+        return await self._call("list_items", acting, query.project_id, query, page, timeout_s)
+
+    async def get_item(
+        self, acting: Acting, project_id: str, item_id: str, timeout_s: float
+    ) -> Item:
+        return await self._call("get_item", acting, project_id, item_id, _item(item_id), timeout_s)
+
+    async def list_runnable_tickets(
+        self, acting: Acting, query: RunnableQuery, timeout_s: float
+    ) -> ItemPage:
+        page = ItemPage((_item("ticket-1"),), total_size=1)
+        return await self._call("list_runnable", acting, query.project_id, query, page, timeout_s)
+
+    async def search_project(
+        self, acting: Acting, search: ProjectSearch, timeout_s: float
+    ) -> ProjectSearchResult:
+        found = ProjectSearchResult((), items_searched=True, skills_searched=True)
+        return await self._call(
+            "search_project", acting, search.project_id, search, found, timeout_s
+        )
+
+    async def list_changesets(
+        self, acting: Acting, query: ChangesetQuery, timeout_s: float
+    ) -> ChangesetPage:
+        page = ChangesetPage(())
+        return await self._call("list_changesets", acting, query.project_id, query, page, timeout_s)
+
+    async def propose_changeset(
+        self, acting: Acting, proposal: ChangesetProposal, timeout_s: float
+    ) -> Changeset:
+        proposed = Changeset(
+            changeset_id=f"cs-{proposal.request_id}",
+            status=ChangesetStatus.PROPOSED,
+            title=proposal.title,
+            description=proposal.description,
+            author_id=acting.human_id,
+            recorded_by=acting.actor,
+            operations=proposal.operations,
+        )
+        return await self._call(
+            "propose_changeset",
+            acting,
+            proposal.project_id,
+            proposal,
+            proposed,
+            timeout_s,
+            request_id=proposal.request_id,
+        )
+
+    async def list_skills(self, acting: Acting, query: SkillQuery, timeout_s: float) -> SkillPage:
+        page = SkillPage((_skill("demo-planning"),))
+        return await self._call("list_skills", acting, query.project_id, query, page, timeout_s)
+
+    async def read_skill_content(
+        self, acting: Acting, project_id: str, name: str, timeout_s: float
+    ) -> SkillContent:
+        found = SkillContent(_skill(name), f"# {name}")
+        return await self._call("read_skill", acting, project_id, name, found, timeout_s)
+
+    async def search_knowledge(
+        self, acting: Acting, search: KnowledgeSearch, timeout_s: float
+    ) -> KnowledgeHits:
+        hits = KnowledgeHits(())
+        return await self._call("search_knowledge", acting, "", search, hits, timeout_s)
+
+    async def get_knowledge_entry(
+        self, acting: Acting, entry_id: str, timeout_s: float
+    ) -> KnowledgeEntry:
+        entry = _entry(entry_id, 1, acting)
+        return await self._call("get_knowledge", acting, "", entry_id, entry, timeout_s)
+
+    async def create_knowledge_entry(
+        self, acting: Acting, entry: NewKnowledgeEntry, timeout_s: float
+    ) -> KnowledgeEntry:
+        created = _entry(f"k-{entry.request_id}", 1, acting)
+        return await self._call(
+            "create_knowledge",
+            acting,
+            entry.project_id,
+            entry,
+            created,
+            timeout_s,
+            request_id=entry.request_id,
+        )
+
+    async def update_knowledge_entry(
+        self, acting: Acting, change: KnowledgeEntryChange, timeout_s: float
+    ) -> KnowledgeEntry:
+        updated = _entry(change.entry_id, change.version + 1, acting)
+        return await self._call(
+            "update_knowledge",
+            acting,
+            "",
+            change,
+            updated,
+            timeout_s,
+            request_id=change.request_id,
         )
 
     async def get_project(self, acting: Acting, project_id: str, timeout_s: float) -> ProjectInfo:
@@ -412,3 +568,17 @@ class FakeBackends:
         self.skill_reads += 1
         assert self.skill is not None
         return self.skill
+
+
+def _item(item_id: str) -> Item:
+    return Item(item_id, ItemKind.TICKET, f"Item {item_id}", ItemState.OPEN, priority=2)
+
+
+def _skill(name: str) -> Skill:
+    return Skill(name, "", SkillScope.PROJECT, "1.0.0", pinned=False, latest_version="1.0.0")
+
+
+def _entry(entry_id: str, version: int, acting: Acting) -> KnowledgeEntry:
+    return KnowledgeEntry(
+        entry_id, KnowledgeKind.NOTE, "t", "", version, acting.human_id, acting.actor
+    )

@@ -177,8 +177,5 @@ class FakeTracker:
             model_credential="cred",
         )
 
-    async def invoke(self, call: object) -> object:
-        raise NotImplementedError
-
     async def read_skill(self, *args: object) -> object:
         raise NotImplementedError

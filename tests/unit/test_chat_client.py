@@ -1,4 +1,4 @@
-"""The terminal client's output rules (service/chat_client.py; SPEC sections 3 and 9):
+"""The terminal client's output rules (service/chat_render.py; SPEC sections 3 and 9):
 stitching text deltas by message id and offset, one line per tool call and result, the
 turn's end."""
 
@@ -120,7 +120,7 @@ def test_renderer_shows_a_turn_as_a_human_reads_it() -> None:
         renderer.render(response)
     assert out.getvalue() == (
         '  -> list_items {"kind":"epic"}\n'
-        "  <- list_items: ok, 1 items\n"
+        "  <- list_items: ok, 1 item\n"
         "One epic.\n"
         "[COMPLETED: 1 round, 812 tokens]\n"
     )
@@ -151,3 +151,76 @@ def test_a_failed_turn_names_its_reason() -> None:
     )
     max_rounds = chat_pb2.TurnEnded(reason=resources_pb2.TURN_END_REASON_MAX_ROUNDS, rounds=2)
     assert describe_turn_end(max_rounds) == "[MAX_ROUNDS: 2 rounds; send a message to continue]"
+
+
+@pytest.mark.parametrize(
+    ("content", "summary"),
+    [
+        (json.dumps({"items": [{"item_id": "A"}], "total_size": 1}), "ok, 1 item"),
+        (json.dumps({"hits": [{"entry_id": "k"}]}), "ok, 1 hit"),
+        (json.dumps({"entries": [{}]}), "ok, 1 entry"),
+        (json.dumps({"skills": [{}, {}]}), "ok, 2 skills"),
+    ],
+)
+def test_counts_take_the_right_plural(content: str, summary: str) -> None:
+    assert summarize_result(content, False) == summary
+
+
+def test_one_round_and_one_token_are_singular() -> None:
+    ended = chat_pb2.TurnEnded(
+        reason=resources_pb2.TURN_END_REASON_COMPLETED,
+        rounds=1,
+        usage=resources_pb2.Usage(input_tokens=1),
+    )
+    assert describe_turn_end(ended) == "[COMPLETED: 1 round, 1 token]"
+
+
+def test_the_model_shown_is_the_one_the_turn_names() -> None:
+    # The turn's model (turn_started, what the gateway was asked for), shown when it
+    # first appears and when it changes; never a local setting.
+    out = io.StringIO()
+    renderer = Renderer(out)
+    for model in ("qwen2.5:7b", "qwen2.5:7b", "gpt-4o-mini"):
+        renderer.render(
+            chat_pb2.ChatResponse(turn_started=chat_pb2.TurnStarted(model=model, max_rounds=3))
+        )
+    assert out.getvalue() == "  (model qwen2.5:7b)\n  (model gpt-4o-mini)\n"
+
+
+@pytest.mark.parametrize(
+    ("finish", "cut", "note"),
+    [
+        ("length", True, " [cut: the output limit]"),
+        ("content_filter", True, " [cut: the provider's content filter]"),
+        ("truncated", True, " [cut: the model's stream broke off]"),
+        ("refusal", False, " [refused]"),
+        ("", False, ""),
+    ],
+)
+def test_an_answer_that_did_not_end_normally_says_why(finish: str, cut: bool, note: str) -> None:
+    out = io.StringIO()
+    answer = message(
+        resources_pb2.MESSAGE_KIND_ASSISTANT, text="Half", cut=cut, finish_reason=finish
+    )
+    Renderer(out).render(
+        chat_pb2.ChatResponse(assistant_message=chat_pb2.AssistantMessage(message=answer))
+    )
+    assert out.getvalue() == f"Half{note}\n"
+
+
+def test_a_tool_call_shows_as_soon_as_its_name_is_known() -> None:
+    out = io.StringIO()
+    renderer = Renderer(out)
+    progress = chat_pb2.ToolCallProgress(tool_call_id="c1", tool_name="get_item", index=0)
+    renderer.render(chat_pb2.ChatResponse(tool_call_progress=progress))
+    assert out.getvalue() == "  -> get_item …\n"
+    call = message(
+        resources_pb2.MESSAGE_KIND_TOOL_CALL,
+        tool_call_id="c1",
+        tool_name="get_item",
+        tool_arguments='{"item_id":"PAN-4"}',
+    )
+    renderer.render(
+        chat_pb2.ChatResponse(tool_call_started=chat_pb2.ToolCallStarted(message=call))
+    )
+    assert out.getvalue().endswith('  -> get_item {"item_id":"PAN-4"}\n')

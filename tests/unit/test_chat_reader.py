@@ -1,92 +1,68 @@
-"""Whatever ends a Chat stream's reader ends the stream with a status and an ErrorInfo:
-never silence, never an exception nobody retrieves (issue 12, Build: the Chat reader).
-
-The reader (``service.transport.chat``) is driven here with the request iterators and
-store answers that make it fail, and the stream's outbound queue shows how the stream
-ends; the Chat servicer aborts the call with that queue's end (``errors.abort``).
-"""
+"""The Chat reader never dies in silence (issue 12): an undecodable message gets a reply
+and reading goes on; any other failure of the request stream ends the stream with a
+status the client can act on."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
 from ballet.planner.v1 import chat_pb2
 
-from service.core.errors import PlannerError, StoreUnavailable
+from ballet_common.tokens import Claims
 from service.core.fanout import StreamEnd, StreamQueue
 from service.core.sessions import Caller
-from service.tokens import Claims
-from service.transport.chat import ChatLimits, _read_requests, _Stream
-from service.transport.errors import failure_of
+from service.transport.chat import ChatLimits, _Stream
+from service.transport.decoding import lenient
+from service.transport.errors import error_info_of
+
+CLAIMS = Claims("alice", "acme", "iss", frozenset({"ballet-planner"}), expires_at=2**40)
 
 
-class Store:
-    """The one store read the reader makes after the client half-closed."""
-
-    def __init__(self, error: Exception) -> None:
-        self.error = error
-
-    async def get_turn(self, turn_id: str) -> None:
-        raise self.error
+def reader() -> tuple[_Stream, StreamQueue]:
+    queue = StreamQueue("", "alice", 0)
+    rpcs: Any = SimpleNamespace(_limits=ChatLimits())
+    return _Stream(rpcs, CLAIMS, Caller("alice", "acme"), queue), queue
 
 
-def stream(store: Store | None = None) -> _Stream:
-    rpcs: Any = SimpleNamespace(_limits=ChatLimits(), _store=store)
-    claims = Claims("alice", "acme", "dev", frozenset({"ballet-planner"}), time.time() + 600)
-    return _Stream(rpcs, claims, Caller("alice", "acme"), StreamQueue("", "alice", 0))
+def drained(queue: StreamQueue) -> list[object]:
+    items = list(queue._items)
+    queue._items.clear()
+    return items
 
 
-async def ending(queue: StreamQueue) -> PlannerError | None:
-    while True:
-        item = await asyncio.wait_for(queue.get(), 5)
-        if isinstance(item, StreamEnd):
-            return item.error
+async def test_an_undecodable_message_gets_a_reply_and_reading_goes_on() -> None:
+    stream, queue = reader()
+    # request_id "r1", then cancel_turn.turn_id holding the byte 0xff.
+    bad = lenient(chat_pb2.ChatRequest)(b"\x0a\x02r1" + b"\x22\x03\x0a\x01\xff")
+
+    async def requests() -> AsyncIterator[Any]:
+        yield bad
+        yield chat_pb2.ChatRequest(request_id="r2")  # no action: a normal refusal
+
+    await stream.read(requests())
+    stream.close()
+    first, second, end = drained(queue)
+    assert isinstance(first, chat_pb2.ChatResponse) and first.request_id == "r1"
+    info = error_info_of(first.error)
+    assert info is not None and (info.reason, info.metadata["field"]) == (
+        "INVALID_UTF8",
+        "cancel_turn.turn_id",
+    )
+    assert isinstance(second, chat_pb2.ChatResponse) and second.request_id == "r2"
+    assert isinstance(end, StreamEnd) and end.error is None  # half-closed: a normal end
 
 
-async def broken(error: Exception) -> AsyncIterator[chat_pb2.ChatRequest]:
-    raise error
-    yield chat_pb2.ChatRequest()  # pragma: no cover
+async def test_a_failing_request_stream_ends_the_stream_with_a_status() -> None:
+    stream, queue = reader()
 
+    async def requests() -> AsyncIterator[Any]:
+        yield chat_pb2.ChatRequest(request_id="r1")
+        raise RuntimeError("the transport broke")
 
-async def nothing() -> AsyncIterator[chat_pb2.ChatRequest]:
-    return
-    yield chat_pb2.ChatRequest()  # pragma: no cover
-
-
-async def run_reader(chat: _Stream, requests: AsyncIterator[chat_pb2.ChatRequest]) -> None:
-    reader = asyncio.get_running_loop().create_task(_read_requests(chat, requests))
-    await asyncio.wait({reader})
-    # Nothing escapes the reader: no exception for anyone to retrieve.
-    assert reader.exception() is None
-
-
-async def test_a_request_stream_that_fails_ends_the_chat_stream_unavailable() -> None:
-    chat = stream()
-    await run_reader(chat, broken(RuntimeError("the transport broke")))
-    error = await ending(chat.queue)
-    assert error is not None
-    assert (failure_of(error).code.name, error.reason) == ("UNAVAILABLE", "REQUEST_STREAM_FAILED")
-
-
-async def test_a_failure_after_the_client_half_closed_ends_the_stream_with_its_status() -> None:
-    chat = stream(Store(StoreUnavailable("down")))
-    chat.session = SimpleNamespace(session_id="s1")  # type: ignore[assignment]
-    chat.waiting_turn = "t1"
-    await run_reader(chat, nothing())
-    error = await ending(chat.queue)
-    assert error is not None and error.reason == "DATABASE_UNAVAILABLE"
-
-
-async def test_a_bug_in_the_reader_ends_the_stream_internal_with_its_cause() -> None:
-    chat = stream(Store(KeyError("a bug")))
-    chat.session = SimpleNamespace(session_id="s1")  # type: ignore[assignment]
-    chat.waiting_turn = "t1"
-    await run_reader(chat, nothing())
-    error = await ending(chat.queue)
-    assert error is not None
-    assert (failure_of(error).code.name, error.reason) == ("INTERNAL", "INTERNAL")
-    assert isinstance(error.__cause__, KeyError)
+    await stream.read(requests())
+    stream.close()
+    *_, end = drained(queue)
+    assert isinstance(end, StreamEnd) and end.error is not None
+    assert end.error.reason == "REQUEST_STREAM_FAILED"

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from service.core.errors import InvalidArgument, NotFound, PermissionDenied
+from service.core.errors import ECHO_MAX_CHARS, InvalidArgument, NotFound, PermissionDenied
+from service.core.pages import PageTokens
 from service.core.sessions import (
     READ_SCOPE,
     Caller,
-    PageTokens,
     ProjectAccess,
     SessionLimits,
     SessionRules,
@@ -23,9 +23,10 @@ from tests.unit.session_fakes import FakeTracker, ManualClock, MemorySessionStor
 
 ALICE = Caller("alice", "acme", token="alice-token")
 BOB = Caller("bob", "acme", token="bob-token")
-READER = Caller("service:reports", "acme", scopes=frozenset({READ_SCOPE}))
-FOREIGN_READER = Caller("service:reports", "globex", scopes=frozenset({READ_SCOPE}))
-SCOPELESS = Caller("service:other", "acme", scopes=frozenset({"something.else"}))
+READER = Caller("service:reports", "acme", service=True, scopes=frozenset({READ_SCOPE}))
+FOREIGN_READER = Caller("service:reports", "globex", service=True, scopes=frozenset({READ_SCOPE}))
+SCOPELESS = Caller("service:other", "acme", service=True, scopes=frozenset({"something.else"}))
+KEYS = [b"page-token-key-for-the-unit-tests-0001"]
 
 
 class World:
@@ -42,6 +43,7 @@ class World:
             self.projects,
             self.clock,
             SessionLimits(page_max_bytes=page_max_bytes),
+            page_tokens=PageTokens(lambda: KEYS),
             message_size=lambda m: len(m.text),
             new_id=lambda: next(ids),
         )
@@ -262,11 +264,70 @@ async def test_tampered_or_foreign_page_tokens_are_refused() -> None:
 
 
 def test_page_tokens_round_trip() -> None:
+    tokens = PageTokens(lambda: KEYS)
     query = {"a": "1"}
-    token = PageTokens.encode("k", query, {"s": 5})
-    assert PageTokens.decode(token, "k", query) == {"s": 5}
+    token = tokens.encode("k", query, {"s": 5})
+    assert tokens.decode(token, "k", query) == {"s": 5}
     with pytest.raises(InvalidArgument):
-        PageTokens.decode(token, "other-kind", query)
+        tokens.decode(token, "other-kind", query)
+
+
+def test_page_tokens_are_keyed_and_the_previous_key_still_verifies() -> None:
+    old, new = b"old-page-token-key-0123456789abcdef", b"new-page-token-key-0123456789abcdef"
+    query = {"a": "1"}
+    before = PageTokens(lambda: [old]).encode("k", query, {"s": 5})
+    # Rotation: the new key signs, the old one still verifies until it leaves the set.
+    rotating = PageTokens(lambda: [new, old])
+    assert rotating.decode(before, "k", query) == {"s": 5}
+    assert rotating.encode("k", query, {"s": 5}) != before
+    with pytest.raises(InvalidArgument):
+        PageTokens(lambda: [new]).decode(before, "k", query)
+    # Someone without the key cannot make a token, even knowing the format exactly.
+    forged = PageTokens(lambda: [b"a-key-the-service-never-held-000000"]).encode(
+        "k", query, {"s": 2**70}
+    )
+    with pytest.raises(InvalidArgument):
+        rotating.decode(forged, "k", query)
+    # Old unkeyed (version 1) tokens and oversized ones are refused without decoding.
+    v1 = base64.urlsafe_b64encode(b'{"f":"x","p":{"s":5},"v":1}').decode().rstrip("=")
+    for bad in (v1, "A" * 5000, "\u00e9" * 10):
+        with pytest.raises(InvalidArgument):
+            rotating.decode(bad, "k", query)
+
+
+@pytest.mark.parametrize("position", [{"s": 2**70}, {"s": -1}, {"s": True}, {"s": "5"}, {}])
+async def test_an_out_of_range_message_position_is_refused(position: dict[str, Any]) -> None:
+    # The keyed token stops forgeries; the bounds check stops anything the key signs
+    # that the store could not take (2**70 overflowed a bigint: INTERNAL before).
+    world = World()
+    session = await world.create()
+    query = {"session_id": session.session_id, "after_sequence": "0"}
+    token = PageTokens(lambda: KEYS).encode("messages", query, position)
+    refused = await _raises_invalid(
+        world.rules.list_messages(
+            ALICE, session_id=session.session_id, after_sequence=0, page_size=0, page_token=token
+        )
+    )
+    assert refused.reason == "INVALID_PAGE_TOKEN"
+
+
+@pytest.mark.parametrize(
+    "position",
+    [
+        {"t": "2026-11-30T12:00:00", "id": "s1"},  # no time zone
+        {"t": "yesterday", "id": "s1"},
+        {"t": "2026-11-30T12:00:00+00:00", "id": "x" * 300},
+        {"t": 5, "id": "s1"},
+    ],
+)
+async def test_an_out_of_range_session_position_is_refused(position: dict[str, Any]) -> None:
+    world = World()
+    query = {"project_id": "demo", "organization_id": "acme", "owner_id": "alice"}
+    token = PageTokens(lambda: KEYS).encode("sessions", query, position)
+    refused = await _raises_invalid(
+        world.rules.list_sessions(ALICE, project_id="demo", page_size=0, page_token=token)
+    )
+    assert refused.reason == "INVALID_PAGE_TOKEN"
 
 
 async def test_list_messages_pages_by_count_bytes_and_after_sequence() -> None:
@@ -367,3 +428,67 @@ async def test_a_cached_project_check_does_not_serve_another_organization() -> N
     elsewhere = Caller("alice", "other-org", token="alice-other-token")
     refused = await _raises(world.create(elsewhere, request_id="r2"))
     assert refused.reason == "PROJECT_NOT_FOUND"
+
+
+async def _raises_invalid(awaitable: Any) -> Any:
+    with pytest.raises(InvalidArgument) as caught:
+        await awaitable
+    return caught.value
+
+
+async def test_a_human_who_lost_the_project_gets_not_found_from_every_session_use() -> None:
+    # Issue 14: not only ListMessages and Chat: every read and change re-checks (cached).
+    world = World()
+    session = await world.create()
+    sid = session.session_id
+    world.store.add_turn(sid, "t1")
+    del world.tracker.readable[("alice", "demo")]
+    world.clock.advance(61)
+    for attempt in (
+        world.rules.get_session(ALICE, sid),
+        world.rules.list_sessions(ALICE, project_id="demo", page_size=0, page_token=""),
+        world.rules.get_turn(ALICE, sid, "t1"),
+        world.rules.list_messages(
+            ALICE, session_id=sid, after_sequence=0, page_size=0, page_token=""
+        ),
+        world.rules.update_title(ALICE, sid, "x"),
+        world.rules.delete_session(ALICE, sid),
+        world.rules.owned_session(ALICE, sid),
+    ):
+        refused = await _raises(attempt)
+        assert refused.reason == "PROJECT_NOT_FOUND"
+    assert sid in world.store.sessions  # nothing changed
+    # Access back: works at once (refusals are never cached).
+    world.tracker.allow("alice", "demo")
+    assert (await world.rules.get_session(ALICE, sid)).session_id == sid
+
+
+async def test_a_human_token_with_a_scope_is_not_a_service_principal() -> None:
+    # The claim alone proves nothing: only Caller.service (the issuer's proof) counts.
+    world = World()
+    session = await world.create()
+    scoped_bob = Caller("bob", "acme", scopes=frozenset({READ_SCOPE}), token="bob-token")
+    assert not scoped_bob.is_service and not scoped_bob.may_read_sessions
+    refused = await _raises(world.rules.get_session(scoped_bob, session.session_id))
+    assert refused.reason == "SESSION_NOT_FOUND"
+    page = await world.rules.list_sessions(
+        scoped_bob, project_id="demo", page_size=0, page_token=""
+    )
+    assert page.sessions == []
+
+
+async def test_a_huge_identifier_gives_a_small_not_found_without_a_lookup() -> None:
+    world = World()
+    session = await world.create()
+    huge = "x" * (1024 * 1024)
+    calls = len(world.tracker.calls)
+    for attempt in (
+        world.rules.get_session(ALICE, huge),
+        world.rules.owned_session(ALICE, huge),
+        world.rules.get_turn(ALICE, session.session_id, huge),
+        world.rules.list_sessions(ALICE, project_id=huge, page_size=0, page_token=""),
+    ):
+        refused = await _raises(attempt)
+        assert len(refused.message) < 200
+        assert all(len(value) <= ECHO_MAX_CHARS for value in refused.metadata.values())
+    assert len(world.tracker.calls) == calls  # a 1 MiB project id is not sent to the tracker

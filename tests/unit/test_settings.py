@@ -236,9 +236,12 @@ def test_production_needs_tls_or_insecure_off_loopback(tmp_path: Path) -> None:
     production = {
         "BALLET_PLANNER__AUTH__JWKS_PATH": str(tmp_path / "jwks.json"),
         "BALLET_PLANNER__AUTH__ISSUERS": "ballet-core",
-        "BALLET_PLANNER__DEPENDENCIES__SERVICE_TOKEN_FILE": str(tmp_path / "token"),
+        "BALLET_PLANNER__AUTH__PAGE_TOKEN_KEY_FILE": str(tmp_path / "page-keys"),
         "BALLET_PLANNER__SERVER__ADDRESS": "0.0.0.0:50051",
     }
+    for name in ("TRACKER", "SKILLS", "KNOWLEDGE", "GATEWAY"):
+        key = f"BALLET_PLANNER__DEPENDENCIES__{name}__SERVICE_TOKEN_FILE"
+        production[key] = str(tmp_path / f"{name.lower()}-token")
     assert "server.address: plaintext" in error_of(production)
     settings = load({**production, "BALLET_PLANNER__SERVER__INSECURE": "true"})
     assert not settings.dev_mode
@@ -248,18 +251,36 @@ def test_production_needs_tls_or_insecure_off_loopback(tmp_path: Path) -> None:
         "BALLET_PLANNER__SERVER__TLS_KEY": "k.pem",
     }
     assert load(tls).server.tls_cert == Path("c.pem")
-    no_issuers = {
-        **production,
-        "BALLET_PLANNER__AUTH__ISSUERS": "",
-        "BALLET_PLANNER__SERVER__INSECURE": "1",
-    }
+    insecure = {**production, "BALLET_PLANNER__SERVER__INSECURE": "1"}
+    no_issuers = {**insecure, "BALLET_PLANNER__AUTH__ISSUERS": ""}
     assert error_of(no_issuers).startswith("auth.issuers: required")
+    no_page_keys = {**insecure, "BALLET_PLANNER__AUTH__PAGE_TOKEN_KEY_FILE": ""}
+    assert error_of(no_page_keys).startswith("auth.page_token_key_file: required")
+    # One credential per dependency: each needs its own token file or client certificate.
     no_credential = {
-        **production,
-        "BALLET_PLANNER__DEPENDENCIES__SERVICE_TOKEN_FILE": "",
-        "BALLET_PLANNER__SERVER__INSECURE": "1",
+        **insecure,
+        "BALLET_PLANNER__DEPENDENCIES__GATEWAY__SERVICE_TOKEN_FILE": "",
     }
-    assert error_of(no_credential).startswith("dependencies.service_token_file: required")
+    assert error_of(no_credential).startswith(
+        "dependencies.gateway.service_token_file: required"
+    )
+    with_certificate = {
+        **no_credential,
+        "BALLET_PLANNER__DEPENDENCIES__GATEWAY__TLS_CERT": "c.pem",
+        "BALLET_PLANNER__DEPENDENCIES__GATEWAY__TLS_KEY": "k.pem",
+    }
+    assert load(with_certificate).dependencies.gateway.service_token_file is None
+
+
+def test_service_issuers_never_overlap_human_issuers() -> None:
+    same = {
+        "BALLET_PLANNER__AUTH__ISSUERS": "core, core-services",
+        "BALLET_PLANNER__AUTH__SERVICE_ISSUERS": "core-services",
+    }
+    message = error_of(same)
+    assert message.startswith("auth.service_issuers: must differ") and "core-services" in message
+    lonely = {"BALLET_PLANNER__AUTH__SERVICE_JWKS_PATH": "services.json"}
+    assert error_of(lonely).startswith("auth.service_issuers: required")
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 """The twelve tools and the runner's checks (seed: Tools, Authority; SPEC sections 4, 5).
 
-The backends are a hand-written in-memory fake that records every call, so each test
-can show that a refused call never reached a backend.
+The backends are the hand-written in-memory ``FakeBackends`` (tests/unit/fakes.py), which
+records every call, so each test can show that a refused call never reached a backend.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,15 +18,25 @@ import pytest
 from jsonschema import Draft202012Validator
 
 from service.core import tools
-from service.core.errors import ToolFailure
-from service.core.ports import (
-    Acting,
-    BackendCall,
-    BackendResult,
-    ProjectInfo,
-    SkillDocument,
-    ToolCall,
+from service.core.backend_types import (
+    ChangesetProposal,
+    CreateItem,
+    DependencyChange,
+    Item,
+    ItemKind,
+    ItemPage,
+    ItemState,
+    KnowledgeEntry,
+    KnowledgeKind,
+    ProjectHit,
+    ProjectSearchResult,
+    Skill,
+    SkillContent,
+    SkillScope,
+    UpdateItem,
 )
+from service.core.errors import ToolFailure
+from service.core.ports import Acting, ToolCall
 from service.core.tools import (
     MAX_RESULT_BYTES,
     TOOL_SCHEMA_VERSION,
@@ -37,41 +48,22 @@ from service.core.tools import (
     cut_to_fit,
     declarations,
 )
+from tests.unit.fakes import FakeBackends
 
 ACTING = Acting(human_id="alice", organization_id="acme", token="tok", session_id="s1")
 
 #: Bump TOOL_SCHEMA_VERSION and record the new fingerprint when the tools change.
 FINGERPRINTS = {
     "tools-2026-11-1": "54f0867bcd7895d2b84c2541d960c9e5479aa0899c9f2d8d4045cb038b2c9be8",
+    # update_knowledge's version got its int64 maximum (issue 14).
+    "tools-2026-12-1": "d33f11eeb47aa2403c80c5b54f3d1a2bd9ad581adc2b3c37da0cb4605550e01c",
 }
 
 
-class FakeBackends:
-    """Records calls; answers from ``results`` (a result, or an exception to raise)."""
-
-    def __init__(self) -> None:
-        self.calls: list[BackendCall] = []
-        self.results: dict[str, BackendResult | BaseException] = {}
-        self.hang = False
-        self.entered = asyncio.Event()
-
-    async def invoke(self, call: BackendCall) -> BackendResult:
-        self.calls.append(call)
-        self.entered.set()
-        if self.hang:
-            await asyncio.Event().wait()
-        result = self.results.get(call.tool, BackendResult(output={"ok": True}))
-        if isinstance(result, BaseException):
-            raise result
-        return result
-
-    async def get_project(self, acting: Acting, project_id: str, timeout_s: float) -> ProjectInfo:
-        raise AssertionError("not used by tools")
-
-    async def read_skill(
-        self, acting: Acting, project_id: str, name: str, timeout_s: float
-    ) -> SkillDocument:
-        raise AssertionError("not used by tools")
+def hang(backends: FakeBackends, *names: str) -> None:
+    """Make the tools ``names`` wait forever (until cancelled)."""
+    for name in names:
+        backends.block[name] = asyncio.Event()
 
 
 @dataclass
@@ -195,7 +187,7 @@ def test_the_twelve_tools_of_the_seed_with_their_needs() -> None:
 
 
 @pytest.mark.parametrize("spec", TOOLS, ids=lambda spec: spec.name)
-def test_every_schema_is_draft_2020_12_and_closed_at_every_level(spec: tools.ToolSpec) -> None:
+def test_every_schema_is_draft_2020_12_and_closed_at_every_level(spec: tools.Tool) -> None:
     Draft202012Validator.check_schema(spec.schema)
     found = list(objects(spec.schema))
     assert found, "the arguments are an object"
@@ -205,14 +197,14 @@ def test_every_schema_is_draft_2020_12_and_closed_at_every_level(spec: tools.Too
 
 
 @pytest.mark.parametrize("spec", TOOLS, ids=lambda spec: spec.name)
-def test_no_schema_takes_a_project_id_or_a_policy(spec: tools.ToolSpec) -> None:
+def test_no_schema_takes_a_project_id_or_a_policy(spec: tools.Tool) -> None:
     names = set(property_names(spec.schema))
     assert not {name for name in names if "project" in name}
     assert not {name for name in names if "policy" in name}
 
 
 @pytest.mark.parametrize("spec", TOOLS, ids=lambda spec: spec.name)
-def test_descriptions_say_what_comes_back(spec: tools.ToolSpec) -> None:
+def test_descriptions_say_what_comes_back(spec: tools.Tool) -> None:
     assert "Returns" in spec.description
     if spec.name == "propose_changeset":
         assert "human" in spec.description and "approv" in spec.description
@@ -362,27 +354,34 @@ async def test_the_write_cap(harness: Harness) -> None:
 async def test_a_valid_call_reaches_the_backend_as_the_human_in_the_project(
     harness: Harness,
 ) -> None:
-    harness.backends.results["propose_changeset"] = BackendResult(
-        output={"changeset": {"changeset_id": "C-9"}}, changeset_id="C-9"
-    )
     outcome = await harness.run("propose_changeset", VALID_CHANGESET, timeout_s=2.0)
     assert not outcome.is_error
-    assert json.loads(outcome.content) == {"changeset": {"changeset_id": "C-9"}}
-    assert outcome.changeset_id == "C-9"
+    assert json.loads(outcome.content)["changeset"]["changeset_id"] == "cs-call-1"
+    assert outcome.changeset_id == "cs-call-1"
     (call,) = harness.backends.calls
     assert call.tool == "propose_changeset"
-    assert call.arguments == VALID_CHANGESET
+    assert call.request == ChangesetProposal(
+        request_id="call-1",
+        project_id="demo",
+        title="Split the auth epic",
+        description="",
+        operations=(
+            CreateItem(ItemKind.EPIC, "Auth", priority=2, ref="e"),
+            CreateItem(ItemKind.TICKET, "Login", priority=1, epic_id="e"),
+            UpdateItem("T-1", state=ItemState.CLOSED),
+            DependencyChange("T-2", "e"),
+            DependencyChange("T-3", "T-4", remove=True),
+        ),
+    )
     assert call.project_id == "demo"
     assert call.acting == ACTING
-    assert call.request_id == "call-1"
+    assert call.request_id == "call-1", "the planner's call id is the write's request id"
     assert call.timeout_s == 2.0, "the turn's remaining budget caps the tool deadline"
 
 
 async def test_a_knowledge_write_reports_the_entry_and_version(harness: Harness) -> None:
-    harness.backends.results["update_knowledge"] = BackendResult(
-        output={"entry": {"entry_id": "K-1", "version": 3}},
-        knowledge_entry_id="K-1",
-        knowledge_version=3,
+    harness.backends.answers["update_knowledge"] = KnowledgeEntry(
+        "K-1", KnowledgeKind.NOTE, "t", "", 3, "alice", "planner:s1"
     )
     outcome = await harness.run("update_knowledge", VALID_ARGUMENTS["update_knowledge"])
     assert (outcome.knowledge_entry_id, outcome.knowledge_version) == ("K-1", 3)
@@ -400,26 +399,29 @@ async def test_a_knowledge_write_reports_the_entry_and_version(harness: Harness)
     ],
 )
 async def test_a_backend_failure_is_an_error_result(harness: Harness, reason: str) -> None:
-    harness.backends.results["get_item"] = ToolFailure(reason, "the backend says no")
+    harness.backends.failures["get_item"] = ToolFailure(reason, "the backend says no")
     outcome = await harness.run("get_item", {"item_id": "T-1"})
     assert error_of(outcome) == {"reason": reason, "message": "the backend says no"}
 
 
 async def test_a_bug_in_a_backend_is_an_error_result_not_an_exception(harness: Harness) -> None:
-    harness.backends.results["get_item"] = RuntimeError("boom")
+    harness.backends.answers["get_item"] = RuntimeError("boom")
     outcome = await harness.run("get_item", {"item_id": "T-1"})
     assert error_of(outcome)["reason"] == "BACKEND_ERROR"
 
 
 async def test_an_unserializable_result_is_an_error_result(harness: Harness) -> None:
-    harness.backends.results["get_item"] = BackendResult(output={"when": object()})
-    outcome = await harness.run("get_item", {"item_id": "T-1"})
+    # The adapter keeps scores finite; a NaN that got through anyway is not sent as
+    # "NaN", which is not JSON.
+    nan = ProjectHit(math.nan, "s", item=Item("T-1", ItemKind.TICKET, "t", ItemState.OPEN, 1))
+    harness.backends.answers["search_project"] = ProjectSearchResult((nan,), True, True)
+    outcome = await harness.run("search_project", {"query": "x"})
     assert error_of(outcome)["reason"] == "BACKEND_ERROR"
 
 
 async def test_a_backend_that_never_answers_gets_deadline_exceeded() -> None:
     backends = FakeBackends()
-    backends.hang = True
+    hang(backends, "get_item", "create_knowledge")
     runner = ToolRunner(backends, timeout_s=0.02)
     context = ToolContext(acting=ACTING, project_id="demo", reserve_write=lambda: True)
     read = await runner.run(ToolCall("c1", "get_item", '{"item_id": "T-1"}'), context)
@@ -441,11 +443,11 @@ async def test_no_time_left_in_the_turn_means_no_backend_call(harness: Harness) 
 
 async def test_cancellation_reaches_the_caller() -> None:
     backends = FakeBackends()
-    backends.hang = True
+    hang(backends, "list_skills")
     runner = ToolRunner(backends, timeout_s=60)
     context = ToolContext(acting=ACTING, project_id="demo", reserve_write=lambda: True)
     task = asyncio.create_task(runner.run(ToolCall("c1", "list_skills", "{}"), context))
-    await backends.entered.wait()
+    await backends.reached("list_skills").wait()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -480,7 +482,14 @@ def compact_items(count: int) -> dict[str, Any]:
 
 async def test_a_large_list_result_keeps_whole_items(harness: Harness) -> None:
     output = compact_items(400)
-    harness.backends.results["list_items"] = BackendResult(output=output)
+    harness.backends.answers["list_items"] = ItemPage(
+        tuple(
+            Item(i["item_id"], ItemKind.TICKET, i["title"], ItemState.OPEN, i["priority"])
+            for i in output["items"]
+        ),
+        next_page_token="page-2",
+        total_size=400,
+    )
     outcome = await harness.run("list_items", {})
     assert not outcome.is_error
     assert len(outcome.content.encode()) <= MAX_RESULT_BYTES
@@ -505,9 +514,8 @@ async def test_a_large_list_result_keeps_whole_items(harness: Harness) -> None:
 
 async def test_a_long_string_result_keeps_as_many_characters_as_fit(harness: Harness) -> None:
     content = "# Skill\n" + 'ü"\n' * 20_000
-    harness.backends.results["read_skill"] = BackendResult(
-        output={"skill": {"name": "planning", "version": "2"}, "content": content}
-    )
+    skill = Skill("planning", "", SkillScope.PROJECT, "2", pinned=False, latest_version="3")
+    harness.backends.answers["read_skill"] = SkillContent(skill, content)
     outcome = await harness.run("read_skill", {"name": "planning"})
     assert not outcome.is_error
     size = len(outcome.content.encode())
@@ -516,7 +524,12 @@ async def test_a_long_string_result_keeps_as_many_characters_as_fit(harness: Har
     assert document["truncated"] is True
     assert document["original_bytes"] > MAX_RESULT_BYTES
     kept = document["content"]
-    assert kept["skill"] == {"name": "planning", "version": "2"}, "short fields stay whole"
+    assert kept["skill"] == {
+        "name": "planning",
+        "scope": "project",
+        "version": "2",
+        "pinned": False,
+    }, "short fields stay whole"
     assert content.startswith(kept["content"]) and len(kept["content"]) > 1000
 
 

@@ -9,8 +9,8 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2
 
+from ballet_common.tokens import TokenError
 from service.core import errors
-from service.tokens import TokenError
 from service.transport.errors import (
     STATUS_DETAILS_KEY,
     abort,
@@ -147,3 +147,24 @@ async def test_rpc_errors_maps_exceptions_and_never_swallows_cancellation() -> N
         async with rpc_errors(quiet):
             raise grpc.aio.AbortError()
     assert quiet.aborted is None
+
+
+@pytest.mark.parametrize("char", ["x", "\u00e9", "\U0001f3ad"])
+def test_whatever_raised_it_an_error_on_the_wire_is_bounded(char: str) -> None:
+    # Issue 14: a 1 MiB identifier quoted by some error must not break the metadata limit.
+    # Found by the property test: 1,000 emoji in an update_mask path made a 12 KiB
+    # percent-encoded grpc-message, which the client reported as RESOURCE_EXHAUSTED.
+    huge = char * (1024 * 1024)
+    error = errors.NotFound(
+        f"thing {huge} not found",
+        reason="THING_NOT_FOUND",
+        metadata={f"k{n}{huge}": huge for n in range(100)},
+    )
+    status = status_of(error)
+    percent_encoded = sum(1 if ch.isascii() else 3 * len(ch.encode()) for ch in status.message)
+    assert percent_encoded + len(status.SerializeToString()) * 4 / 3 < 6 * 1024
+    info = error_info_of(status)
+    assert info is not None and info.reason == "THING_NOT_FOUND"
+    assert status.message.endswith("...")
+    assert errors.echo(huge) == huge[:61] + "..."
+    assert errors.echo("short") == "short"

@@ -12,27 +12,15 @@ from dataclasses import replace
 from typing import Any
 
 from service.core.model import MessageKind, TurnEndReason, TurnState
-from service.core.ports import BackendCall, BackendResult, ModelRequest, Role
+from service.core.ports import ModelRequest, Role
 from tests.unit.fakes import FakeBackends, last_role
 from tests.unit.test_turn import make_rig
 
 
 def note_cancelled(backends: FakeBackends) -> tuple[list[str], asyncio.Event]:
-    """Make ``backends`` note the tools whose call is cancelled mid-flight."""
-    cancelled: list[str] = []
-    seen = asyncio.Event()
-    invoke = backends.invoke
-
-    async def noting(call: BackendCall) -> BackendResult:
-        try:
-            return await invoke(call)
-        except asyncio.CancelledError:
-            cancelled.append(call.tool)
-            seen.set()
-            raise
-
-    backends.invoke = noting  # type: ignore[method-assign]
-    return cancelled, seen
+    """The tools whose call ``backends`` saw cancelled mid-flight, and an event set on the
+    first."""
+    return backends.cancelled, backends.cancel_seen
 
 
 def read_and_write(request: ModelRequest) -> dict[str, Any]:

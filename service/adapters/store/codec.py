@@ -305,7 +305,7 @@ def session_from_row(row: Row) -> Session:
         running_turn_id=row["running_turn_id"] or "",
         context=ContextEstimate(
             base_tokens=row["context_base_tokens"],
-            pending_bytes=row["context_pending_bytes"],
+            pending_tokens=row["context_pending_tokens"],
         ),
         create_request_id=row["create_request_id"],
     )

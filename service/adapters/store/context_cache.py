@@ -21,6 +21,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from service.core.estimate import messages_tokens
 from service.core.model import ContextEstimate, EventKind, Message, Session, SessionEvent
 from service.core.ports import ContextSnapshot, SummaryUpdate
 
@@ -107,9 +108,9 @@ class ContextCache:
         messages.extend(stored)
         grown = _size(stored)
         if context is None:
-            added = sum(m.size_bytes() for e in events if (m := e.message) is not None)
+            added = messages_tokens(e.message for e in events if e.message is not None)
             context = ContextEstimate(
-                session.context.base_tokens, session.context.pending_bytes + added
+                session.context.base_tokens, session.context.pending_tokens + added
             )
         running = session.running_turn_id
         if running_turn_id is not None:

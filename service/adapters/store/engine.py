@@ -21,11 +21,14 @@ SQLite needs care to behave like a database with concurrent writers in one proce
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import event
 from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+from ballet_common.files import create_private_file
 
 #: The execution option that marks an engine (or connection) as read-only: PostgreSQL
 #: reads then run in autocommit, SQLite reads without BEGIN.
@@ -35,6 +38,17 @@ READ_ONLY_OPTION = "ballet_read_only"
 def is_postgresql(engine: AsyncEngine) -> bool:
     """Whether the engine talks to PostgreSQL (else SQLite)."""
     return engine.dialect.name == "postgresql"
+
+
+def prepare_sqlite_file(url: str) -> None:
+    """Create the SQLite file of ``url`` ``0600`` (its directory ``0700`` when made here)
+    before SQLite opens it, whatever the umask: it holds transcripts (issue 14). SQLite
+    gives its WAL and journal files the database file's mode. An existing file, a
+    ``:memory:`` database and other engines are left alone."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+        return
+    create_private_file(Path(parsed.database))
 
 
 def make_engine(

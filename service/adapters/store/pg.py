@@ -3,7 +3,7 @@
 A turn's units of work (open the turn, commit its events) and a Chat stream's (read the
 session, take and release a stream slot) run here: one statement and one round trip
 each, on an autocommit psycopg connection from this module's pool, calling the
-server-side functions of migration 0004 or a single statement. Everything else of the
+server-side functions of migration 0005 or a single statement. Everything else of the
 store stays on SQLAlchemy (``repository.py``), where its statements are rare enough that
 building them costs nothing that matters, and on SQLite the whole store is SQLAlchemy.
 
@@ -41,7 +41,7 @@ from service.adapters.store.tables import (
     UQ_SESSION_REQUEST_ID,
     UQ_TURN_REQUEST_ID,
 )
-from service.adapters.store.work import UnitsOfWork, unit_of_work
+from service.adapters.store.work import UnitsOfWork, every_method_a_unit_of_work
 from service.core.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -50,6 +50,7 @@ from service.core.errors import (
 )
 from service.core.model import Session, SessionEvent, Turn
 from service.core.ports import (
+    ContextSnapshot,
     LeaseStatus,
     OpenStream,
     StartOutcomeKind,
@@ -58,13 +59,16 @@ from service.core.ports import (
     TurnStartOutcome,
 )
 
-#: The SQLSTATE the functions of migration 0004 raise when a condition fails.
+#: The SQLSTATE the functions of migration 0005 raise when a condition fails.
 CONFLICT_SQLSTATE = "BP409"
 
 _SESSION = """
 SELECT s.*, (SELECT t.turn_id FROM turns t
              WHERE t.session_id = s.session_id AND t.state = 'running') AS running_turn_id
 FROM sessions s WHERE s.session_id = %s
+"""
+_CONTEXT_MESSAGES = """
+SELECT * FROM messages WHERE session_id = %s AND sequence > %s ORDER BY sequence
 """
 _RENEW_LEASE = """
 UPDATE turns SET lease_expires_at = %s
@@ -164,6 +168,19 @@ class PgHotPath:
         row = await self.one(_SESSION, (session_id,))
         return None if row is None else codec.session_from_row(row)
 
+    async def context(self, session_id: str) -> ContextSnapshot | None:
+        """The session and its messages after the summary, on one connection."""
+        async with self._conn() as conn:
+            cursor = conn.cursor(row_factory=dict_row)
+            await cursor.execute(_SESSION, (session_id,))
+            row = await cursor.fetchone()
+            if row is None:
+                return None
+            session = codec.session_from_row(row)
+            await cursor.execute(_CONTEXT_MESSAGES, (session_id, session.summary_up_to))
+            rows = await cursor.fetchall()
+        return ContextSnapshot(session, [codec.message_from_row(r) for r in rows])
+
     async def call(self, function: str, argument: Mapping[str, Any]) -> Any:
         """``SELECT function(argument)`` with ``argument`` as ``jsonb``; its value."""
         async with self._conn() as conn:
@@ -187,7 +204,7 @@ class PgHotPath:
             )
 
     def units(self, events: Sequence[SessionEvent]) -> dict[str, Any]:
-        """The ``events`` and ``messages`` arguments of a function of migration 0004."""
+        """The ``events`` and ``messages`` arguments of a function of migration 0005."""
         rows: list[dict[str, Any]] = []
         for index, event in enumerate(events):
             if event.message is not None:
@@ -267,6 +284,7 @@ def _first_line(error: BaseException) -> str:
 # ---------------------------------------------------------------------- the stores
 
 
+@every_method_a_unit_of_work
 class PgSessionStore(SqlSessionStore):
     """``SqlSessionStore`` on PostgreSQL with the hot path on ``pool`` (decision 0113):
     ``get_session``, ``start_turn``, ``commit`` and ``renew_lease`` are one statement
@@ -291,12 +309,13 @@ class PgSessionStore(SqlSessionStore):
         )
         self._hot = PgHotPath(pool, notify=replica_id)
 
-    @unit_of_work
     async def get_session(self, session_id: str) -> Session | None:
         """The session, or None (one statement)."""
         return await self._hot.get_session(session_id)
 
-    @unit_of_work
+    async def _read_context(self, session_id: str) -> ContextSnapshot | None:
+        return await self._hot.context(session_id)
+
     async def renew_lease(self, turn_id: str, owner: str, until: datetime) -> LeaseStatus:
         """See ``SqlSessionStore.renew_lease`` (one statement)."""
         cancel_requested = await self._hot.renew_lease(turn_id, owner, units.utc(until))
@@ -314,7 +333,7 @@ class PgSessionStore(SqlSessionStore):
                 "human_index": human_index,
                 "per_human": start.limits.per_human,
                 "per_project": start.limits.per_project,
-                "added_bytes": units.message_bytes(start.events),
+                "added_tokens": units.message_tokens(start.events),
                 **self._hot.units(start.events),
             },
         )
@@ -363,9 +382,9 @@ class PgSessionStore(SqlSessionStore):
                     if context is None
                     else {
                         "base_tokens": context.base_tokens,
-                        "pending_bytes": context.pending_bytes,
+                        "pending_tokens": context.pending_tokens,
                     },
-                    "added_bytes": units.message_bytes(commit.events),
+                    "added_tokens": units.message_tokens(commit.events),
                     **self._hot.units(commit.events),
                 },
             )
@@ -373,6 +392,7 @@ class PgSessionStore(SqlSessionStore):
         return last, units.numbered(commit.events, last)
 
 
+@every_method_a_unit_of_work
 class PgStreamStore(SqlStreamStore):
     """``SqlStreamStore`` on PostgreSQL with a stream's opening and closing on ``pool``,
     one statement each (decision 0113)."""
@@ -387,7 +407,6 @@ class PgStreamStore(SqlStreamStore):
         super().__init__(engine, units_of_work=units_of_work)
         self._hot = PgHotPath(pool, notify=None)
 
-    @unit_of_work
     async def open_stream(self, stream: OpenStream, *, limit: int, now: datetime) -> bool:
         """See ``SqlStreamStore.open_stream`` (one statement)."""
         admitted = await self._hot.call(
@@ -403,7 +422,6 @@ class PgStreamStore(SqlStreamStore):
         )
         return bool(admitted)
 
-    @unit_of_work
     async def close_streams(self, stream_ids: Sequence[str]) -> None:
         """See ``SqlStreamStore.close_streams`` (one statement)."""
         if stream_ids:

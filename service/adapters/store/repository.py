@@ -49,7 +49,7 @@ from service.adapters.store.tables import (
     turns,
 )
 from service.adapters.store.turn_units import CANCEL_CHANNEL, EVENTS_CHANNEL
-from service.adapters.store.work import UnitsOfWork, unit_of_work
+from service.adapters.store.work import UnitsOfWork, every_method_a_unit_of_work
 from service.core.errors import (
     InvalidArgument,
     StoreConflict,
@@ -90,6 +90,7 @@ _RUNNING_TURN_ID = (
 )
 
 
+@every_method_a_unit_of_work
 class SqlSessionStore:
     """Sessions, transcripts, turns and events in PostgreSQL or SQLite.
 
@@ -98,9 +99,7 @@ class SqlSessionStore:
     ``notify`` sends PostgreSQL notifications to other replicas; None means "when the
     engine is PostgreSQL" (SQLite serves one process and has no notifications).
     ``context_cache_bytes`` bounds the sessions' contexts kept between turns (0: none).
-    Every public method is one unit of work run by ``units_of_work`` (shared with the
-    stream store of the same database), which no caller's cancellation reaches
-    (``work.py``, decision 0180).
+    Every public method is a unit of work of ``units_of_work`` (decision 0180).
     """
 
     def __init__(
@@ -125,12 +124,7 @@ class SqlSessionStore:
         self._notify = notify
         self._units = units.SqlTurnUnits(replica_id if notify else None)
         self._cache = ContextCache(context_cache_bytes)
-        self._units_of_work = units_of_work or UnitsOfWork()
-
-    @property
-    def units_of_work(self) -> UnitsOfWork:
-        """The tasks that run this store's units of work (``work.unit_of_work``)."""
-        return self._units_of_work
+        self.units_of_work = units_of_work or UnitsOfWork()
 
     # ------------------------------------------------------------------ units of work
 
@@ -148,7 +142,6 @@ class SqlSessionStore:
 
     # ------------------------------------------------------------------ health
 
-    @unit_of_work
     async def ping(self) -> None:
         """Check the database answers (``SELECT 1``); raises ``StoreUnavailable``.
 
@@ -167,7 +160,6 @@ class SqlSessionStore:
 
     # ------------------------------------------------------------------ sessions
 
-    @unit_of_work
     async def create_session(self, new: NewSession) -> Session:
         """Create a session, or return the one created before with the same (owner,
         request_id) and payload (AIP-155; the key lives as long as the session).
@@ -189,7 +181,7 @@ class SqlSessionStore:
             "summary_up_to": 0,
             "last_sequence": 0,
             "context_base_tokens": None,
-            "context_pending_bytes": 0,
+            "context_pending_tokens": 0,
             "create_request_id": new.request_id,
             "create_request_hash": new.request_hash,
         }
@@ -243,13 +235,11 @@ class SqlSessionStore:
             return None
         return codec.session_from_row(row), row["create_request_hash"]
 
-    @unit_of_work
     async def get_session(self, session_id: str) -> Session | None:
         """The session, or None."""
         async with self._read() as conn:
             return await _session(conn, session_id)
 
-    @unit_of_work
     async def list_sessions(
         self, query: SessionQuery
     ) -> tuple[list[Session], SessionCursor | None]:
@@ -289,7 +279,6 @@ class SqlSessionStore:
         last = page[-1]
         return page, SessionCursor(create_time=last.create_time, session_id=last.session_id)
 
-    @unit_of_work
     async def update_session_title(
         self, session_id: str, title: str, now: datetime
     ) -> Session | None:
@@ -308,7 +297,6 @@ class SqlSessionStore:
                 return None
             return await _session(conn, session_id)
 
-    @unit_of_work
     async def delete_session(self, session_id: str) -> bool:
         """Remove the session with its messages, events, turns and idempotency keys, in
         one transaction (SPEC 3, ``DeleteSession``; the foreign keys cascade). False when
@@ -353,7 +341,6 @@ class SqlSessionStore:
 
     # ------------------------------------------------------------------ transcript
 
-    @unit_of_work
     async def list_messages(
         self, session_id: str, after_sequence: int, limit: int
     ) -> list[Message]:
@@ -369,7 +356,6 @@ class SqlSessionStore:
             rows = (await conn.execute(stmt)).mappings().all()
         return [codec.message_from_row(row) for row in rows]
 
-    @unit_of_work
     async def events_after(
         self, session_id: str, after_sequence: int, limit: int
     ) -> list[SessionEvent]:
@@ -389,7 +375,6 @@ class SqlSessionStore:
             rows = (await conn.execute(stmt)).mappings().all()
         return [codec.event_from_row(row, units.MESSAGE_PREFIX) for row in rows]
 
-    @unit_of_work
     async def turn_messages(self, turn_id: str) -> list[Message]:
         """The messages of one turn, in sequence order."""
         stmt = select(messages).where(messages.c.turn_id == turn_id).order_by(messages.c.sequence)
@@ -397,7 +382,6 @@ class SqlSessionStore:
             rows = (await conn.execute(stmt)).mappings().all()
         return [codec.message_from_row(row) for row in rows]
 
-    @unit_of_work
     async def load_context(self, session_id: str) -> ContextSnapshot | None:
         """The session and the messages after its summary's ``up_to``, in sequence order
         (SPEC 6; T1: no message older than the summary is read). None when it is gone.
@@ -408,6 +392,14 @@ class SqlSessionStore:
         cached = self._cache.get(session_id)
         if cached is not None:
             return cached
+        snapshot = await self._read_context(session_id)
+        if snapshot is None:
+            return None
+        self._cache.put(snapshot)
+        return self._cache.get(session_id) or snapshot
+
+    async def _read_context(self, session_id: str) -> ContextSnapshot | None:
+        """``load_context`` from the database (a subclass may read it another way)."""
         async with self._read() as conn:
             session = await _session(conn, session_id)
             if session is None:
@@ -426,15 +418,12 @@ class SqlSessionStore:
                 .mappings()
                 .all()
             )
-        snapshot = ContextSnapshot(
+        return ContextSnapshot(
             session=session, messages=[codec.message_from_row(row) for row in rows]
         )
-        self._cache.put(snapshot)
-        return self._cache.get(session_id) or snapshot
 
     # ------------------------------------------------------------------ turns
 
-    @unit_of_work
     async def get_turn(self, turn_id: str) -> Turn | None:
         """The turn, or None."""
         async with self._read() as conn:
@@ -445,7 +434,6 @@ class SqlSessionStore:
             )
         return None if row is None else codec.turn_from_row(row)
 
-    @unit_of_work
     async def running_turns(
         self, *, owner: str | None = None, lease_expired_before: datetime | None = None
     ) -> list[Turn]:
@@ -461,7 +449,6 @@ class SqlSessionStore:
             rows = (await conn.execute(stmt)).mappings().all()
         return [codec.turn_from_row(row) for row in rows]
 
-    @unit_of_work
     async def start_turn(self, start: TurnStart) -> TurnStartOutcome:
         """Store the human message and open the turn, in one transaction (SPEC 3 and 5,
         step 1).
@@ -505,7 +492,6 @@ class SqlSessionStore:
         except units.Undo as undo:
             return undo.outcome
 
-    @unit_of_work
     async def commit(self, commit: TurnCommit) -> list[SessionEvent]:
         """Apply one ``TurnCommit`` in one transaction and return its events, numbered
         (SPEC 5; T1: at most 4 per one-round turn).
@@ -514,8 +500,8 @@ class SqlSessionStore:
         the turn exists in it and is RUNNING; ``owner``, when set, owns it;
         ``lease_expired_before``, when set, is after its lease's end. The session row is
         locked and updated: the counter (events), ``summary``, and the context estimate
-        (``context``, or when None the stored messages' UTF-8 bytes added to
-        ``pending_bytes``). A ``turn_patch`` with ``end_reason`` ends the turn (state
+        (``context``, or when None the stored messages' estimated tokens added to
+        ``pending_tokens``). A ``turn_patch`` with ``end_reason`` ends the turn (state
         ENDED, ``end_time`` = ``commit.now``), which frees the session for the next.
         Raises ``ValueError`` for events of another session or turn, or a naive ``now``.
         """
@@ -554,7 +540,6 @@ class SqlSessionStore:
         ).first()
         return 0 if row is None else int(row.last_sequence)
 
-    @unit_of_work
     async def renew_lease(self, turn_id: str, owner: str, until: datetime) -> LeaseStatus:
         """Extend the lease of a running turn ``owner`` holds to ``until`` (SPEC 5).
 
@@ -575,7 +560,6 @@ class SqlSessionStore:
             return LeaseStatus(held=False)
         return LeaseStatus(held=True, cancel_requested=bool(row.cancel_requested))
 
-    @unit_of_work
     async def request_cancel(self, turn_id: str) -> Turn | None:
         """Flag a running turn cancelled and, with ``notify``, send its id on the cancel
         channel in the same transaction (SPEC 3, ``CancelTurn``: the owner, on any
@@ -598,8 +582,6 @@ class SqlSessionStore:
                     .first()
                 )
         return None if row is None else codec.turn_from_row(row)
-
-    # ------------------------------------------------------------------ helpers
 
 
 # ---------------------------------------------------------------------- module helpers

@@ -30,7 +30,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from service.adapters.store.engine import is_postgresql, read_only
 from service.adapters.store.errors import translated
 from service.adapters.store.tables import chat_streams, planner_replicas
-from service.adapters.store.work import UnitsOfWork, unit_of_work
+from service.adapters.store.work import UnitsOfWork, every_method_a_unit_of_work
 from service.core.errors import StoreConflict
 from service.core.ports import OpenStream
 
@@ -40,6 +40,7 @@ __all__ = ["SqlStreamStore"]
 _LOCK_PREFIX = "ballet_planner.chat_streams:"
 
 
+@every_method_a_unit_of_work
 class SqlStreamStore:
     """The ``StreamStore`` port on PostgreSQL or SQLite (``engine`` from ``make_engine``,
     shared with ``SqlSessionStore``). Every public method is one unit of work run by
@@ -49,12 +50,8 @@ class SqlStreamStore:
         self._engine = engine
         self._reader = read_only(engine)
         self._postgresql = is_postgresql(engine)
-        self._units_of_work = units_of_work or UnitsOfWork()
-
-    @property
-    def units_of_work(self) -> UnitsOfWork:
-        """The tasks that run this store's units of work (``work.unit_of_work``)."""
-        return self._units_of_work
+        #: Runs every public method, which no caller's cancellation reaches (``work.py``).
+        self.units_of_work = units_of_work or UnitsOfWork()
 
     @asynccontextmanager
     async def _write(self) -> AsyncIterator[AsyncConnection]:
@@ -62,7 +59,6 @@ class SqlStreamStore:
             async with self._engine.begin() as conn:
                 yield conn
 
-    @unit_of_work
     async def heartbeat(self, replica_id: str, lease_expires_at: datetime) -> bool:
         """Extend the replica's lease; create its row when missing and return False then.
 
@@ -92,7 +88,6 @@ class SqlStreamStore:
             )
         return False
 
-    @unit_of_work
     async def open_stream(self, stream: OpenStream, *, limit: int, now: datetime) -> bool:
         """Insert ``stream`` unless its human has ``limit`` streams on live replicas.
 
@@ -115,7 +110,6 @@ class SqlStreamStore:
             raise StoreConflict(f"replica {stream.replica_id} is not registered") from error
         return True
 
-    @unit_of_work
     async def close_streams(self, stream_ids: Sequence[str]) -> None:
         """Delete the streams' rows (unknown ids are ignored). Raises ``StoreUnavailable``."""
         if not stream_ids:
@@ -123,7 +117,6 @@ class SqlStreamStore:
         async with self._write() as conn:
             await conn.execute(delete(chat_streams).where(chat_streams.c.stream_id.in_(stream_ids)))
 
-    @unit_of_work
     async def restore_streams(self, replica_id: str, streams: Sequence[OpenStream]) -> None:
         """Insert the rows of streams still open on ``replica_id`` (after ``heartbeat``
         re-created its row); rows that exist are kept. Raises ``StoreUnavailable``."""
@@ -134,7 +127,6 @@ class SqlStreamStore:
         async with self._write() as conn:
             await conn.execute(dialect_insert(chat_streams).values(rows).on_conflict_do_nothing())
 
-    @unit_of_work
     async def replica_streams(self, replica_id: str) -> list[str]:
         """The ids of the streams recorded for ``replica_id`` (one indexed read). Raises
         ``StoreUnavailable``."""
@@ -145,7 +137,6 @@ class SqlStreamStore:
                 )
                 return [str(row.stream_id) for row in rows]
 
-    @unit_of_work
     async def remove_replica(self, replica_id: str) -> None:
         """Delete the replica's row and, by cascade, its streams. Raises
         ``StoreUnavailable``."""
@@ -154,7 +145,6 @@ class SqlStreamStore:
                 delete(planner_replicas).where(planner_replicas.c.replica_id == replica_id)
             )
 
-    @unit_of_work
     async def sweep_replicas(self, now: datetime) -> int:
         """Delete replicas whose lease expired before ``now`` and, by cascade, their
         streams; returns how many. Raises ``StoreUnavailable``."""
@@ -168,7 +158,6 @@ class SqlStreamStore:
             ).all()
         return len(gone)
 
-    @unit_of_work
     async def count_streams(self, human_id: str, now: datetime) -> int:
         """The human's streams on replicas whose lease holds at ``now`` (operations and
         tests)."""

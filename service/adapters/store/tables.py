@@ -6,7 +6,8 @@ Six tables, all keyed by text ids the planner generates:
   counter ``last_sequence`` (SPEC 3: from 1, no gaps, no reuse), the running context
   estimate (SPEC 6) and the AIP-155 key of the ``CreateSession`` that made it.
 - ``messages``: the transcript, keyed by (session, sequence); ``size_bytes`` is
-  ``Message.size_bytes()`` so the context estimate never re-encodes text.
+  ``Message.size_bytes()`` so a page of ``ListMessages`` is sized without re-encoding
+  text.
 - ``session_events``: every stored session event, keyed by (session, sequence). Message
   events keep their text only in ``messages`` (joined on the same key when read);
   ``data`` holds the JSON of the event's ``EventData`` payload, NULL when it has none.
@@ -129,9 +130,9 @@ sessions = Table(
     # The per-session event counter: the last sequence assigned (SPEC 3).
     _count("last_sequence"),
     # The context estimate (SPEC 6): reported usage, NULL when none is known yet, and
-    # the UTF-8 bytes stored since.
+    # the estimated tokens of what was stored since (decision 0171).
     Column("context_base_tokens", BigInteger, nullable=True),
-    _count("context_pending_bytes"),
+    _count("context_pending_tokens"),
     _text("create_request_id"),
     _text("create_request_hash"),
 )

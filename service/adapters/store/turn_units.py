@@ -64,6 +64,7 @@ from service.core.errors import (
     ResourceExhausted,
     StoreConflict,
 )
+from service.core.estimate import messages_tokens
 from service.core.model import MESSAGE_EVENTS, ContextEstimate, SessionEvent, TurnState
 from service.core.ports import (
     RunningLimits,
@@ -140,9 +141,9 @@ def utc(moment: datetime) -> datetime:
     return moment.astimezone(UTC)
 
 
-def message_bytes(events: Iterable[SessionEvent]) -> int:
-    """The UTF-8 bytes the model sees of the messages ``events`` store (SPEC 6)."""
-    return sum(event.message.size_bytes() for event in events if event.message is not None)
+def message_tokens(events: Iterable[SessionEvent]) -> int:
+    """The estimated tokens of the messages ``events`` store (SPEC 6; decision 0171)."""
+    return messages_tokens(event.message for event in events if event.message is not None)
 
 
 def numbered(events: Sequence[SessionEvent], last_sequence: int) -> list[SessionEvent]:
@@ -294,12 +295,12 @@ class SqlTurnUnits:
         """
         values: dict[str, Any] = {"last_sequence": sessions.c.last_sequence + len(events)}
         if context is None:
-            added = message_bytes(events)
+            added = message_tokens(events)
             if added:
-                values["context_pending_bytes"] = sessions.c.context_pending_bytes + added
+                values["context_pending_tokens"] = sessions.c.context_pending_tokens + added
         else:
             values["context_base_tokens"] = context.base_tokens
-            values["context_pending_bytes"] = context.pending_bytes
+            values["context_pending_tokens"] = context.pending_tokens
         if summary is not None:
             values["summary"] = summary.summary
             values["summary_up_to"] = summary.up_to

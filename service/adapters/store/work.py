@@ -10,10 +10,11 @@ leaves the connection checked out, possibly idle in a transaction that holds loc
 until the garbage collector drops it ("The garbage collector is trying to clean up
 non-checked-in connection ...").
 
-So cancellation never reaches one: every public method of the stores is a unit of work
-(``@unit_of_work``) that runs in a task the store's ``UnitsOfWork`` owns, and its caller
-awaits that task shielded. A caller cancelled meanwhile stops waiting at once; the unit
-of work runs to its end, commits or rolls back, and returns its connection. What it did
+So cancellation never reaches one: every public coroutine method of a store class
+marked ``@every_method_a_unit_of_work`` (and of its subclasses, marked too) is a unit of
+work that runs in a task the store's ``UnitsOfWork`` owns, and its caller awaits that
+task shielded. A caller cancelled meanwhile stops waiting at once; the unit of work runs
+to its end, commits or rolls back, and returns its connection. What it did
 is done whether or not anyone still waits for it: a commit that lands for a caller who
 left is the same as one whose reply was lost on the network, which every caller already
 handles (the turn service, for one, awaits its acceptance shielded and launches the
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import logging
 from collections.abc import Callable, Coroutine
 from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
@@ -95,11 +97,11 @@ class UnitsOfWork:
 class HasUnitsOfWork(Protocol):
     """A store whose methods are units of work: it owns a ``UnitsOfWork``."""
 
-    @property
-    def units_of_work(self) -> UnitsOfWork: ...
+    units_of_work: UnitsOfWork
 
 
 S = TypeVar("S", bound=HasUnitsOfWork)
+C = TypeVar("C", bound=type)
 
 
 def unit_of_work(
@@ -114,6 +116,18 @@ def unit_of_work(
 
     setattr(run, MARK, True)
     return run
+
+
+def every_method_a_unit_of_work(cls: C) -> C:
+    """Make every public coroutine method defined in ``cls`` a unit of work
+    (``unit_of_work``); a subclass that defines or overrides one is marked again. A store
+    method cannot be added without being one (a test also checks every store class)."""
+    for name, value in list(vars(cls).items()):
+        if name.startswith("_") or not inspect.iscoroutinefunction(value):
+            continue
+        if not getattr(value, MARK, False):
+            setattr(cls, name, unit_of_work(value))
+    return cls
 
 
 def _report_abandoned(task: asyncio.Task[Any]) -> None:

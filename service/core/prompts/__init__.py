@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from importlib import resources
 
-INSTRUCTIONS_VERSION = "v1"
-SUMMARY_VERSION = "v1"
+INSTRUCTIONS_VERSION = "v2"
+SUMMARY_VERSION = "v2"
 
 
 def instructions() -> str:

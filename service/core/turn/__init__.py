@@ -11,7 +11,9 @@ Who owns what (docs/architecture.md has the whole map):
 - ``model_call.py``: one model request and its streamed answer; the planner's own id for
   every tool call.
 - ``tool_round.py``: running one round's calls and storing their results.
-- ``compact.py``: the compaction step.
+- ``compact.py``: the compaction step and the model's context besides the messages
+  (the system-side summary and pending changesets, the context estimate).
+- ``pending.py``: the changesets the session proposed that still wait for the human.
 - ``ending.py``: the one ending, for the loop, recovery, start-up and shutdown alike.
 - ``events.py``: typed builders of every session event.
 - ``prompt.py``: the system prompt and its cache.

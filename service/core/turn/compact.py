@@ -1,102 +1,123 @@
-"""The compaction step (seed: Context compaction; SPEC section 6; decision 0060).
+"""The compaction step and the model's context (seed: Context compaction; SPEC section 6;
+decisions 0060, 0170 to 0172).
 
-Before each model call the loop asks ``Compactor.maybe_compact``: above
+Before each model call the loop asks ``Compactor.maybe_compact``. It keeps what the model
+sees besides the messages: the system-side context (the summary and, once there is one,
+the changesets this session proposed that still wait for the human, read once per turn
+and after a compaction), and the context estimate, which counts the fixed prompt and
+that context at their current size whenever no usage is known. Above
 ``planner.compact_at_tokens`` it summarizes everything before the latest human message
-(the earlier summary included), folding text larger than
-``compaction_input_max_tokens`` in chunks from the oldest end, and stores the summary,
-its ``up_to``, the compaction marker and the ``compacted`` event in one commit. A failed
-compaction changes nothing stored; the call proceeds uncompacted and no further
-compaction is tried in the same turn.
+(the earlier summary included), folding text larger than ``compaction_input_max_tokens``
+in chunks from the oldest end, and stores the summary, its ``up_to``, the compaction
+marker and the ``compacted`` event in one commit.
+
+A summary is accepted only from a call that finished normally and when its text passes
+``check_summary`` (no refusal, error or implausibly short text). A failed compaction is
+logged (no content at INFO and above), counted by reason, and changes nothing stored but
+the turn's compaction usage (the gateway metered the calls); the model call proceeds
+uncompacted and no further compaction is tried in the same turn.
+
+``answered`` compares each answer's reported input tokens with the estimate made without
+reported usage for its request, for ``ballet_planner_context_estimate_ratio``.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
 from service.core import prompts
 from service.core.compaction import (
+    COMPACTION_REQUEST,
+    SUMMARY_ROOM_TOKENS,
+    CompactionPlan,
     chunk_blocks,
-    compaction_prompt,
+    compaction_request_tokens,
+    compaction_system_prompt,
     estimate_tokens,
-    looks_like_failure,
     plan_compaction,
     render_transcript,
-    tokens_for_bytes,
 )
-from service.core.errors import ModelFailure
-from service.core.model import ContextEstimate, Message, SessionEvent, Usage
+from service.core.context import context_block
+from service.core.estimate import messages_tokens, text_tokens
+from service.core.model import ContextEstimate, SessionEvent, Usage
 from service.core.ports import ModelMessage, Purpose, Role, SummaryUpdate, TurnPatch
+from service.core.summaries import Rejection, check_summary
 from service.core.turn.model_call import model_request, stream_answer
+from service.core.turn.pending import pending_changesets
 from service.core.turn.prompt import Prompt
 from service.core.turn.settings import TurnDependencies
 from service.core.turn.state import TurnState
 
 log = logging.getLogger(__name__)
 
-#: Stores a compaction: its event, the summary, the new estimate (raises ``Abandon``).
+#: Stores events, a turn patch and, for a compaction, the summary and the new estimate,
+#: in one commit (raises the loop's ``Abandon``).
 CommitCompaction = Callable[
-    [list[SessionEvent], TurnPatch, SummaryUpdate, ContextEstimate], Awaitable[object]
+    [list[SessionEvent], TurnPatch, SummaryUpdate | None, ContextEstimate | None],
+    Awaitable[object],
 ]
 
 
+@dataclass
+class _Folded:
+    """The outcome of folding a plan: a ``summary``, or why not (``rejection``, or
+    ``stopped`` when the turn was asked to stop), and what every call used."""
+
+    summary: str = ""
+    rejection: Rejection | None = None
+    stopped: bool = False
+    usage: Usage = field(default_factory=Usage)
+
+
 class Compactor:
-    """Compacts a turn's context when the estimate is over the threshold."""
+    """Keeps a turn's model context: the system-side context, the estimate, and the
+    compaction when the estimate is over the threshold."""
 
     def __init__(self, deps: TurnDependencies, state: TurnState, commit: CommitCompaction) -> None:
         self._deps = deps
         self._state = state
         self._commit = commit
+        self._context_read = False
 
     async def maybe_compact(self, prompt: Prompt) -> None:
         """Compact if the estimate is above ``compact_at_tokens`` and a compaction would
         move ``up_to`` forward; raises what ``commit`` raises."""
         state, settings = self._state, self._deps.settings
-        if state.compaction_failed:
-            return
-        fixed = prompt.fixed_bytes + len(state.summary.encode())
-        estimated = estimate_tokens(state.context, fixed_bytes=fixed)
-        if estimated <= settings.compact_at_tokens:
+        if not self._context_read:
+            await self._read_context()
+        estimated = self._estimate(prompt)
+        if state.compaction_failed or estimated <= settings.compact_at_tokens:
             return
         plan = plan_compaction(
             state.messages, human_sequence=state.handle.human_sequence, summary=state.summary
         )
         if plan is None:
             return
-        started = time.monotonic()
-        try:
-            summary, usage = await self._summarize(prompt, plan.previous_summary, plan.messages)
-        except ModelFailure as failure:
-            self._failed(failure.reason)
-            self._deps.observer.model_called(
-                "compaction", failure.reason, time.monotonic() - started, None
-            )
+        folded = await self._fold(prompt, plan)
+        if folded.usage != Usage():
+            state.compaction_usage = state.compaction_usage + folded.usage
+        if folded.stopped:
             return
-        if summary is None:
-            return
-        if looks_like_failure(summary):
-            self._failed("an empty or error summary")
+        if folded.rejection is not None:
+            await self._failed(folded.rejection)
             return
         kept = [m for m in state.messages if m.sequence > plan.up_to]
-        base = (
-            usage.output_tokens
-            if usage is not None and usage.output_tokens
-            else tokens_for_bytes(len(summary.encode()))
-        )
-        context = ContextEstimate(base_tokens=base, pending_bytes=sum(m.size_bytes() for m in kept))
-        compaction_usage = state.compaction_usage + (usage or Usage())
+        # No usage is known for the compacted context: the next estimate is the fixed
+        # prompt and the new system-side context at their size, plus what is kept.
+        context = ContextEstimate(base_tokens=None, pending_tokens=messages_tokens(kept))
         await self._commit(
             [state.events.compacted(plan.up_to, estimated)],
-            TurnPatch(compaction_usage=compaction_usage),
-            SummaryUpdate(summary, plan.up_to),
+            TurnPatch(compaction_usage=state.compaction_usage),
+            SummaryUpdate(folded.summary, plan.up_to),
             context,
         )
-        state.summary = summary
+        state.summary = folded.summary
         state.summary_up_to = plan.up_to
         state.messages = kept
         state.context = context
-        state.compaction_usage = compaction_usage
         self._deps.observer.compacted()
         log.info(
             "compacted up_to=%d estimated_tokens=%d",
@@ -104,52 +125,100 @@ class Compactor:
             estimated,
             extra=state.handle.log_fields(),
         )
+        await self._read_context()
+        self._estimate(prompt)
 
-    def _failed(self, why: str) -> None:
-        self._state.compaction_failed = True
-        self._deps.observer.compaction_failed()
+    def answered(self, usage: Usage | None) -> None:
+        """An answer to the request last estimated came back with ``usage``: observe the
+        estimate's error when it was made without reported usage."""
+        estimated = self._state.request_estimate
+        if usage is not None and usage.input_tokens > 0 and estimated is not None:
+            self._deps.observer.context_estimated("turn", estimated, usage.input_tokens)
+
+    # ------------------------------------------------------------------ the context
+
+    async def _read_context(self) -> None:
+        """Build the system-side context: with a summary, the pending changesets are read
+        from the tracker (once per turn, and again after a compaction)."""
+        state = self._state
+        self._context_read = True
+        pending = await pending_changesets(self._deps, state) if state.summary else None
+        state.context_block = context_block(state.summary, pending)
+        state.context_block_tokens = text_tokens(state.context_block)
+
+    def _estimate(self, prompt: Prompt) -> int:
+        """The estimate of the next request (SPEC 6), remembered for ``answered`` when no
+        usage went into it."""
+        state = self._state
+        fixed = prompt.fixed_tokens + state.context_block_tokens
+        estimated = estimate_tokens(state.context, fixed_tokens=fixed)
+        state.request_estimate = estimated if state.context.base_tokens is None else None
+        return estimated
+
+    # ------------------------------------------------------------------ the compaction
+
+    async def _failed(self, rejection: Rejection) -> None:
+        """A failed compaction: logged without content, counted by reason, and no
+        further try in this turn; the calls' usage is stored on the turn, nothing else."""
+        state = self._state
+        state.compaction_failed = True
+        self._deps.observer.compaction_failed(rejection.reason)
         log.warning(
-            "compaction failed (%s); continuing uncompacted",
-            why,
-            extra=self._state.handle.log_fields(),
+            "compaction failed (%s: %s); continuing uncompacted",
+            rejection.reason,
+            rejection.detail,
+            extra=state.handle.log_fields(),
         )
+        if state.compaction_usage != Usage():
+            await self._commit([], TurnPatch(compaction_usage=state.compaction_usage), None, None)
 
-    async def _summarize(
-        self, prompt: Prompt, previous: str, messages: Sequence[Message]
-    ) -> tuple[str | None, Usage | None]:
-        """Fold ``messages`` into ``previous``, oldest first, in chunks that fit.
-
-        Returns ``(None, None)`` when the turn was asked to stop meanwhile; raises
-        ``ModelFailure``.
-        """
-        settings = self._deps.settings
-        instructions = settings.summary_instructions or prompts.summary_instructions()
-        summary = previous
-        total: Usage | None = None
+    async def _fold(self, prompt: Prompt, plan: CompactionPlan) -> _Folded:
+        """Fold ``plan.messages`` into its earlier summary, oldest first, in chunks that
+        fit; every answer is checked before the next chunk builds on it."""
+        deps, state = self._deps, self._state
+        instructions = deps.settings.summary_instructions or prompts.summary_instructions()
+        reserved = (
+            compaction_request_tokens(compaction_system_prompt(instructions, "", ""))
+            + max(SUMMARY_ROOM_TOKENS, text_tokens(plan.previous_summary))
+        )
         chunks = chunk_blocks(
-            render_transcript(messages),
-            max_tokens=settings.compaction_input_max_tokens,
-            reserved_tokens=tokens_for_bytes(len(instructions.encode()) + 4 * 1024),
+            render_transcript(plan.messages),
+            max_tokens=deps.settings.compaction_input_max_tokens,
+            reserved_tokens=reserved,
         )
+        folded = _Folded(summary=plan.previous_summary)
         for chunk in chunks:
+            system = compaction_system_prompt(instructions, folded.summary, chunk)
             request = model_request(
-                self._deps,
-                self._state,
+                deps,
+                state,
                 purpose=Purpose.COMPACTION,
                 credential_ref=prompt.credential_ref,
-                system=instructions,
-                messages=[ModelMessage(Role.USER, compaction_prompt(summary, chunk))],
+                system=system,
+                messages=[ModelMessage(Role.USER, COMPACTION_REQUEST)],
                 tools=(),
             )
-            streamed = await stream_answer(self._deps, self._state, request, relay=False)
-            if streamed.stopped:
-                return None, None
-            if streamed.failure is not None:
-                raise streamed.failure
+            started = time.monotonic()
+            streamed = await stream_answer(deps, state, request, relay=False)
             answer = streamed.answer
-            if looks_like_failure(answer.text):
-                return answer.text, answer.usage
-            summary = answer.text.strip()
             if answer.usage is not None:
-                total = answer.usage if total is None else total + answer.usage
-        return summary, total
+                folded.usage = folded.usage + answer.usage
+                if answer.usage.input_tokens > 0:
+                    deps.observer.context_estimated(
+                        "compaction", compaction_request_tokens(system), answer.usage.input_tokens
+                    )
+            if streamed.stopped:
+                folded.stopped = True
+                return folded
+            if streamed.failure is not None:
+                folded.rejection = Rejection(
+                    "model",
+                    f"{streamed.failure.reason} after {time.monotonic() - started:.1f} s",
+                )
+                return folded
+            replaced = text_tokens(folded.summary) + text_tokens(chunk)
+            folded.rejection = check_summary(answer.text, answer.finish, replaced_tokens=replaced)
+            if folded.rejection is not None:
+                return folded
+            folded.summary = answer.text.strip()
+        return folded

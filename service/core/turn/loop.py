@@ -35,8 +35,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
-from service.core.context import to_model_messages
+from service.core.context import to_model_messages, with_context
 from service.core.errors import PlannerError, StoreConflict, StoreUnavailable
+from service.core.estimate import messages_tokens
 from service.core.model import ContextEstimate, EventKind, SessionEvent
 from service.core.ports import FinishReason, Purpose, SummaryUpdate, TurnCommit, TurnPatch
 from service.core.tools import WRITE_TOOLS, error_result
@@ -222,12 +223,13 @@ class TurnLoop:
             state,
             purpose=Purpose.TURN,
             credential_ref=prompt.credential_ref,
-            system=prompt.system,
-            messages=to_model_messages(state.summary, state.messages),
+            system=with_context(prompt.system, state.context_block),
+            messages=to_model_messages(state.messages),
             tools=self._deps.declarations,
         )
         streamed = await stream_answer(self._deps, state, request, relay=True)
         answer = streamed.answer
+        self._compactor.answered(answer.usage)
         if streamed.stopped:
             return End(self._handle.stop or endings.CANCELLED, self._cut(answer, ""))
         if streamed.failure is not None:
@@ -291,7 +293,7 @@ class TurnLoop:
         state.rounds += 1
         # The answer's usage covers everything up to and including it (SPEC 6).
         context = (
-            ContextEstimate(base_tokens=answer.usage.total, pending_bytes=0)
+            ContextEstimate(base_tokens=answer.usage.total, pending_tokens=0)
             if answer.usage is not None
             else None
         )
@@ -318,7 +320,7 @@ class TurnLoop:
         final = end.pending[0].message if end.pending else None
         context: ContextEstimate | None = None
         if final is not None and final.usage is not None and not final.cut:
-            context = ContextEstimate(base_tokens=final.usage.total, pending_bytes=0)
+            context = ContextEstimate(base_tokens=final.usage.total, pending_tokens=0)
         commit = closing_commit(
             state.events,
             end.ending,
@@ -383,8 +385,8 @@ class TurnLoop:
         self,
         events: list[SessionEvent],
         patch: TurnPatch,
-        summary: SummaryUpdate,
-        context: ContextEstimate,
+        summary: SummaryUpdate | None,
+        context: ContextEstimate | None,
     ) -> None:
         await self._commit(events, patch=patch, summary=summary, context=context)
 
@@ -418,9 +420,9 @@ class TurnLoop:
             if event.message is not None and event.kind is not EventKind.COMPACTED:
                 state.messages.append(event.message)
         if commit.context is None:
-            added = sum(e.message.size_bytes() for e in stored if e.message is not None)
+            added = messages_tokens(e.message for e in stored if e.message is not None)
             state.context = ContextEstimate(
-                state.context.base_tokens, state.context.pending_bytes + added
+                state.context.base_tokens, state.context.pending_tokens + added
             )
         else:
             # The store now holds this estimate; so must the turn, or the next compaction

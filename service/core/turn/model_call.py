@@ -90,7 +90,7 @@ async def stream_answer(
     ``CancelledError``."""
     handle = state.handle
     answer = Answer(message_id=new_id("msg"))
-    if handle.stopping.is_set():
+    if handle.stopping:
         return Streamed(answer, stopped=True)
     started = time.monotonic()
     first_output: list[float] = []
@@ -133,18 +133,17 @@ async def stream_answer(
                 answer.finish = chunk.reason
                 answer.usage = chunk.usage
 
-    loop = asyncio.get_running_loop()
-    task = loop.create_task(consume())
-    stopper = loop.create_task(handle.stopping.wait())
-    stopped = False
+    task = asyncio.get_running_loop().create_task(consume())
+    # A stop cancels the stream at once; the turn's own task is never cancelled.
+    forget = handle.on_stop(task.cancel)
     try:
-        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task})
     finally:
-        stopper.cancel()
+        forget()
         if not task.done():
             task.cancel()
             await asyncio.wait({task})
-            stopped = True
+    stopped = task.cancelled()
     failure: ModelFailure | None = None
     outcome = "stopped" if stopped else "ok"
     if not stopped:

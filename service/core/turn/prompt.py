@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from service.core import prompts
 from service.core.context import build_system_prompt
+from service.core.estimate import MESSAGE_OVERHEAD_TOKENS, declarations_tokens, text_tokens
 from service.core.ports import (
     Acting,
     Clock,
@@ -32,13 +33,14 @@ _MAX_ENTRIES = 10_000
 @dataclass(frozen=True)
 class Prompt:
     """One turn's fixed request parts: the system prompt, what it was built from, and
-    its size with the tool declarations in UTF-8 bytes (``fixed_bytes``, for the context
-    estimate). ``versions`` is what the turn records (SPEC 5 step 2)."""
+    its estimated size with the tool declarations in tokens (``fixed_tokens``, for the
+    context estimate: SPEC 6 counts it whenever no usage is known). ``versions`` is what
+    the turn records (SPEC 5 step 2)."""
 
     system: str
     project: ProjectInfo
     skill: SkillDocument | None
-    fixed_bytes: int
+    fixed_tokens: int
     versions: TurnPatch
 
     @property
@@ -66,10 +68,7 @@ class PromptSource:
         self._model = model
         self._ttl_s = ttl_s
         self._timeout_s = timeout_s
-        self._declarations_bytes = sum(
-            len(d.name.encode()) + len(d.description.encode()) + len(d.parameters_json_schema)
-            for d in declarations
-        )
+        self._declarations_tokens = declarations_tokens(declarations)
         self._cache: dict[tuple[str, str, str], tuple[float, Prompt]] = {}
 
     async def prompt(self, acting: Acting, project_id: str) -> Prompt:
@@ -102,7 +101,7 @@ class PromptSource:
             system=system,
             project=project,
             skill=skill,
-            fixed_bytes=len(system.encode()) + self._declarations_bytes,
+            fixed_tokens=MESSAGE_OVERHEAD_TOKENS + text_tokens(system) + self._declarations_tokens,
             versions=TurnPatch(
                 instructions_version=prompts.INSTRUCTIONS_VERSION,
                 tool_schema_version=TOOL_SCHEMA_VERSION,

@@ -63,7 +63,15 @@ class TurnObserver(Protocol):
         seconds: float | None = None,
     ) -> None: ...
 
-    def compaction_failed(self) -> None: ...
+    def compaction_failed(self, reason: str) -> None:
+        """A compaction failed; ``reason`` is a bounded label (``service.core.summaries``:
+        ``model``, ``refusal``, ``error``, ``too_short``, ``empty``, ``finish_<reason>``)."""
+        ...
+
+    def context_estimated(self, purpose: str, estimated: int, reported: int) -> None:
+        """A request estimated at ``estimated`` tokens without reported usage was
+        reported as ``reported`` input tokens (decision 0171)."""
+        ...
 
     def round_completed(self) -> None: ...
 
@@ -96,7 +104,10 @@ class NullObserver:
     ) -> None:
         pass
 
-    def compaction_failed(self) -> None:
+    def compaction_failed(self, reason: str) -> None:
+        pass
+
+    def context_estimated(self, purpose: str, estimated: int, reported: int) -> None:
         pass
 
     def round_completed(self) -> None:

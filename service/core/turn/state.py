@@ -5,6 +5,7 @@ the turn used, the answer streaming now)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from service.core.model import ContextEstimate, Message, Session, Turn, Usage
@@ -27,15 +28,36 @@ class TurnHandle:
         self.acting = acting
         self.human_sequence = human_sequence
         self.stop: Ending | None = None
-        self.stopping = asyncio.Event()
         self.done = asyncio.Event()
+        self._on_stop: list[Callable[[], object]] = []
 
     def request_stop(self, ending: Ending) -> None:
         """Ask the loop to end the turn with ``ending`` at its next step (at once while
         the model streams or tools run)."""
         if self.stop is None:
             self.stop = ending
-        self.stopping.set()
+        callbacks, self._on_stop = self._on_stop, []
+        for callback in callbacks:
+            callback()
+
+    @property
+    def stopping(self) -> bool:
+        """Whether a stop was requested."""
+        return self.stop is not None
+
+    def on_stop(self, callback: Callable[[], object]) -> Callable[[], None]:
+        """Call ``callback`` once when a stop is requested (at once if one was); returns
+        a function that forgets it. Cheaper than a task waiting on an event."""
+        if self.stop is not None:
+            callback()
+            return _nothing
+        self._on_stop.append(callback)
+
+        def forget() -> None:
+            if callback in self._on_stop:
+                self._on_stop.remove(callback)
+
+        return forget
 
     @property
     def turn_id(self) -> str:
@@ -53,6 +75,10 @@ class TurnHandle:
             "project": self.session.project_id,
             "actor": self.acting.actor,
         }
+
+
+def _nothing() -> None:
+    pass
 
 
 @dataclass
@@ -103,8 +129,12 @@ class TurnState:
     """The mutable state of one turn; owned by its loop alone.
 
     ``messages`` are the messages after the summary (what the model sees besides the
-    summary), the turn's own included as they are stored; ``context`` is the running
-    context estimate (SPEC 6).
+    system prompt), the turn's own included as they are stored; ``context`` is the
+    running context estimate (SPEC 6). ``context_block`` is the system-side context
+    after a compaction (the summary and the pending changesets, decision 0172), with
+    its estimated ``context_block_tokens``; ``request_estimate`` is the estimate of the
+    next request when it was made without reported usage (for the estimator's error
+    metric), else None. The compaction step keeps these three.
     """
 
     handle: TurnHandle
@@ -119,6 +149,9 @@ class TurnState:
     compaction_usage: Usage = field(default_factory=Usage)
     writes: int = 0
     compaction_failed: bool = False
+    context_block: str = ""
+    context_block_tokens: int = 0
+    request_estimate: int | None = None
     credential_expired: bool = False
     versions: TurnPatch = field(default_factory=TurnPatch)
 

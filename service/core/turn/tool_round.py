@@ -16,6 +16,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 
+from service.core.estimate import messages_tokens
 from service.core.model import ContextEstimate, SessionEvent
 from service.core.ports import ToolCall, TurnPatch
 from service.core.tools import TOOLS_BY_NAME, WRITE_TOOLS, ToolContext, ToolOutcome, error_result
@@ -109,8 +110,13 @@ class ToolRound:
     async def _collect(self, pending: dict[asyncio.Task[_Result], PendingCall]) -> None:
         """Store results as calls complete; on a stop, abandon reads and give started
         writes ``cancel_grace`` seconds. ``pending`` loses the calls stored."""
-        stopping = self._state.handle.stopping
-        stopper = asyncio.get_running_loop().create_task(stopping.wait())
+        stopper: asyncio.Future[_Result] = asyncio.get_running_loop().create_future()
+
+        def stop() -> None:
+            if not stopper.done():
+                stopper.set_result((error_result("STOPPED", ""), 0.0))
+
+        forget = self._state.handle.on_stop(stop)
         try:
             while pending:
                 done, _ = await asyncio.wait(
@@ -122,6 +128,7 @@ class ToolRound:
                 if stopper in done:
                     break
         finally:
+            forget()
             stopper.cancel()
         writes = {
             task
@@ -170,8 +177,10 @@ class ToolRound:
             # The round's own commit: its answer and calls, then these results.
             patch = replace(first.patch, writes=state.writes)
             if first.context is not None:
-                added = sum(e.message.size_bytes() for e in events if e.message is not None)
-                context = replace(first.context, pending_bytes=first.context.pending_bytes + added)
+                added = messages_tokens(e.message for e in events if e.message is not None)
+                context = replace(
+                    first.context, pending_tokens=first.context.pending_tokens + added
+                )
             events = [*first.events, *events]
         await self._commit(events, patch, context)
         if first is not None:

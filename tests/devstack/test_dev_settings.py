@@ -1,4 +1,4 @@
-"""``ballet-planner dev``'s settings (service/devmode.py; SPEC section 9, issue 5): the
+"""``ballet-planner dev``'s settings (devstack/dev.py; SPEC section 9, issue 5): the
 file and the environment apply, dev overrides only the data directory, the planner's
 address, the database and the dependency addresses; with ``--provider openai``,
 ``BALLET_OPENAI_MODEL`` becomes ``planner.model``."""
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from devstack.dev import OPENAI_MODEL_VARIABLE, DevOptions, dev_settings
 from devstack.gateway import openai_provider
 from service.config import channels
-from service.devmode import OPENAI_MODEL_VARIABLE, DevOptions, dev_settings
 
 
 def test_the_environment_applies_and_dev_points_every_dependency_at_the_devstack() -> None:

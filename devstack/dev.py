@@ -1,5 +1,10 @@
 """``ballet-planner dev``: the devstack and the planner together, on loopback, in one
-process (SPEC section 9; issues 3 and 5).
+process (SPEC section 9; issues 3, 5 and 10).
+
+This module belongs to the devstack, not to the planner: the planner's CLI reaches it
+through one lazy import (``service/cli.py``), so an image of the planner can leave the
+devstack out. It uses only the planner's public entry points (``service.main``, the
+settings of ``service.config``), never its internals.
 
 ``start_dev(options)`` starts, in this order:
 
@@ -8,8 +13,9 @@ process (SPEC section 9; issues 3 and 5).
    planner's address (``--address``), the database (``--database-url``) and the four
    dependency channels (all the devstack's address, plaintext on loopback); with
    ``--provider openai`` also ``planner.model`` when ``BALLET_OPENAI_MODEL`` is set;
-2. the model provider: ``scripted`` over ``--scenario FILE`` (re-read when it changes)
-   or the built-in demo scenario, or ``openai`` from the ``BALLET_OPENAI_*`` environment;
+2. the model provider (``devstack.model.make_provider``): ``scripted`` over
+   ``--scenario FILE`` (re-read when it changes) or the built-in demo scenario, or
+   ``openai`` from the ``BALLET_OPENAI_*`` environment;
 3. the devstack (``DevStack.start``): tracker, skills and knowledge backends with the
    organization ``acme``, users ``alice`` and ``bob``, the demo project or the imported
    beads export, the LLM gateway over the provider (``extra_services``);
@@ -36,26 +42,38 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import grpc
 
-from devstack.gateway import GatewayServicer, Provider, ScenarioError, add_gateway_service
-from devstack.gateway.scripted import Scenario, ScriptedProvider, demo_scenario_path
+from ballet_common.tokens import Trust, dev_secret
+from devstack.gateway import GatewayServicer, Provider, add_gateway_service
+from devstack.model import (
+    OPENAI_MODEL_VARIABLE,
+    ProviderName,
+    ProviderSetupError,
+    make_provider,
+)
 from devstack.server import DEFAULT_ADDRESS as DEVSTACK_ADDRESS
 from devstack.server import DevStack, DevStackConfig
 from service.config import ENV_PREFIX, ChannelSettings, Settings, load_settings
-from service.main import PlannerApp, StartupError, start_planner
+from service.main import PlannerApp, migrate_database, start_planner
 
-ProviderName = Literal["scripted", "openai"]
+__all__ = [
+    "DEPENDENCY_SERVICES",
+    "OPENAI_MODEL_VARIABLE",
+    "DevApp",
+    "DevError",
+    "DevOptions",
+    "banner",
+    "dev_settings",
+    "run_dev",
+    "start_dev",
+]
 
 #: The planner's default address (SPEC section 3); ``chat`` connects there by default.
 PLANNER_ADDRESS = "127.0.0.1:50051"
 DEFAULT_DATA_DIR = Path(".ballet-dev")
 DEMO_PROJECT = "demo"
-#: The openai provider's default model (devstack/gateway/openai_provider.py); with
-#: ``--provider openai`` it becomes ``planner.model`` too, so the two never disagree.
-OPENAI_MODEL_VARIABLE = "BALLET_OPENAI_MODEL"
 #: The devstack's dependency services, as reflection lists them.
 DEPENDENCY_SERVICES = (
     "ballet.tracker.v1.TrackerService",
@@ -127,38 +145,6 @@ def dev_settings(options: DevOptions, environ: Mapping[str, str] | None = None) 
     return load_settings(options.config_file, env)
 
 
-def make_provider(
-    options: DevOptions, environ: Mapping[str, str] | None = None
-) -> tuple[Provider, str]:
-    """The model provider and a one-line description of it.
-
-    Raises ``DevError`` for a scenario file that is missing or invalid, and for ``openai``
-    settings that are missing or invalid (naming the variable).
-    """
-    if options.provider == "openai":
-        # Imported here: the openai SDK takes most of a second to import.
-        from devstack.gateway.openai_provider import ConfigError as OpenAIConfigError
-        from devstack.gateway.openai_provider import OpenAIConfig, OpenAIProvider
-
-        try:
-            config = OpenAIConfig.from_env(environ)
-        except OpenAIConfigError as error:
-            raise DevError(f"--provider openai: {error}") from error
-        model = config.model or "the planner's planner.model"
-        return OpenAIProvider.from_config(config), f"openai at {config.base_url} ({model})"
-    try:
-        if options.scenario is not None:
-            provider = ScriptedProvider.from_file(options.scenario)
-            return provider, f"scripted, scenario {options.scenario} (re-read when it changes)"
-        # Loaded once: the shipped scenario never changes, and a reinstall of the package
-        # while dev runs would otherwise fail every turn on the vanished file.
-        return ScriptedProvider(Scenario.load(demo_scenario_path())), (
-            "scripted, the built-in demo scenario (--provider openai for a real model)"
-        )
-    except ScenarioError as error:
-        raise DevError(f"--scenario: {error}") from error
-
-
 @dataclass
 class DevApp:
     """A running ``dev``: the devstack (with the gateway), the planner, and what was
@@ -201,11 +187,17 @@ async def start_dev(
     """
     started = time.perf_counter()
     settings = settings or dev_settings(options, environ)
-    provider, description = make_provider(options, environ)
+    try:
+        provider, description = make_provider(options.provider, options.scenario, environ)
+    except ProviderSetupError as error:
+        raise DevError(str(error)) from error
     gateway: list[GatewayServicer] = []
 
+    # The gateway serves only the planner's credential, as the backends check theirs.
+    trust = Trust.dev(dev_secret(settings.data_dir))
+
     def add_gateway(server: grpc.aio.Server) -> None:
-        gateway.append(add_gateway_service(server, provider))
+        gateway.append(add_gateway_service(server, provider, trust=trust))
 
     try:
         stack = await DevStack.start(
@@ -227,7 +219,10 @@ async def start_dev(
     try:
         settings = _pointed_at(settings, stack.address)
         if not settings.database.is_sqlite:
-            await _migrate(settings.database.url)
+            # `serve` never migrates PostgreSQL (a job does, so replicas never race); dev is
+            # one developer's single process, so it brings its own schema up to date
+            # (docs/decisions/0050-dev-command.md).
+            await migrate_database(settings.database.url)
         planner = await start_planner(settings)
     except BaseException:
         await stack.stop()
@@ -260,19 +255,6 @@ def _pointed_at(settings: Settings, address: str) -> Settings:
         gateway=devstack(deps.gateway),
     )
     return dataclasses.replace(settings, dependencies=pointed)
-
-
-async def _migrate(url: str) -> None:
-    # `serve` never migrates PostgreSQL (a job does, so replicas never race); dev is one
-    # developer's single process, so it brings its own schema up to date
-    # (docs/decisions/0050-dev-command.md).
-    from service.adapters.store import migrate
-    from service.core.errors import StoreUnavailable
-
-    try:
-        await migrate(url)
-    except StoreUnavailable as error:
-        raise StartupError(f"the database is unreachable: {error}") from error
 
 
 def banner(app: DevApp) -> str:

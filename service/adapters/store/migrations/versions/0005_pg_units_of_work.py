@@ -1,7 +1,7 @@
 """PostgreSQL: the turn's units of work as server-side functions (one round trip each).
 
-Revision ID: 0004
-Revises: 0003
+Revision ID: 0005
+Revises: 0004
 Create Date: 2026-12-01
 
 Decision 0113: on PostgreSQL the store's hot path (opening a turn, committing a turn's
@@ -21,8 +21,8 @@ from collections.abc import Sequence
 
 from alembic import op
 
-revision: str = "0004"
-down_revision: str | None = "0003"
+revision: str = "0005"
+down_revision: str | None = "0004"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
@@ -95,9 +95,9 @@ BEGIN
         last_sequence = last_sequence + v_count,
         context_base_tokens = CASE WHEN v_context IS NULL THEN context_base_tokens
                                    ELSE (v_context->>'base_tokens')::bigint END,
-        context_pending_bytes = CASE WHEN v_context IS NULL
-                                     THEN context_pending_bytes + (p->>'added_bytes')::bigint
-                                     ELSE (v_context->>'pending_bytes')::bigint END,
+        context_pending_tokens = CASE WHEN v_context IS NULL
+                                     THEN context_pending_tokens + (p->>'added_tokens')::bigint
+                                     ELSE (v_context->>'pending_tokens')::bigint END,
         summary = COALESCE(p->>'summary', summary),
         summary_up_to = COALESCE((p->>'summary_up_to')::bigint, summary_up_to),
         update_time = CASE WHEN p->>'summary' IS NULL THEN update_time ELSE v_now END
@@ -175,7 +175,7 @@ BEGIN
     END IF;
     UPDATE sessions SET
         last_sequence = last_sequence + v_count,
-        context_pending_bytes = context_pending_bytes + (p->>'added_bytes')::bigint
+        context_pending_tokens = context_pending_tokens + (p->>'added_tokens')::bigint
     WHERE session_id = v_session
     RETURNING last_sequence INTO v_last;
     INSERT INTO turns SELECT r.* FROM jsonb_populate_record(

@@ -1,0 +1,85 @@
+"""Local files that hold transcripts or secrets: owner-only, whatever the umask.
+
+The planner's ``planner.db``, the devstack's ``devstack.db``, the dev token secret and the
+page-token key are created ``0600`` in a ``0700`` directory (issue 14). A process's umask
+only ever removes bits, so a umask of ``000`` would leave ``open(..., 0o600)`` alone but a
+plain ``mkdir``/``sqlite3.connect`` world-readable; each mode is therefore set with
+``fchmod``/``chmod`` after creation, not left to the umask.
+
+SQLite creates its ``-wal``, ``-shm`` and ``-journal`` files with the mode of the database
+file (``findCreateFileMode`` in its Unix VFS), so creating the database file ``0600``
+before SQLite opens it covers them too.
+
+Existing files and directories are never changed: an operator may have chosen their modes
+(a group-readable directory shared with a backup agent, say). ``exposed`` tells whether a
+file is open to other users, for a warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+#: Owner read and write: files holding transcripts or secrets.
+PRIVATE_FILE_MODE = 0o600
+#: Owner only: directories that hold such files.
+PRIVATE_DIR_MODE = 0o700
+
+
+def private_directory(path: Path) -> Path:
+    """Make sure ``path`` is a directory; one this call creates is ``0700``.
+
+    Missing parents are created too (with the umask's default mode: they hold no secret
+    themselves). An existing directory is left as it is. Returns ``path``. Raises
+    ``OSError`` (e.g. ``NotADirectoryError``, ``PermissionError``) when it cannot be made.
+    """
+    if path.is_dir():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(path, PRIVATE_DIR_MODE)
+    except FileExistsError:
+        if not path.is_dir():
+            raise
+        return path  # another process made it first; its mode is its choice
+    os.chmod(path, PRIVATE_DIR_MODE)
+    return path
+
+
+def create_private_file(path: Path, content: bytes = b"") -> bool:
+    """Create ``path`` with mode ``0600`` holding ``content``, unless it already exists.
+
+    The directory is made with ``private_directory``. Creation is exclusive
+    (``O_CREAT | O_EXCL``), so two processes racing to create a secret never both write
+    one: the loser gets False and reads the winner's. Returns True when this call created
+    the file. Raises ``OSError`` when it cannot be created.
+    """
+    private_directory(path.parent)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
+    except FileExistsError:
+        return False
+    try:
+        os.fchmod(fd, PRIVATE_FILE_MODE)
+        view = memoryview(content)
+        while view:
+            written = os.write(fd, view)
+            view = view[written:]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
+    os.close(fd)
+    return True
+
+
+def exposed(path: Path) -> bool:
+    """True when ``path`` exists and its group or other users have any access to it."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return False
+    return bool(mode & 0o077)

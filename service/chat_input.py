@@ -1,0 +1,142 @@
+"""What the human types into ``ballet-planner chat`` (docs/decisions/0165-chat-client.md).
+
+``LineSource`` reads lines in a daemon thread, so the event loop keeps serving the Chat
+stream while the human types (``/cancel`` works mid-answer), and a read blocked on the
+terminal never keeps the process from exiting after ``/quit``.
+
+On a terminal, lines are read with the standard library's ``readline`` where it exists:
+line editing (arrow keys move the cursor, they never reach the message) and history (the
+up arrow recalls earlier messages). Output streams while no line is being edited, so the
+reader waits for the first key with echo off (the terminal in cbreak mode, ``select``
+on stdin) and only then starts ``input()``, with the ``> `` prompt when the chat is idle
+and without one while a turn streams. The terminal's mode is restored by ``close``.
+Elsewhere (a pipe, a file, no ``readline``), lines are read as they come; escape
+sequences typed on a terminal without ``readline`` are dropped from the line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import select
+import sys
+import threading
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any, TextIO
+
+#: Cursor and function keys as a terminal without line editing passes them through.
+_ESCAPES = re.compile(r"\x1b(?:\[[0-9;?]*[ -/]*[@-~]|O.|.)?")
+#: Back to the start of the line, and erase it (the prompt ``input()`` writes again).
+_ERASE_LINE = "\r\x1b[K"
+
+
+def _readline() -> ModuleType | None:
+    try:
+        import readline
+    except ImportError:  # not on every platform (e.g. Windows)
+        return None
+    return readline
+
+
+class LineSource:
+    """Lines typed on ``stream`` (default stdin); ``get`` returns None at end of input.
+
+    ``prompt`` is called by the reader when the human starts a line and returns the
+    prompt ``input()`` should show: ``"> "`` when the chat showed it (idle), ``""`` while
+    a turn streams. ``echoes`` is True when the terminal showed the line and its Enter
+    (the cursor is at the start of a new line after each one).
+    """
+
+    def __init__(
+        self, stream: TextIO | None = None, *, prompt: Callable[[], str] | None = None
+    ) -> None:
+        self._stream = stream or sys.stdin
+        self._prompt = prompt or (lambda: "")
+        self._queue: asyncio.Queue[str | None] = asyncio.Queue()
+        self._loop = asyncio.get_running_loop()
+        self._terminal = _is_terminal(self._stream)
+        self._readline = _readline() if self._terminal and self._stream is sys.stdin else None
+        self._saved: list[Any] | None = None
+        self._wake_read, self._wake_write = os.pipe()
+        self.echoes = self._terminal
+        target = self._read_edited if self._readline is not None else self._read_plain
+        threading.Thread(target=target, name="chat-stdin", daemon=True).start()
+
+    async def get(self) -> str | None:
+        """The next line without its newline, or None at end of input."""
+        line = await self._queue.get()
+        return None if line is None else line.rstrip("\r\n")
+
+    def close(self) -> None:
+        """Stop waiting for keys and give the terminal back its mode (idempotent)."""
+        with contextlib.suppress(OSError):
+            os.write(self._wake_write, b"x")
+        if self._saved is not None:
+            import termios
+
+            with contextlib.suppress(OSError, termios.error):
+                termios.tcsetattr(self._stream.fileno(), termios.TCSADRAIN, self._saved)
+
+    def _deliver(self, line: str | None) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed: we are exiting
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, line)
+
+    def _read_plain(self) -> None:
+        while True:
+            try:
+                line = self._stream.readline()
+            except (OSError, ValueError):
+                line = ""
+            if line and self._terminal:
+                line = _ESCAPES.sub("", line)
+            self._deliver(line or None)
+            if not line:
+                return
+
+    def _read_edited(self) -> None:
+        import termios
+        import tty
+
+        fd = self._stream.fileno()
+        try:
+            self._saved = termios.tcgetattr(fd)
+        except termios.error:
+            self._read_plain()
+            return
+        while True:
+            # Wait for the first key with echo off, so that text typed while an answer
+            # streams does not land in it until line editing starts.
+            tty.setcbreak(fd, termios.TCSANOW)
+            try:
+                ready, _, _ = select.select([fd, self._wake_read], [], [])
+            except (OSError, ValueError):
+                ready = [self._wake_read]
+            if self._wake_read in ready:
+                return
+            # Back to the human's mode before readline starts: readline takes the mode it
+            # finds as the one to restore, and shows nothing typed when echo is off.
+            termios.tcsetattr(fd, termios.TCSANOW, self._saved)
+            prompt = self._prompt()
+            if prompt:
+                # The chat showed the prompt; input() shows it again with the line.
+                sys.stdout.write(_ERASE_LINE)
+                sys.stdout.flush()
+            try:
+                line: str | None = input(prompt)
+            except EOFError:
+                line = None
+            except (OSError, ValueError):  # the terminal went away
+                line = None
+            self._deliver(line)
+            if line is None:
+                return
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (OSError, ValueError):
+        return False

@@ -1,0 +1,226 @@
+"""The interactive loop of ``ballet-planner chat`` (SPEC section 9; docs/decisions/0051 and
+0165): lines in, commands, the session's stream pumped meanwhile.
+
+A new session is created with the first message typed (its text is the title), never
+at start; ``/new`` forgets the current one so that the next message starts another.
+``/cancel`` (or Ctrl-C) while a message is being accepted cancels its turn as soon as the
+turn starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from typing import Any
+
+from service.chat_client import TITLE_CHARS, ChatClient, ChatError, pump
+from service.chat_input import LineSource
+from service.chat_render import short
+
+PROMPT = "> "
+HELP = (
+    "Type a message and press Enter (arrow keys edit the line, up and down recall earlier "
+    "ones). Commands: /cancel (the running turn), /new (a new session), /sessions (this "
+    "project's sessions), /open ID (another session), /help, /quit. Ctrl-C cancels a "
+    "running turn, or quits."
+)
+
+
+class Interactive:
+    """The interactive chat over ``client``; ``lines`` default to the terminal's."""
+
+    def __init__(self, client: ChatClient, lines: LineSource | None = None) -> None:
+        self.client = client
+        self.lines = lines or LineSource(prompt=self._prompt_for_input)
+        self.pump: asyncio.Task[None] | None = None
+        self.quit = asyncio.Event()
+        #: True while the prompt is on screen and nothing was typed after it.
+        self.prompting = False
+        self._cancel_asked = False
+        self._tasks: set[asyncio.Task[str]] = set()
+
+    # -- the stream -------------------------------------------------------------
+
+    def start_pump(self) -> None:
+        self.client.on_idle = self.idle
+        self.pump = asyncio.get_running_loop().create_task(pump(self.client))
+
+    async def stop_pump(self) -> None:
+        if self.pump is not None:
+            self.pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.pump
+            self.pump = None
+
+    # -- output -----------------------------------------------------------------
+
+    def idle(self) -> None:
+        self._cancel_asked = False
+        self.prompt()
+
+    def prompt(self) -> None:
+        if not self.client.options.as_json:
+            self.client.renderer.end_line()
+            self.client.renderer.write(PROMPT)
+            self.prompting = True
+
+    def _prompt_for_input(self) -> str:
+        # Called by the line reader's thread when the human starts typing: the prompt
+        # input() shows is the one on screen, or none while an answer streams.
+        return PROMPT if self.prompting else ""
+
+    def header(self, created: bool) -> None:
+        session = self.client.session
+        assert session is not None
+        how = "new session" if created else "session"
+        self.client.note(
+            f"{how} {session.session_id} in project {session.project_id} "
+            f"({session.owner_id} on {self.client.options.address})"
+        )
+        for message in self.client.recent:
+            self.client.renderer.message(message)
+        self.client.recent.clear()
+
+    def waiting_for_a_message(self) -> None:
+        self.client.note(
+            f"project {self.client.options.project_id} on {self.client.options.address}: "
+            "a new session starts with your first message"
+        )
+
+    # -- the loop ---------------------------------------------------------------
+
+    async def run(self) -> int:
+        """Until ``/quit``, end of input or a second Ctrl-C (0); 1 via ``ChatError``
+        when the stream fails."""
+        self.client.note(HELP)
+        if self.client.session is not None:  # --session: resumed
+            self.header(created=False)
+            self.start_pump()
+        else:
+            self.waiting_for_a_message()
+        self.prompt()
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(signal.SIGINT, self._interrupt)
+        try:
+            return await self._loop()
+        finally:
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.remove_signal_handler(signal.SIGINT)
+            await self.stop_pump()
+            self.lines.close()
+
+    def _interrupt(self) -> None:
+        if self.client.busy and not self._cancel_asked:
+            self._cancel_asked = True
+            self.client.note("(cancelling the turn; Ctrl-C again quits)")
+            task = asyncio.get_running_loop().create_task(self.client.request_cancel())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        else:
+            self.quit.set()
+
+    async def _loop(self) -> int:
+        loop = asyncio.get_running_loop()
+        line_task: asyncio.Task[str | None] | None = None
+        quit_task = loop.create_task(self.quit.wait())
+        try:
+            while True:
+                if line_task is None:
+                    line_task = loop.create_task(self.lines.get())
+                waiting: set[asyncio.Task[Any]] = {line_task, quit_task}
+                pumping = self.pump
+                if pumping is not None:
+                    waiting.add(pumping)
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                if quit_task in done:
+                    return 0
+                if pumping is not None and pumping in done:
+                    pumping.result()  # raises ChatError when the stream failed
+                    raise ChatError("the planner ended the chat stream (was it stopped?)")
+                if line_task in done:
+                    line = line_task.result()
+                    line_task = None
+                    self.prompting = False
+                    if self.lines.echoes:
+                        self.client.renderer.at_line_start()
+                    if line is None or not await self._handle(line.strip()):
+                        return 0
+        finally:
+            quit_task.cancel()
+            if line_task is not None:
+                line_task.cancel()
+
+    async def _handle(self, line: str) -> bool:
+        """Act on one typed line; False to quit."""
+        client = self.client
+        if not line:
+            if not client.busy:
+                self.prompt()
+            return True
+        if line.startswith("/"):
+            command, _, argument = line.partition(" ")
+            if command in ("/quit", "/exit"):
+                return False
+            await self._command(command, argument.strip())
+            if not client.busy:
+                self.prompt()
+            return True
+        if client.busy:
+            client.note("(a turn is running: wait for it, or /cancel it)")
+            return True
+        if client.session is None:
+            await client.open(title=short(line, TITLE_CHARS))
+            self.header(created=True)
+            self.start_pump()
+        await client.send(line)
+        return True
+
+    async def _command(self, command: str, argument: str) -> None:
+        client = self.client
+        if command == "/help":
+            client.note(HELP)
+        elif command == "/cancel":
+            when = await client.request_cancel()
+            client.note(
+                {"now": "(cancelling)", "later": "(cancelling the turn as soon as it starts)"}.get(
+                    when, "(no turn is running)"
+                )
+            )
+        elif command == "/new":
+            await self._leave()
+            self.waiting_for_a_message()
+        elif command == "/open":
+            if not argument:
+                client.note("usage: /open SESSION_ID (see /sessions)")
+            else:
+                await self._open(argument)
+        elif command == "/sessions":
+            await client.list_sessions()
+        else:
+            client.note(f"unknown command {command}; /help lists them")
+
+    async def _leave(self) -> None:
+        await self.stop_pump()
+        if self.client.busy:
+            self.client.note("(the running turn goes on; /open its session to follow it)")
+        await self.client.leave()
+
+    async def _open(self, session_id: str) -> None:
+        previous, after = self.client.session, self.client.last_sequence
+        await self._leave()
+        try:
+            await self.client.resume(session_id)
+        except ChatError as error:
+            self.client.note(f"error: {error}")
+            if previous is None:
+                self.waiting_for_a_message()
+                return
+            # Back to the session we had, so the chat goes on.
+            self.client.session, self.client.last_sequence = previous, after
+            await self.client.reopen()
+            self.start_pump()
+            return
+        self.header(created=False)
+        self.start_pump()

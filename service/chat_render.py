@@ -1,0 +1,270 @@
+"""What ``ballet-planner chat`` shows (SPEC sections 3 and 9; docs/decisions/0051).
+
+Text deltas as they arrive, stitched by message id and character offset (a delta already
+shown is skipped; the ``assistant_message`` completes what is missing); one line per tool
+call (``-> name {args}``) and result (``<- name: ok, 12 items`` or ``<- name: error
+NOT_FOUND: ...``); the model the planner named for the turn (``turn_started``, the model
+the gateway was asked for, never a local setting), when it first appears or changes; one
+line when the turn ends. Counts take the right plural (``1 item``, ``2 items``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TextIO
+
+import grpc
+from ballet.planner.v1 import chat_pb2, resources_pb2
+from google.rpc import status_pb2
+
+from service.transport.errors import error_info_of, status_from_trailers
+
+#: How many characters of a tool call's arguments and of a result summary are shown.
+SHORT_CHARS = 100
+#: Result keys whose singular is not the key without its final "s".
+_SINGULAR = {"entries": "entry", "statuses": "status"}
+
+
+def plural(count: int, noun: str, nouns: str | None = None) -> str:
+    """``1 round``, ``0 rounds``, ``2 rounds``; ``nouns`` when not ``noun + "s"``."""
+    return f"{count} {noun if count == 1 else (nouns or noun + 's')}"
+
+
+def _counted(count: int, key: str) -> str:
+    """``count`` of a result list named ``key`` (a plural such as ``items``)."""
+    if count != 1:
+        return f"{count} {key}"
+    return f"1 {_SINGULAR.get(key, key[:-1] if key.endswith('s') else key)}"
+
+
+class TextStitcher:
+    """Stitches text deltas by message id and character offset (SPEC section 3).
+
+    ``add`` returns the part of a delta not shown yet ("" for a repeat, e.g. after a
+    reopen); ``finish`` returns what the full text adds to what was shown: the rest, or,
+    after a gap in the offsets (text was missed), a newline and the whole text again.
+    """
+
+    def __init__(self) -> None:
+        self._shown: dict[str, int] = {}
+        self._gapped: set[str] = set()
+
+    def add(self, message_id: str, offset: int, text: str) -> str:
+        """The new part of the delta ``text`` that starts at character ``offset``."""
+        shown = self._shown.get(message_id, 0)
+        end = offset + len(text)
+        if end <= shown:
+            return ""
+        if offset > shown:
+            self._gapped.add(message_id)
+            self._shown[message_id] = end
+            return text
+        self._shown[message_id] = end
+        return text[shown - offset :]
+
+    def finish(self, message_id: str, text: str) -> str:
+        """What is left to show of the message whose full text is ``text``."""
+        shown = self._shown.pop(message_id, 0)
+        if message_id in self._gapped:
+            self._gapped.discard(message_id)
+            return "\n" + text
+        return text[shown:]
+
+    def shown(self, message_id: str) -> int:
+        """Characters of ``message_id`` shown so far."""
+        return self._shown.get(message_id, 0)
+
+
+def short(text: str, limit: int = SHORT_CHARS) -> str:
+    """``text`` on one line, cut to ``limit`` characters with "…"."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+def summarize_result(content: str, is_error: bool) -> str:
+    """One short phrase for a tool result (our JSON shapes, service/core/tools.py):
+    ``error REASON: message``, ``ok, 12 items (of 40)``, ``ok, item X: title``, or the
+    JSON cut short."""
+    try:
+        value = json.loads(content)
+    except ValueError:
+        return ("error: " if is_error else "ok: ") + short(content)
+    if isinstance(value, dict):
+        error = value.get("error")
+        if is_error or isinstance(error, dict):
+            if isinstance(error, dict):
+                return short(f"error {error.get('reason', '')}: {error.get('message', '')}")
+            return "error: " + short(content)
+        if value.get("truncated") is True:
+            return f"ok, {value.get('original_bytes', '?')} bytes (cut for the model)"
+        for key, item in value.items():
+            if isinstance(item, list):
+                total = value.get("total_size")
+                of = f" (of {total})" if isinstance(total, int) and total > len(item) else ""
+                return f"ok, {_counted(len(item), key)}{of}"
+        for key, item in value.items():
+            if isinstance(item, dict):
+                ident = next(
+                    (
+                        str(item[name])
+                        for name in ("item_id", "changeset_id", "entry_id", "name")
+                        if item.get(name)
+                    ),
+                    "",
+                )
+                title = item.get("title") or item.get("description") or ""
+                version = f" v{item['version']}" if item.get("version") else ""
+                return short(f"ok, {key} {ident}{version}" + (f": {title}" if title else ""))
+    return "ok: " + short(content)
+
+
+def describe_status(code: str, reason: str, message: str) -> str:
+    """``CODE REASON: message`` (reason left out when empty)."""
+    return f"{code} {reason}: {message}" if reason else f"{code}: {message}"
+
+
+def status_text(status: status_pb2.Status) -> tuple[str, str, str]:
+    info = error_info_of(status)
+    code = next(
+        (member.name for member in grpc.StatusCode if member.value[0] == status.code),
+        str(status.code),
+    )
+    return code, info.reason if info else "", status.message
+
+
+def error_of(error: grpc.aio.AioRpcError) -> tuple[str, str, str]:
+    status = status_from_trailers(error.trailing_metadata())
+    info = error_info_of(status) if status is not None else None
+    return error.code().name, info.reason if info else "", error.details() or ""
+
+
+class Renderer:
+    """Human-readable output of ``ChatResponse``s on ``out`` (see the module docstring)."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self.stitcher = TextStitcher()
+        self._line_open = False
+        #: The text of the messages this client sent and has not seen accepted yet, so
+        #: that only other clients' messages are echoed.
+        self.sent: list[str] = []
+        #: The model last shown; a turn naming another one shows it again.
+        self.model = ""
+
+    def write(self, text: str) -> None:
+        """Write ``text`` and flush (the terminal shows deltas as they come)."""
+        if text:
+            self.out.write(text)
+            self.out.flush()
+            self._line_open = not text.endswith("\n")
+
+    def line(self, text: str) -> None:
+        """Write ``text`` on a line of its own."""
+        self.end_line()
+        self.write(text + "\n")
+
+    def end_line(self) -> None:
+        """Start a new line if the cursor is not at the start of one."""
+        if self._line_open:
+            self.write("\n")
+
+    def at_line_start(self) -> None:
+        """The terminal moved to a new line by itself (the human pressed Enter)."""
+        self._line_open = False
+
+    def render(self, response: chat_pb2.ChatResponse) -> None:
+        """Show one response."""
+        kind = response.WhichOneof("event")
+        if kind == "text_delta":
+            delta = response.text_delta
+            self.write(self.stitcher.add(delta.message_id, delta.offset, delta.text))
+        elif kind == "assistant_message":
+            message = response.assistant_message.message
+            rest = self.stitcher.finish(message.message_id, message.text)
+            self.write(rest)
+            self.write(cut_note(message))
+            self.end_line()
+        elif kind == "message_accepted":
+            message = response.message_accepted.message
+            if message.text in self.sent:
+                self.sent.remove(message.text)
+            elif not response.request_id:
+                self.line(f"{message.human_id or 'human'}: {message.text}")
+        elif kind == "turn_started":
+            model = response.turn_started.model
+            if model and model != self.model:
+                self.model = model
+                self.line(f"  (model {model})")
+        elif kind == "tool_call_progress":
+            # The call's name, at once; its arguments come with tool_call_started.
+            self.line(f"  -> {response.tool_call_progress.tool_name} …")
+        elif kind == "tool_call_started":
+            message = response.tool_call_started.message
+            self.line(f"  -> {message.tool_name} {short(message.tool_arguments or '{}')}")
+        elif kind == "tool_call_finished":
+            message = response.tool_call_finished.message
+            summary = summarize_result(message.tool_result, message.tool_error)
+            self.line(f"  <- {message.tool_name}: {summary}")
+        elif kind == "changeset_proposed":
+            changeset = response.changeset_proposed.changeset_id
+            self.line(f"  ** changeset {changeset} proposed: a human applies or rejects it")
+        elif kind == "knowledge_written":
+            written = response.knowledge_written
+            self.line(f"  ** knowledge entry {written.entry_id} v{written.version} written")
+        elif kind == "compacted":
+            compacted = response.compacted
+            self.line(
+                f"  (earlier conversation compacted: a summary now stands for messages up to "
+                f"#{compacted.up_to}; about {compacted.estimated_tokens} tokens before)"
+            )
+        elif kind == "turn_ended":
+            self.line(describe_turn_end(response.turn_ended))
+        elif kind == "error":
+            self.line("error: " + describe_status(*status_text(response.error)))
+
+    def message(self, message: resources_pb2.Message) -> None:
+        """Show a stored message (a resumed session's history)."""
+        if message.kind == resources_pb2.MESSAGE_KIND_HUMAN:
+            self.line(f"{message.human_id or 'human'}: {message.text}")
+        elif message.kind == resources_pb2.MESSAGE_KIND_ASSISTANT:
+            if message.text:
+                self.line(message.text + cut_note(message))
+        elif message.kind == resources_pb2.MESSAGE_KIND_TOOL_CALL:
+            self.line(f"  -> {message.tool_name} {short(message.tool_arguments or '{}')}")
+        elif message.kind == resources_pb2.MESSAGE_KIND_TOOL_RESULT:
+            summary = summarize_result(message.tool_result, message.tool_error)
+            self.line(f"  <- {message.tool_name}: {summary}")
+        elif message.kind == resources_pb2.MESSAGE_KIND_COMPACTION:
+            self.line(f"  (compacted up to #{message.up_to})")
+
+
+#: How the reasons an answer did not end normally read (``Message.finish_reason``).
+_FINISHES = {
+    "length": "the output limit",
+    "content_filter": "the provider's content filter",
+    "truncated": "the model's stream broke off",
+}
+
+
+def cut_note(message: resources_pb2.Message) -> str:
+    """`` [cut: the output limit]``, `` [refused]``, `` [cut]`` or nothing."""
+    if message.finish_reason == "refusal":
+        return " [refused]"
+    if not message.cut:
+        return ""
+    why = _FINISHES.get(message.finish_reason, message.finish_reason)
+    return f" [cut: {why}]" if why else " [cut]"
+
+
+def describe_turn_end(ended: chat_pb2.TurnEnded) -> str:
+    """``[COMPLETED: 1 round, 812 tokens]`` (tokens when the model reported usage), with
+    the error of a failed turn."""
+    reason = resources_pb2.TurnEndReason.Name(ended.reason).removeprefix("TURN_END_REASON_")
+    tokens = ended.usage.input_tokens + ended.usage.output_tokens
+    text = f"[{reason}: {plural(ended.rounds, 'round')}"
+    text += f", {plural(tokens, 'token')}" if tokens else ""
+    if ended.reason == resources_pb2.TURN_END_REASON_MAX_ROUNDS:
+        text += "; send a message to continue"
+    if ended.error_info.reason or ended.error_message:
+        text += f"; {ended.error_info.reason}: {ended.error_message}"
+    return text + "]"

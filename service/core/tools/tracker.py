@@ -1,0 +1,543 @@
+"""The tracker's six tools (seed: Tools): ``list_items``, ``get_item``, ``list_runnable``,
+``search_project``, ``list_changesets`` and ``propose_changeset``.
+
+Each is one ``Tool``: its schema and description, then its run function (arguments ->
+``TrackerService`` call through the ``ToolBackends`` port -> our output shape), side by
+side. The planner fills in the session's project; no schema takes one (SPEC section 4).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from service.core.backend_types import (
+    Changeset,
+    ChangesetOperation,
+    ChangesetProposal,
+    ChangesetQuery,
+    ChangesetStatus,
+    CreateItem,
+    DependencyChange,
+    Item,
+    ItemKind,
+    ItemPage,
+    ItemQuery,
+    ItemState,
+    ProjectSearch,
+    RunnableQuery,
+    UpdateItem,
+)
+from service.core.errors import ToolFailure
+from service.core.model import JsonObject
+from service.core.tools.unit import (
+    DATA_NOT_INSTRUCTIONS,
+    PAGE_TOKEN,
+    PAGED,
+    SKILL_READ,
+    TEXT_CHARS,
+    TITLE_CHARS,
+    TRACKER_READ,
+    TRACKER_WRITE,
+    Invocation,
+    Tool,
+    ToolResult,
+    enum,
+    integer,
+    object_schema,
+    score,
+    set_time,
+    string,
+)
+
+#: Page sizes when the model gives none: small enough that a page of compact results
+#: stays under the 16 KiB cut (SPEC section 5 step 5), so page tokens stay usable.
+DEFAULT_ITEMS_PAGE = 50
+DEFAULT_CHANGESETS_PAGE = 10
+DEFAULT_SEARCH_LIMIT = 10
+#: A created item's priority when the model gives none (the middle of 0 to 4).
+DEFAULT_PRIORITY = 2
+
+_KINDS = tuple(kind.value for kind in ItemKind if kind is not ItemKind.UNSPECIFIED)
+_STATES = tuple(state.value for state in ItemState if state is not ItemState.UNSPECIFIED)
+_STATUSES = tuple(s.value for s in ChangesetStatus if s is not ChangesetStatus.UNSPECIFIED)
+
+_COMPACT_ITEM = (
+    '{"item_id", "kind", "title", "state", "priority", "ticket_type"?, "epic_id"?, '
+    '"milestone_id"?, "labels"?}'
+)
+
+
+def _compact_item(item: Item) -> JsonObject:
+    output: JsonObject = {
+        "item_id": item.item_id,
+        "kind": item.kind.value,
+        "title": item.title,
+        "state": item.state.value,
+        "priority": item.priority,
+    }
+    if item.ticket_type:
+        output["ticket_type"] = item.ticket_type
+    if item.epic_id:
+        output["epic_id"] = item.epic_id
+    if item.milestone_id:
+        output["milestone_id"] = item.milestone_id
+    if item.labels:
+        output["labels"] = list(item.labels)
+    return output
+
+
+def _item_page(page: ItemPage) -> ToolResult:
+    output: JsonObject = {"items": [_compact_item(item) for item in page.items]}
+    # Proto3 cannot tell "0" from "unknown"; 0 next to items means the backend did not say.
+    if page.total_size or not output["items"]:
+        output["total_size"] = page.total_size
+    if page.next_page_token:
+        output["next_page_token"] = page.next_page_token
+    return ToolResult(output)
+
+
+# --------------------------------------------------------------------------- list_items
+
+
+async def _list_items(call: Invocation, args: JsonObject) -> ToolResult:
+    query = ItemQuery(
+        project_id=call.project_id,
+        page_size=args.get("page_size", DEFAULT_ITEMS_PAGE),
+        kind=ItemKind(args["kind"]) if "kind" in args else None,
+        state=ItemState(args["state"]) if "state" in args else None,
+        epic_id=args.get("epic_id", ""),
+        milestone_id=args.get("milestone_id", ""),
+        page_token=args.get("page_token", ""),
+    )
+    return _item_page(await call.backends.list_items(call.acting, query, call.timeout_s))
+
+
+LIST_ITEMS = Tool(
+    name="list_items",
+    description=(
+        "List the project's milestones, epics and tickets, compactly (no descriptions), "
+        "ordered by priority then id. Use it for an overview or to find item ids; "
+        "filter by kind, state, epic_id (the tickets of an epic) or milestone_id. Use "
+        "get_item for one item's full text. Returns "
+        f'{{"items": [{_COMPACT_ITEM}], "total_size": N, "next_page_token"?}}. '
+        "Priority 0 is the highest." + PAGED
+    ),
+    schema=object_schema(
+        {
+            "kind": enum("Only items of this kind.", *_KINDS),
+            "state": enum("Only items in this state.", *_STATES),
+            "epic_id": string("Only the tickets of this epic."),
+            "milestone_id": string("Only items aiming at this milestone."),
+            "page_size": integer("Items per page (default 50).", 1, 500),
+            "page_token": PAGE_TOKEN,
+        }
+    ),
+    permissions=(TRACKER_READ,),
+    rpcs=("TrackerService.ListItems",),
+    run=_list_items,
+)
+
+
+# --------------------------------------------------------------------------- get_item
+
+
+async def _get_item(call: Invocation, args: JsonObject) -> ToolResult:
+    item = await call.backends.get_item(
+        call.acting, call.project_id, args["item_id"], call.timeout_s
+    )
+    return ToolResult({"item": full_item(item)})
+
+
+def full_item(item: Item) -> JsonObject:
+    """The ``item`` of ``get_item``'s output (its description says the shape)."""
+    output = _compact_item(item)
+    output["description"] = item.description
+    output["acceptance_criteria"] = item.acceptance_criteria
+    output["blocked_by_ids"] = list(item.blocked_by_ids)
+    output["blocks_ids"] = list(item.blocks_ids)
+    if item.policy is not None:
+        output["policy"] = {"mode": item.policy.mode, "settings": dict(item.policy.settings)}
+    set_time(output, "create_time", item.create_time)
+    set_time(output, "update_time", item.update_time)
+    return output
+
+
+GET_ITEM = Tool(
+    name="get_item",
+    description=(
+        "Get one milestone, epic or ticket with its description, acceptance criteria, "
+        "execution policy (read only; only humans set it) and dependencies. Returns "
+        '{"item": {"item_id", "kind", "title", "state", "priority", "ticket_type"?, '
+        '"epic_id"?, "milestone_id"?, "labels"?, "description", "acceptance_criteria", '
+        '"blocked_by_ids", "blocks_ids", "policy"?: {"mode", "settings"}, '
+        '"create_time"?, "update_time"?}}; blocked_by_ids are the items that block it, '
+        "blocks_ids the items it blocks." + DATA_NOT_INSTRUCTIONS
+    ),
+    schema=object_schema({"item_id": string("The item's id.")}, "item_id"),
+    permissions=(TRACKER_READ,),
+    rpcs=("TrackerService.GetItem",),
+    run=_get_item,
+)
+
+
+# --------------------------------------------------------------------------- list_runnable
+
+
+async def _list_runnable(call: Invocation, args: JsonObject) -> ToolResult:
+    query = RunnableQuery(
+        project_id=call.project_id,
+        page_size=args.get("page_size", DEFAULT_ITEMS_PAGE),
+        page_token=args.get("page_token", ""),
+    )
+    page = await call.backends.list_runnable_tickets(call.acting, query, call.timeout_s)
+    return _item_page(page)
+
+
+LIST_RUNNABLE = Tool(
+    name="list_runnable",
+    description=(
+        "List the tickets that are ready to work on: open tickets whose blockers are all "
+        "closed, by priority then id. Use it to say what can be done next. Returns "
+        f'{{"items": [{_COMPACT_ITEM}], "total_size": N, "next_page_token"?}}.' + PAGED
+    ),
+    schema=object_schema(
+        {
+            "page_size": integer("Tickets per page (default 50).", 1, 500),
+            "page_token": PAGE_TOKEN,
+        }
+    ),
+    permissions=(TRACKER_READ,),
+    rpcs=("TrackerService.ListRunnableTickets",),
+    run=_list_runnable,
+)
+
+
+# --------------------------------------------------------------------------- search_project
+
+
+async def _search_project(call: Invocation, args: JsonObject) -> ToolResult:
+    search = ProjectSearch(
+        project_id=call.project_id,
+        query=args["query"],
+        limit=args.get("limit", DEFAULT_SEARCH_LIMIT),
+    )
+    found = await call.backends.search_project(call.acting, search, call.timeout_s)
+    if not (found.items_searched or found.skills_searched):
+        # SPEC section 4: with neither tracker.read nor skill.read it is a refusal.
+        raise ToolFailure(
+            "PERMISSION_DENIED", "the human may read neither the tracker nor the skills"
+        )
+    results: list[JsonObject] = []
+    for hit in found.hits:
+        entry: JsonObject
+        if hit.item is not None:
+            entry = {"item": _compact_item(hit.item)}
+        elif hit.skill is not None:
+            skill = hit.skill
+            entry = {
+                "skill": {
+                    "name": skill.name,
+                    "description": skill.description,
+                    "version": skill.version,
+                }
+            }
+        else:
+            continue
+        entry["score"] = score(hit.score)
+        entry["snippet"] = hit.snippet
+        results.append(entry)
+    output: JsonObject = {
+        "results": results,
+        "items_searched": found.items_searched,
+        "skills_searched": found.skills_searched,
+    }
+    return ToolResult(output)
+
+
+SEARCH_PROJECT = Tool(
+    name="search_project",
+    description=(
+        "Search the project's items and skills by meaning and keywords (hybrid search), "
+        "best first. Use it when you do not know an item's id or which skill covers a "
+        "topic. Items are searched when the human may read the tracker, skills when they "
+        'may read skills. Returns {"results": [{"item": ' + _COMPACT_ITEM + "} or "
+        '{"skill": {"name", "description", "version"}}, each with "score" (higher is '
+        'better) and "snippet"], "items_searched": bool, "skills_searched": bool}.'
+        + DATA_NOT_INSTRUCTIONS
+    ),
+    schema=object_schema(
+        {
+            "query": string("What to look for, in words.", max_length=1000),
+            "limit": integer("At most this many results (default 10).", 1, 50),
+        },
+        "query",
+    ),
+    permissions=(TRACKER_READ, SKILL_READ),
+    rpcs=("TrackerService.SearchProject",),
+    run=_search_project,
+)
+
+
+# --------------------------------------------------------------------------- changesets
+
+_OPERATION_SHAPES = (
+    '{"create_item": {"ref"?, "kind", "title", ...}}, {"update_item": {"item_id", ...}}, '
+    '{"add_dependency": {"item_id", "blocked_by_id"}} or {"remove_dependency": {...}}'
+)
+
+
+def _operation_json(operation: ChangesetOperation) -> JsonObject:
+    # The same shapes propose_changeset takes; a policy a human set is never shown.
+    if isinstance(operation, CreateItem):
+        fields: JsonObject = {
+            "kind": operation.kind.value,
+            "title": operation.title,
+            "priority": operation.priority,
+        }
+        for name, text in (
+            ("ref", operation.ref),
+            ("description", operation.description),
+            ("acceptance_criteria", operation.acceptance_criteria),
+            ("ticket_type", operation.ticket_type),
+            ("epic_id", operation.epic_id),
+            ("milestone_id", operation.milestone_id),
+        ):
+            if text:
+                fields[name] = text
+        return {"create_item": fields}
+    if isinstance(operation, UpdateItem):
+        fields = {"item_id": operation.item_id}
+        changed: tuple[tuple[str, Any], ...] = (
+            ("title", operation.title),
+            ("description", operation.description),
+            ("acceptance_criteria", operation.acceptance_criteria),
+            ("priority", operation.priority),
+            ("epic_id", operation.epic_id),
+            ("milestone_id", operation.milestone_id),
+        )
+        for name, value in changed:
+            if value is not None:
+                fields[name] = value
+        if operation.state is not None:
+            fields["state"] = operation.state.value
+        return {"update_item": fields}
+    key = "remove_dependency" if operation.remove else "add_dependency"
+    return {key: {"item_id": operation.item_id, "blocked_by_id": operation.blocked_by_id}}
+
+
+def _changeset(changeset: Changeset) -> JsonObject:
+    output: JsonObject = {
+        "changeset_id": changeset.changeset_id,
+        "status": changeset.status.value,
+        "title": changeset.title,
+    }
+    if changeset.description:
+        output["description"] = changeset.description
+    output["author_id"] = changeset.author_id
+    output["recorded_by"] = changeset.recorded_by
+    set_time(output, "create_time", changeset.create_time)
+    output["operations"] = [_operation_json(operation) for operation in changeset.operations]
+    return output
+
+
+async def _list_changesets(call: Invocation, args: JsonObject) -> ToolResult:
+    query = ChangesetQuery(
+        project_id=call.project_id,
+        page_size=args.get("page_size", DEFAULT_CHANGESETS_PAGE),
+        status=ChangesetStatus(args["status"]) if "status" in args else None,
+        page_token=args.get("page_token", ""),
+    )
+    page = await call.backends.list_changesets(call.acting, query, call.timeout_s)
+    output: JsonObject = {"changesets": [_changeset(c) for c in page.changesets]}
+    if page.next_page_token:
+        output["next_page_token"] = page.next_page_token
+    return ToolResult(output)
+
+
+LIST_CHANGESETS = Tool(
+    name="list_changesets",
+    description=(
+        "List the project's changesets (proposed plan changes), newest first, optionally "
+        "by status: proposed (waiting for a human), applied or rejected. Check it before "
+        "proposing, so you do not propose the same change twice. Returns "
+        '{"changesets": [{"changeset_id", "status", "title", "description"?, "author_id", '
+        '"recorded_by", "create_time"?, "operations": [' + _OPERATION_SHAPES + "]}], "
+        '"next_page_token"?}.' + PAGED
+    ),
+    schema=object_schema(
+        {
+            "status": enum("Only changesets with this status.", *_STATUSES),
+            "page_size": integer("Changesets per page (default 10).", 1, 100),
+            "page_token": PAGE_TOKEN,
+        }
+    ),
+    permissions=(TRACKER_READ,),
+    rpcs=("TrackerService.ListChangesets",),
+    run=_list_changesets,
+)
+
+
+# --------------------------------------------------------------------------- propose_changeset
+
+_ID_OR_REF = "An item id, or the ref of an item created earlier in this changeset."
+
+_CREATE_ITEM = object_schema(
+    {
+        "ref": string(
+            "A name you choose (e.g. 'auth-epic') that later operations of this changeset "
+            "use in place of the new item's id.",
+            max_length=64,
+        ),
+        "kind": enum("What to create.", *_KINDS),
+        "title": string("A one-line title.", max_length=TITLE_CHARS),
+        "description": string(
+            "The description, in markdown.", max_length=TEXT_CHARS, min_length=0
+        ),
+        "acceptance_criteria": string(
+            "The acceptance criteria, in markdown.", max_length=TEXT_CHARS, min_length=0
+        ),
+        "priority": integer("Priority, 0 (highest) to 4 (lowest); default 2.", 0, 4),
+        "ticket_type": string("For a ticket: task, bug, feature or chore.", max_length=32),
+        "epic_id": string("For a ticket: its epic. " + _ID_OR_REF),
+        "milestone_id": string("The milestone it aims at. " + _ID_OR_REF),
+    },
+    "kind",
+    "title",
+)
+_UPDATE_ITEM = object_schema(
+    {
+        "item_id": string("The item to change. " + _ID_OR_REF),
+        "title": string("A new title.", max_length=TITLE_CHARS),
+        "description": string("A new description.", max_length=TEXT_CHARS, min_length=0),
+        "acceptance_criteria": string(
+            "New acceptance criteria.", max_length=TEXT_CHARS, min_length=0
+        ),
+        "state": enum("A new state.", *_STATES),
+        "priority": integer("Priority, 0 (highest) to 4 (lowest).", 0, 4),
+        "epic_id": string("A new epic. " + _ID_OR_REF),
+        "milestone_id": string("A new milestone. " + _ID_OR_REF),
+    },
+    "item_id",
+    # Only the id would be an update that changes nothing.
+    minProperties=2,
+)
+_DEPENDENCY = object_schema(
+    {
+        "item_id": string("The blocked item. " + _ID_OR_REF),
+        "blocked_by_id": string("The item that blocks it. " + _ID_OR_REF),
+    },
+    "item_id",
+    "blocked_by_id",
+)
+# One key per operation instead of a oneOf: a validation error then names the exact
+# field, which the model can fix, rather than "not valid under any of the given schemas".
+_OPERATION = object_schema(
+    {
+        "create_item": _CREATE_ITEM,
+        "update_item": _UPDATE_ITEM,
+        "add_dependency": _DEPENDENCY,
+        "remove_dependency": _DEPENDENCY,
+    },
+    minProperties=1,
+    maxProperties=1,
+    description="Exactly one of create_item, update_item, add_dependency, remove_dependency.",
+)
+
+
+def _operation(operation: JsonObject) -> ChangesetOperation:
+    """One operation of the arguments (``_OPERATION``) as a domain operation.
+
+    Fields are copied by name, one by one, into types that have no policy field: nothing
+    the schema does not name (an execution policy above all; SPEC section 4) can reach
+    the tracker.
+    """
+    if "create_item" in operation:
+        create = operation["create_item"]
+        return CreateItem(
+            kind=ItemKind(create["kind"]),
+            title=create["title"],
+            priority=create.get("priority", DEFAULT_PRIORITY),
+            ref=create.get("ref", ""),
+            description=create.get("description", ""),
+            acceptance_criteria=create.get("acceptance_criteria", ""),
+            ticket_type=create.get("ticket_type", ""),
+            epic_id=create.get("epic_id", ""),
+            milestone_id=create.get("milestone_id", ""),
+        )
+    if "update_item" in operation:
+        update = operation["update_item"]
+        state = update.get("state")
+        return UpdateItem(
+            item_id=update["item_id"],
+            title=update.get("title"),
+            description=update.get("description"),
+            acceptance_criteria=update.get("acceptance_criteria"),
+            state=ItemState(state) if state is not None else None,
+            priority=update.get("priority"),
+            epic_id=update.get("epic_id"),
+            milestone_id=update.get("milestone_id"),
+        )
+    remove = "remove_dependency" in operation
+    dependency = operation["remove_dependency" if remove else "add_dependency"]
+    return DependencyChange(
+        item_id=dependency["item_id"], blocked_by_id=dependency["blocked_by_id"], remove=remove
+    )
+
+
+async def _propose_changeset(call: Invocation, args: JsonObject) -> ToolResult:
+    proposal = ChangesetProposal(
+        request_id=call.request_id,
+        project_id=call.project_id,
+        title=args["title"],
+        description=args.get("description", ""),
+        operations=tuple(_operation(operation) for operation in args["operations"]),
+    )
+    changeset = await call.backends.propose_changeset(call.acting, proposal, call.timeout_s)
+    return ToolResult({"changeset": _changeset(changeset)}, changeset_id=changeset.changeset_id)
+
+
+PROPOSE_CHANGESET = Tool(
+    name="propose_changeset",
+    description=(
+        "Propose changes to the plan: create items, update items, add or remove "
+        "dependencies. This only proposes: nothing changes until a human approves and "
+        "applies the changeset (or rejects it), so tell the human what you proposed and "
+        "that it waits for their approval. You cannot apply or reject changesets or set "
+        "execution policies. Operations apply in order; each is "
+        + _OPERATION_SHAPES
+        + ". Give a created item a ref and use that ref instead of an id in later "
+        "operations of the same changeset. Returns "
+        '{"changeset": {"changeset_id", "status": "proposed", "title", "description"?, '
+        '"author_id", "recorded_by", "create_time"?, "operations": [...]}}.'
+    ),
+    schema=object_schema(
+        {
+            "title": string("A one-line summary of the change.", max_length=TITLE_CHARS),
+            "description": string(
+                "Why the changes are proposed.", max_length=TEXT_CHARS, min_length=0
+            ),
+            "operations": {
+                "type": "array",
+                "items": _OPERATION,
+                "minItems": 1,
+                "maxItems": 50,
+                "description": "The operations, applied in order.",
+            },
+        },
+        "title",
+        "operations",
+    ),
+    permissions=(TRACKER_WRITE,),
+    rpcs=("TrackerService.ProposeChangeset",),
+    run=_propose_changeset,
+    is_write=True,
+)
+
+TOOLS = (
+    LIST_ITEMS,
+    GET_ITEM,
+    LIST_RUNNABLE,
+    SEARCH_PROJECT,
+    LIST_CHANGESETS,
+    PROPOSE_CHANGESET,
+)

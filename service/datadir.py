@@ -1,0 +1,73 @@
+"""The data directory (``data_dir``): the dev token secret and the SQLite database live
+there (SPEC sections 4, 8). A new user's first problem is often this folder, so every
+way it can be unusable becomes one ``DataDirError`` line that names the folder, says
+what is wrong and how to choose another, never a traceback (issue 16, First-run
+errors)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+#: What to do, for commands configured by settings; commands with ``--data-dir`` say so.
+HOW_TO_CHOOSE = "set data_dir (BALLET_PLANNER__DATA_DIR) to a writable folder"
+WITH_OPTION = "give --data-dir a writable folder"
+
+
+class DataDirError(RuntimeError):
+    """The data directory cannot be used; ``str(error)`` is one line for the human."""
+
+
+def describe(path: Path, error: OSError) -> str:
+    """``error`` (from using ``path``) as a short phrase: the OS's words, no errno."""
+    reason = error.strerror or str(error)
+    where = Path(error.filename) if error.filename else path
+    return f"{where}: {reason.lower()}" if where != path else reason.lower()
+
+
+def prepare(path: Path, how: str = HOW_TO_CHOOSE) -> Path:
+    """Create ``path`` (and its parents) if needed and check it is a writable directory;
+    ``how`` ends the error message (what to do instead).
+
+    Returns ``path``. Raises ``DataDirError``: the path or a parent is a file, it cannot
+    be created, or it is not writable.
+    """
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise DataDirError(
+            f"data directory {path} is a file, not a folder; {how}"
+        ) from None
+    except OSError as error:
+        raise DataDirError(
+            f"data directory {path} cannot be created ({describe(path, error)}); "
+            f"{how}"
+        ) from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise DataDirError(f"data directory {path} is not writable; {how}")
+    return path
+
+
+def check_folder(path: Path, how: str = HOW_TO_CHOOSE) -> Path:
+    """Check, without creating anything, that ``path`` is a writable folder or could be
+    made as one (its nearest existing ancestor is a writable folder). Returns ``path``;
+    raises ``DataDirError`` naming the problem."""
+    existing = path
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "is a file" if existing == path else f"is inside {existing}, a file"
+        raise DataDirError(f"data directory {path} {what}, not a folder; {how}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "" if existing == path else f" (in {existing})"
+        raise DataDirError(f"data directory {path} is not writable{where}; {how}")
+    return path
+
+
+def unusable(
+    path: Path, error: OSError, doing: str, how: str = HOW_TO_CHOOSE
+) -> DataDirError:
+    """The ``DataDirError`` for ``error``, raised while ``doing`` something in ``path``."""
+    return DataDirError(
+        f"data directory {path}: cannot {doing} ({describe(path, error)}); {how}"
+    )

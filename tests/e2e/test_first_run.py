@@ -1,0 +1,110 @@
+"""First-run errors (issue 16): an unusable data directory is one clear line for
+``serve``, ``token``, ``dev`` and ``migrate``, never a traceback; ``token`` mints only
+from a secret the planner made, unless ``--create-secret`` asks for one; every
+``.ballet-*`` data directory the README creates is ignored by git."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_cli_serve import free_port, run
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _unusable_dirs(root: Path) -> dict[str, str]:
+    """Data directories that cannot be used, and what the error must say of each."""
+    (root / "a-file").write_text("not a folder")
+    (root / "secret-is-a-folder" / "dev-secret").mkdir(parents=True)
+    return {
+        "a-file": "data directory a-file is a file, not a folder",
+        "a-file/below": "data directory a-file/below",
+        "secret-is-a-folder": "data directory secret-is-a-folder: cannot ",
+    }
+
+
+def _one_line(result: subprocess.CompletedProcess[str], expected: str) -> None:
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0], result.stderr
+
+
+def test_serve_with_an_unusable_data_directory_says_so_in_one_line(tmp_path: Path) -> None:
+    for data_dir, expected in _unusable_dirs(tmp_path).items():
+        result = run(
+            ["serve"],
+            tmp_path,
+            BALLET_PLANNER__DATA_DIR=data_dir,
+            BALLET_PLANNER__SERVER__ADDRESS=f"127.0.0.1:{free_port()}",
+            BALLET_PLANNER__SERVER__METRICS_ADDRESS="",
+        )
+        assert result.returncode == 1, result.stderr
+        _one_line(result, expected)
+        assert "BALLET_PLANNER__DATA_DIR" in result.stderr
+
+
+def test_migrate_with_an_unusable_data_directory_says_so_in_one_line(tmp_path: Path) -> None:
+    for data_dir, expected in list(_unusable_dirs(tmp_path).items())[:2]:
+        result = run(["migrate"], tmp_path, BALLET_PLANNER__DATA_DIR=data_dir)
+        assert result.returncode == 1, result.stderr
+        _one_line(result, expected)
+
+
+def test_token_with_an_unusable_data_directory_says_so_in_one_line(tmp_path: Path) -> None:
+    for data_dir, expected in _unusable_dirs(tmp_path).items():
+        for extra in ([], ["--create-secret"]):
+            result = run(["token", "--user", "alice", "--data-dir", data_dir, *extra], tmp_path)
+            assert result.returncode == 2, result.stderr
+            _one_line(result, expected)
+
+
+def test_dev_with_an_unusable_data_directory_says_so_in_one_line(tmp_path: Path) -> None:
+    for data_dir, expected in list(_unusable_dirs(tmp_path).items())[:2]:
+        result = run(
+            ["dev", "--data-dir", data_dir, "--address", "127.0.0.1:0"],
+            tmp_path,
+            BALLET_PLANNER__SERVER__METRICS_ADDRESS="",
+        )
+        assert result.returncode == 1, result.stderr
+        _one_line(result, expected)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes to any folder")
+def test_a_read_only_data_directory_is_refused(tmp_path: Path) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    result = run(
+        ["token", "--user", "alice", "--data-dir", "locked/state", "--create-secret"], tmp_path
+    )
+    assert result.returncode == 2
+    _one_line(result, "is not writable")
+
+
+def test_token_needs_create_secret_to_make_a_secret(tmp_path: Path) -> None:
+    refused = run(["token", "--user", "alice", "--data-dir", "fresh"], tmp_path)
+    assert refused.returncode == 2
+    _one_line(refused, "no dev secret in fresh")
+    assert "--create-secret" in refused.stderr
+    assert not (tmp_path / "fresh").exists()
+    made = run(["token", "--user", "alice", "--data-dir", "fresh", "--create-secret"], tmp_path)
+    assert made.returncode == 0, made.stderr
+    assert (tmp_path / "fresh" / "dev-secret").is_file()
+    again = run(["token", "--user", "alice", "--data-dir", "fresh"], tmp_path)
+    assert again.returncode == 0, again.stderr
+
+
+def test_every_data_directory_the_readme_creates_is_ignored_by_git() -> None:
+    readme = (REPO / "README.md").read_text()
+    named = sorted(set(re.findall(r"\.ballet-[\w-]+", readme)))
+    assert ".ballet-dev" in named and len(named) >= 2, named
+    for name in named:
+        probe = f"{name}/dev-secret"
+        ignored = subprocess.run(
+            ["git", "check-ignore", "--no-index", "-q", probe], cwd=REPO, timeout=30
+        )
+        assert ignored.returncode == 0, f"{probe} is not ignored by git"

@@ -1,0 +1,210 @@
+"""The production image (issue 16): its ``CMD`` and ``HEALTHCHECK`` work with environment
+variables alone, in a writable data directory that is the working directory, and its
+build context holds everything the wheel needs.
+
+There is no container engine here, so the test reads the Dockerfile's runtime stage (its
+``ENV``, ``WORKDIR``, ``ENTRYPOINT``, ``CMD`` and ``HEALTHCHECK``) and runs those commands
+as the image would: the image's environment plus what a deployment adds (a key set, the
+service token file, plaintext allowed), no configuration file, ports moved to free ones.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jwt
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from tests.e2e.dev_support import command
+from tests.e2e.test_cli_serve import clean_env, free_port, wait_serving
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Stage:
+    """The runtime stage of the Dockerfile, as the image runs it."""
+
+    env: dict[str, str] = field(default_factory=dict)
+    workdir: str = "/"
+    entrypoint: list[str] = field(default_factory=list)
+    cmd: list[str] = field(default_factory=list)
+    healthcheck: list[str] = field(default_factory=list)
+    runs: list[str] = field(default_factory=list)
+
+
+def runtime_stage() -> Stage:
+    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    stage = Stage()
+    in_runtime = False
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        instruction, _, rest = line.partition(" ")
+        instruction = instruction.upper()
+        if instruction == "FROM":
+            in_runtime = rest.split()[-1] == "runtime"
+        elif not in_runtime:
+            continue
+        elif instruction == "ENV":
+            for pair in shlex.split(rest):
+                key, _, value = pair.partition("=")
+                stage.env[key] = value
+        elif instruction == "WORKDIR":
+            stage.workdir = rest.strip()
+        elif instruction == "ENTRYPOINT":
+            stage.entrypoint = json.loads(rest)
+        elif instruction == "CMD":
+            stage.cmd = json.loads(rest)
+        elif instruction == "HEALTHCHECK":
+            stage.healthcheck = json.loads(rest[rest.index("CMD ") + 4 :])
+        elif instruction == "RUN":
+            stage.runs.append(rest)
+    return stage
+
+
+def local(argv: list[str]) -> list[str]:
+    """``argv`` with the image's ``ballet-planner`` replaced by this virtualenv's."""
+    assert argv[0] == "ballet-planner", argv
+    return [*command(), *argv[1:]]
+
+
+def test_the_image_needs_no_configuration_file() -> None:
+    stage = runtime_stage()
+    assert stage.entrypoint == ["ballet-planner"]
+    assert stage.cmd == ["serve"]
+    assert stage.healthcheck == ["ballet-planner", "health"]
+    # The data directory is the working directory, made and owned by the service's user.
+    data_dir = stage.env["BALLET_PLANNER__DATA_DIR"]
+    assert stage.workdir == data_dir
+    assert any(f"chown 10001:10001 {data_dir}" in run for run in stage.runs)
+    assert "--config" not in (ROOT / "Dockerfile").read_text()
+
+
+def image_environment(stage: Stage, data_dir: Path) -> dict[str, str]:
+    """The image's environment on this machine: its data directory at ``data_dir`` and
+    its ports (on every interface, as in the image) moved to free ones."""
+    env = dict(stage.env)
+    assert env["BALLET_PLANNER__DATA_DIR"] == stage.workdir
+    env["BALLET_PLANNER__DATA_DIR"] = str(data_dir)
+    for key in ("BALLET_PLANNER__SERVER__ADDRESS", "BALLET_PLANNER__SERVER__METRICS_ADDRESS"):
+        host, _, _ = env[key].rpartition(":")
+        assert host == "0.0.0.0", f"{key}: the image listens on every interface"
+        env[key] = f"{host}:{free_port()}"
+    return env
+
+
+def deployment_environment(root: Path) -> dict[str, str]:
+    """What a deployment adds: Core's key set, the service token, plaintext in the mesh
+    (files mounted from a Secret, not a configuration file)."""
+    public = Ed25519PrivateKey.generate().public_key()
+    jwk = json.loads(jwt.algorithms.OKPAlgorithm.to_jwk(public))
+    jwk.update(kid="core-1", alg="EdDSA", use="sig")
+    (root / "jwks.json").write_text(json.dumps({"keys": [jwk]}))
+    (root / "service-token").write_text("a-service-token-for-the-backends\n")
+    return {
+        "BALLET_PLANNER__AUTH__JWKS_PATH": str(root / "jwks.json"),
+        "BALLET_PLANNER__AUTH__ISSUERS": "https://core.example.internal",
+        "BALLET_PLANNER__DEPENDENCIES__SERVICE_TOKEN_FILE": str(root / "service-token"),
+        "BALLET_PLANNER__SERVER__INSECURE": "true",
+        "BALLET_PLANNER__SERVER__GRACE_S": "7",
+    }
+
+
+def test_cmd_and_healthcheck_run_with_environment_variables_alone(tmp_path: Path) -> None:
+    stage = runtime_stage()
+    data_dir = tmp_path / "var-lib-ballet-planner"
+    data_dir.mkdir()
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    env = clean_env(**image_environment(stage, data_dir), **deployment_environment(secrets))
+    address = env["BALLET_PLANNER__SERVER__ADDRESS"].replace("0.0.0.0", "127.0.0.1")
+    with (tmp_path / "serve.log").open("w") as log:
+        served = subprocess.Popen(
+            local(stage.entrypoint + stage.cmd),
+            cwd=data_dir,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        try:
+            wait_serving(address, served, tmp_path)
+            health = subprocess.run(
+                local(stage.healthcheck),
+                cwd=data_dir,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert (health.returncode, health.stdout.strip()) == (0, "SERVING"), health.stderr
+        finally:
+            served.terminate()
+            served.wait(30)
+    assert served.returncode == 0, (tmp_path / "serve.log").read_text()
+    assert (data_dir / "planner.db").exists()  # SQLite in the writable data directory
+
+
+def test_the_image_alone_refuses_dev_mode_on_every_interface(tmp_path: Path) -> None:
+    stage = runtime_stage()
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    result = subprocess.run(
+        local(stage.entrypoint + stage.cmd),
+        cwd=data_dir,
+        env=clean_env(**image_environment(stage, data_dir)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "server.address: dev mode" in result.stderr and "auth.jwks_path" in result.stderr
+
+
+@pytest.mark.slow
+def test_the_build_context_holds_everything_the_wheel_needs(tmp_path: Path) -> None:
+    # .dockerignore is an allow-list: build the wheel from exactly what it lets in.
+    context = tmp_path / "context"
+    context.mkdir()
+    allowed = [
+        line[1:].strip("/")
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.startswith("!")
+    ]
+    for name in allowed:
+        source = ROOT / name
+        if source.is_dir():
+            shutil.copytree(source, context / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(source, context / name)
+    built = subprocess.run(
+        [
+            *(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"),
+            *("--wheel-dir", str(tmp_path / "wheels"), str(context)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert built.returncode == 0, built.stdout + built.stderr
+    (wheel,) = (tmp_path / "wheels").glob("ballet_planner-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    for expected in (
+        "service/cli.py",
+        "ballet_common/__init__.py",
+        "devstack/dev.py",
+        "ballet/planner/v1/chat_pb2.py",
+        "devstack/demo/scenario.json",
+    ):
+        assert expected in names, expected
+    assert any(name.endswith(".dist-info/licenses/LICENSE") for name in names)

@@ -1,0 +1,91 @@
+"""Files holding transcripts or secrets are owner-only whatever the umask (issue 14):
+``planner.db`` (with its WAL files), ``devstack.db``, the dev secret and the page-token
+key are created ``0600`` in a ``0700`` data directory, even under ``umask 000``; a dev
+secret that others can read is used with a WARNING."""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from ballet_common.tokens import dev_secret
+from devstack.server import DevStack, DevStackConfig
+from tests.hardening.support import PlannerProcess, _wait_serving, free_port, planner_command
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def spawn_serve_under_umask_000(data_dir: Path, log_path: Path) -> PlannerProcess:
+    """``ballet-planner serve`` (dev mode, SQLite) whose umask is 000: the worst case,
+    where every file it makes would be world-writable unless it sets modes itself."""
+    address = f"127.0.0.1:{free_port()}"
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("BALLET_PLANNER__")}
+    env.update(
+        {
+            "BALLET_PLANNER__DATA_DIR": str(data_dir),
+            "BALLET_PLANNER__SERVER__ADDRESS": address,
+            "BALLET_PLANNER__SERVER__METRICS_ADDRESS": "",
+        }
+    )
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [*planner_command(), "serve"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=lambda: os.umask(0),
+        )
+    return PlannerProcess(process, address, "", log_path)
+
+
+async def test_serve_under_umask_000_creates_owner_only_files(tmp_path: Path) -> None:
+    data_dir = tmp_path / "state" / "data"
+    served = spawn_serve_under_umask_000(data_dir, tmp_path / "serve.log")
+    try:
+        await _wait_serving(served)
+        assert mode(data_dir) == 0o700
+        for name in ("planner.db", "planner.db-wal", "planner.db-shm", "dev-secret"):
+            assert mode(data_dir / name) == 0o600, name
+        assert mode(data_dir / "page-token-key") == 0o600
+    finally:
+        served.stop()
+
+
+async def test_the_devstack_under_umask_000_creates_owner_only_files(tmp_path: Path) -> None:
+    data_dir = tmp_path / "devstack-data"
+    previous = os.umask(0)
+    try:
+        stack = await DevStack.start(DevStackConfig(data_dir=data_dir, address="127.0.0.1:0"))
+    finally:
+        os.umask(previous)
+    try:
+        assert mode(data_dir) == 0o700
+        assert mode(data_dir / "devstack.db") == 0o600
+        assert mode(data_dir / "dev-secret") == 0o600
+    finally:
+        await stack.stop()
+
+
+def test_an_existing_directory_keeps_its_mode_and_a_readable_secret_is_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o755)  # an operator's choice: left alone
+    secret = dev_secret(shared)
+    assert mode(shared) == 0o755 and mode(shared / "dev-secret") == 0o600
+    with caplog.at_level(logging.WARNING):
+        assert dev_secret(shared) == secret
+    assert not caplog.records
+    (shared / "dev-secret").chmod(0o644)
+    with caplog.at_level(logging.WARNING):
+        assert dev_secret(shared) == secret
+    (warning,) = caplog.records
+    assert warning.levelno == logging.WARNING and "readable by other users" in warning.getMessage()

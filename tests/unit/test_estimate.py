@@ -1,0 +1,80 @@
+"""The calibrated token estimator against cl100k (issue 13, Done-when 3; decision 0171).
+
+The reference counts were made once with tiktoken's cl100k_base and are kept beside the
+samples (``token_samples/README.md`` says how); here the estimator must stay within 15%
+of each, and of each class's total.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from service.core.estimate import (
+    MESSAGE_OVERHEAD_TOKENS,
+    TOOL_CALL_OVERHEAD_TOKENS,
+    declarations_tokens,
+    message_tokens,
+    text_tokens,
+)
+from service.core.model import Message, MessageKind
+from service.core.tools import declarations
+
+SAMPLES = Path(__file__).parent / "token_samples"
+REFERENCE = json.loads((SAMPLES / "reference_counts.json").read_text(encoding="utf-8"))
+#: The classes issue 13 names; the reference holds more.
+REQUIRED = {"English prose", "JSON tool output", "Python code", "Chinese prose", "Japanese prose"}
+
+
+def sample(name: str) -> str:
+    return (SAMPLES / name).read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE["samples"]))
+def test_each_sample_is_within_15_percent_of_cl100k(name: str) -> None:
+    expected = REFERENCE["samples"][name]["cl100k_tokens"]
+    assert text_tokens(sample(name)) == pytest.approx(expected, rel=0.15)
+
+
+def test_each_class_is_within_15_percent_of_cl100k_and_the_required_ones_are_there() -> None:
+    totals: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for name, entry in REFERENCE["samples"].items():
+        totals[entry["class"]][0] += text_tokens(sample(name))
+        totals[entry["class"]][1] += entry["cl100k_tokens"]
+    assert set(totals) >= REQUIRED
+    for kind, (estimate, expected) in totals.items():
+        assert estimate == pytest.approx(expected, rel=0.15), kind
+
+
+def test_the_samples_are_the_ones_counted() -> None:
+    """A sample edited after the counts were made would test nothing."""
+    for name, entry in REFERENCE["samples"].items():
+        text = sample(name)
+        assert (len(text), len(text.encode())) == (entry["characters"], entry["utf8_bytes"])
+
+
+def test_cjk_costs_about_a_token_a_character_where_bytes_over_four_would_undercount() -> None:
+    text = "拆分搜索史诗把排序相关的工单移到夏季里程碑" * 10
+    assert text_tokens(text) >= len(text)
+    assert len(text.encode()) / 4 < 0.8 * text_tokens(text)
+
+
+def test_empty_text_costs_nothing_and_a_compaction_marker_is_not_sent() -> None:
+    now = datetime(2026, 12, 1, tzinfo=UTC)
+    assert text_tokens("") == 0
+    marker = Message("s", "t", "m", MessageKind.COMPACTION, now, up_to=3, estimated_tokens=9)
+    assert message_tokens(marker) == 0
+    human = Message("s", "t", "m", MessageKind.HUMAN, now, text="hello world")
+    assert message_tokens(human) == MESSAGE_OVERHEAD_TOKENS + text_tokens("hello world")
+    call = Message("s", "t", "m", MessageKind.TOOL_CALL, now, tool_name="get_item",
+                   tool_call_id="call_1", tool_arguments='{"item_id":"PAN-4"}')  # fmt: skip
+    assert message_tokens(call) > MESSAGE_OVERHEAD_TOKENS + TOOL_CALL_OVERHEAD_TOKENS
+
+
+def test_the_twelve_tool_declarations_are_thousands_of_tokens() -> None:
+    """The fixed part of every request the estimate must never leave out (SPEC 6)."""
+    assert 2_000 < declarations_tokens(declarations()) < 8_000

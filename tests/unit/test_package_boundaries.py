@@ -1,0 +1,74 @@
+"""The planner's production code does not depend on the devstack, and the devstack uses
+only the planner's public entry points (issue 10; docs/decisions/0160-devstack-split.md).
+
+Read from the source with ``ast``, so an import hidden in a function counts too.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+#: What the devstack may import of the planner: its composition root and its settings.
+PLANNER_PUBLIC = {"service.main", "service.config"}
+#: Shared token code the identity work moves into ballet_common (issue 14); until then
+#: the devstack's token imports stay as they are.
+PENDING_MOVE = {"service.tokens"}
+
+
+@dataclass(frozen=True)
+class Import:
+    path: str
+    line: int
+    module: str
+    #: The innermost function the import is in; "" at module level.
+    function: str
+
+
+def imports_under(folder: str) -> list[Import]:
+    found: list[Import] = []
+    for path in sorted((REPO / folder).rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        relative = path.relative_to(REPO).as_posix()
+
+        def visit(node: ast.AST, function: str, relative: str = relative) -> None:
+            for child in ast.iter_child_nodes(node):
+                inner = function
+                if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                    inner = child.name
+                if isinstance(child, ast.Import):
+                    for alias in child.names:
+                        found.append(Import(relative, child.lineno, alias.name, inner))
+                elif isinstance(child, ast.ImportFrom) and child.module and not child.level:
+                    found.append(Import(relative, child.lineno, child.module, inner))
+                visit(child, inner)
+
+        visit(tree, "")
+    return found
+
+
+def _top(module: str) -> str:
+    return module.partition(".")[0]
+
+
+def test_service_imports_devstack_only_in_the_clis_one_lazy_import() -> None:
+    of_devstack = [i for i in imports_under("service") if _top(i.module) == "devstack"]
+    assert [(i.path, i.function, i.module) for i in of_devstack] == [
+        ("service/cli.py", "_dev", "devstack.dev")
+    ], of_devstack
+
+
+def test_devstack_uses_only_the_planners_public_entry_points() -> None:
+    of_planner = [i for i in imports_under("devstack") if _top(i.module) == "service"]
+    internal = [i for i in of_planner if i.module not in PLANNER_PUBLIC | PENDING_MOVE]
+    assert not internal, internal
+    # The entry points are still used (dev starts the planner), so the check has teeth.
+    assert {i.module for i in of_planner} >= PLANNER_PUBLIC
+
+
+def test_the_walk_sees_imports_inside_functions() -> None:
+    # The check above would pass vacuously if function bodies were skipped.
+    lazy = [i for i in imports_under("service") if i.path == "service/cli.py" and i.function]
+    assert any(i.module == "service.main" for i in lazy)
