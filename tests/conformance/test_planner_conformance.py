@@ -25,12 +25,12 @@ import pytest
 from ballet.planner.v1 import chat_pb2, planner_service_pb2_grpc, resources_pb2
 from ballet.planner.v1 import planner_service_pb2 as pb
 
+from ballet_common.tokens import mint_dev_token
 from devstack.gateway import add_gateway_service
 from devstack.gateway.openai_provider import OpenAIProvider
 from devstack.server import DevStack, DevStackConfig
 from service.config import Settings
 from service.main import PlannerApp, start_planner
-from service.tokens import mint_dev_token
 from tests.conformance.cases import PLANTED_KEY, TWO_CALLS, UNAUTHORIZED, ok
 from tests.conformance.openai_double import (
     OpenAIDouble,
