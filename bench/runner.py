@@ -234,7 +234,7 @@ class Environment:
             "BALLET_PLANNER__DATA_DIR": str(self.work),
             "BALLET_PLANNER__SERVER__ADDRESS": self.planner_address,
             "BALLET_PLANNER__SERVER__METRICS_ADDRESS": self.metrics_address,
-            "BALLET_PLANNER__SERVER__GRACE_S": "5",
+            "BALLET_PLANNER__SERVER__GRACE_S": "7",
             "BALLET_PLANNER__DATABASE__URL": self.planner_url,
         }
         for name in ("TRACKER", "SKILLS", "KNOWLEDGE", "GATEWAY"):

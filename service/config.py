@@ -142,7 +142,10 @@ class ServerSettings:
         "127.0.0.1:9464", doc="host:port of the Prometheus endpoint; empty disables it."
     )
     grace_s: float = _key(
-        20.0, gt=0, doc="Shutdown grace period: the process exits within it after SIGTERM."
+        20.0,
+        gt=0,
+        doc="Shutdown grace period: the process exits within it after SIGTERM; at least "
+        "planner.cancel_grace + 2.",
     )
     max_concurrent_streams: int = _key(
         1000, ge=1, doc="HTTP/2 streams allowed per client connection."
@@ -354,6 +357,13 @@ class Settings:
         return self.auth.jwks_path is None
 
 
+#: What a shutdown needs of ``server.grace_s`` besides ``planner.cancel_grace`` (decision
+#: 0181): 1 s for the turns stopped after their writes' grace to store their end (SPEC 5:
+#: ``turn_ended`` within ``cancel_grace`` + 1 s), 0.5 s for the streams to deliver their
+#: end, 0.5 s to close channels and pools.
+SHUTDOWN_OVERHEAD_S = 2.0
+
+
 # --------------------------------------------------------------------------- loading
 
 
@@ -406,6 +416,8 @@ def _resolve(settings: Settings) -> Settings:
 def validate(settings: Settings) -> None:
     """The start-up checks that involve several keys; raises ``ConfigError``.
 
+    - the shutdown (SPEC 8; decision 0181): ``server.grace_s`` is at least
+      ``planner.cancel_grace`` + ``SHUTDOWN_OVERHEAD_S``;
     - the context budget (SPEC 7): ``compact_at_tokens`` plus ``max_rounds`` full rounds
       (``PlannerSettings.round_budget_tokens`` each) fits ``model_context_tokens``, and
       ``compaction_input_max_tokens`` fits it too;
@@ -430,6 +442,14 @@ def validate(settings: Settings) -> None:
             f"planner.compaction_input_max_tokens: must be at most "
             f"planner.model_context_tokens ({planner.model_context_tokens}), got "
             f"{planner.compaction_input_max_tokens}"
+        )
+    if settings.server.grace_s < planner.cancel_grace + SHUTDOWN_OVERHEAD_S:
+        raise ConfigError(
+            f"server.grace_s: must be at least planner.cancel_grace "
+            f"({planner.cancel_grace:g}) + {SHUTDOWN_OVERHEAD_S:g} s, so that a shutdown "
+            "gives started writes their planner.cancel_grace and still stores the end of "
+            f"every turn and ends every stream before it exits; got "
+            f"{settings.server.grace_s:g} (raise server.grace_s or lower planner.cancel_grace)"
         )
     if planner.sweep_interval_s > planner.lease_s:
         raise ConfigError(

@@ -13,10 +13,11 @@ clients; the session rules; the turn side (``service.wiring.build_turns``); the 
 server with PlannerService, health and reflection; the health monitor; the metrics
 endpoint.
 
-Shutdown (SPEC section 8): health NOT_SERVING first, then the server stops accepting
-calls and in-flight ones get the grace period while running turns end (or are closed
-``INTERRUPTED`` by the turn machinery); then channels, the metrics endpoint and the
-engine close. The whole takes at most the grace period.
+Shutdown (SPEC section 8; decision 0181): health NOT_SERVING first, then the server stops
+accepting calls; running turns end within the grace period (or are stopped and closed
+``INTERRUPTED`` by the turn machinery), then every Chat stream ends
+``UNAVAILABLE``/``SHUTTING_DOWN``; then the metrics endpoint, channels and the database
+close. The whole takes at most the grace period.
 """
 
 from __future__ import annotations
@@ -71,6 +72,10 @@ SERVICE_NAME = planner_service_pb2.DESCRIPTOR.services_by_name["PlannerService"]
 LIVENESS_SERVICE = "liveness"
 #: A database ping slower than this counts as a failure (seconds).
 PING_TIMEOUT_S = 5.0
+#: Shutdown: the end of the grace period kept for closing channels and pools, and before
+#: it the time the streams get to deliver their end (``config.SHUTDOWN_OVERHEAD_S``).
+CLOSE_RESERVE_S = 0.5
+STREAMS_END_S = 0.5
 
 
 class StartupError(RuntimeError):
@@ -133,19 +138,20 @@ class PlannerApp:
         self._stopping.set()
         if self._monitor is not None:
             self._monitor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._monitor
-        # Keep a little of the grace period for closing turns, channels and the pool.
-        reserve = min(1.0, grace / 4)
+            await asyncio.wait({self._monitor})
+        # The server stops accepting calls now and cancels those still running at the
+        # end of the budget; the turns, and then the streams, end before that; the rest
+        # of the grace period closes channels and pools (decision 0181).
+        reserve = min(CLOSE_RESERVE_S, grace / 4)
         budget = max(0.0, grace - reserve - (time.monotonic() - started))
-        stops = [self._server.stop(budget)]
-        stops.append(self._turns.stop(budget))
+        server_stopped = asyncio.ensure_future(self._server.stop(budget))
+        await self._turns.stop(max(0.0, budget - min(STREAMS_END_S, budget / 4)))
         if self._metrics_server is not None:
-            stops.append(self._metrics_server.stop())
-        await asyncio.gather(*stops)
+            await self._metrics_server.stop()
+        await server_stopped
         for channel in self._channels:
             await channel.close()
-        await self.database.close()
+        await self.database.close(grace - (time.monotonic() - started))
         log.info("stopped")
 
     async def wait_for_termination(self) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 from service.adapters.bus import NullNotifier, PgNotifier
 from service.adapters.gateway import GrpcModelGateway
 from service.config import Settings
+from service.core.errors import Unavailable
 from service.core.fanout import Hub
 from service.core.ports import (
     Clock,
@@ -173,9 +174,16 @@ class PlannerTurns:
             await self.streams.start()
 
     async def stop(self, grace_s: float) -> None:
-        """Stop the turns within ``grace_s``, end every stream, stop the notifier."""
+        """Stop the turns within ``grace_s`` (``TurnService.stop``) and end every stream
+        ``UNAVAILABLE``/``SHUTTING_DOWN``: at once for a stream whose session has no turn
+        running here, after its turn's end for the others. Then the stream registry and
+        the notifier stop (decision 0181)."""
+        ending = Unavailable(
+            "the planner is shutting down; reopen with after_sequence", reason="SHUTTING_DOWN"
+        )
+        self.hub.close_idle(ending, self.turns.running_sessions)
         await self.turns.stop(grace_s)
-        self.hub.close_all(None)
+        self.hub.close_all(ending)
         if self.streams is not None:
             await self.streams.stop()
         await self.notifier.stop()

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 
 from service.core.errors import NotFound, PlannerError, ResourceExhausted
@@ -349,9 +349,16 @@ class Hub:
         self._answers.pop(session_id, None)
 
     def close_all(self, error: PlannerError | None) -> None:
-        """End every stream (shutdown)."""
-        for session_id in tuple(self._queues):
-            for queue in tuple(self._queues.pop(session_id, ())):
+        """End every stream, attached to a session or not (shutdown)."""
+        self._queues.clear()
+        for queue in tuple(self._streams):
+            queue.end(error)
+
+    def close_idle(self, error: PlannerError | None, busy: Collection[str]) -> None:
+        """End every stream but those attached to a session in ``busy`` (shutdown: the
+        streams of a session whose turn still runs here wait for its end)."""
+        for queue in tuple(self._streams):
+            if queue.session_id not in busy:
                 queue.end(error)
 
     # ------------------------------------------------------------------ gaps

@@ -315,6 +315,11 @@ class StreamStore(Protocol):
         """Re-record a replica's open streams after its rows were swept (a lapse)."""
         ...
 
+    async def replica_streams(self, replica_id: str) -> list[str]:
+        """The ids of the streams recorded for ``replica_id`` (its heartbeat checks them
+        against the streams open on it, decision 0182)."""
+        ...
+
     async def remove_replica(self, replica_id: str) -> None:
         """Forget a replica and its streams (start-up of a reused id, shutdown)."""
         ...

@@ -29,7 +29,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -38,6 +38,7 @@ from ballet.planner.v1 import chat_pb2, planner_service_pb2
 from ballet_common.tokens import Claims
 from service.core.errors import (
     FailedPrecondition,
+    Internal,
     InvalidArgument,
     OutOfRange,
     PlannerError,
@@ -50,7 +51,7 @@ from service.core.fanout import Hub, StreamEnd, StreamQueue
 from service.core.model import EventKind, Session, SessionEvent, TextDelta, ToolCallProgress
 from service.core.ports import SessionStore
 from service.core.sessions import Caller, SessionRules, check_request_id
-from service.core.streams import StreamRegistry
+from service.core.streams import StreamRegistry, StreamSlot
 from service.core.turn import SendRequest, TurnService
 from service.transport import convert
 from service.transport.auth import Authenticator, caller_from_claims
@@ -156,27 +157,14 @@ class TurnRpcs:
                 context,
                 FailedPrecondition("Chat needs a human's token", reason="HUMAN_REQUIRED"),
             )
-        stream_id = ""
-        if self._streams is not None:
-            # Counted across replicas (SPEC 8); raises TOO_MANY_STREAMS.
-            try:
-                stream_id = await self._streams.open(caller.subject)
-            except PlannerError as error:
-                await _refuse(requests, context, error)
-        elif self._hub.stream_count(caller.subject) >= self._limits.streams_per_human:
-            await _refuse(
-                requests,
-                context,
-                ResourceExhausted(
-                    f"at most {self._limits.streams_per_human} open Chat streams per human",
-                    reason="TOO_MANY_STREAMS",
-                    retry_after_s=1.0,
-                ),
-            )
+        slot = await self._take_slot(caller, requests, context)
         queue = self._hub.new_queue(caller.subject)
         stream = _Stream(self, claims, caller, queue)
+        reader = asyncio.get_running_loop().create_task(_read_requests(stream, requests))
+        end = self._ending(stream, reader, slot)
+        # However the call ends, even if this generator is never resumed again.
+        context.add_done_callback(lambda _: end())
         self._stream_changed(+1)
-        reader = asyncio.get_running_loop().create_task(stream.read(requests))
         try:
             while True:
                 item = await queue.get()
@@ -200,15 +188,63 @@ class TurnRpcs:
                     assert isinstance(item, chat_pb2.ChatResponse)
                     yield item
         finally:
-            reader.cancel()
+            # Everything that must follow the stream happens before the first await, so
+            # a second cancellation cannot skip it.
+            end()
             # asyncio.wait does not raise the reader's CancelledError, and lets this
             # task's own cancellation through (never swallowed; STYLE rule 5).
             await asyncio.wait({reader})
+
+    async def _take_slot(
+        self,
+        caller: Caller,
+        requests: AsyncIterator[chat_pb2.ChatRequest | Undecodable],
+        context: Any,
+    ) -> StreamSlot | None:
+        """Admit the caller's stream against the per-human limit (SPEC 8), or refuse the
+        call (``TOO_MANY_STREAMS``, ``DATABASE_UNAVAILABLE``). The slot is released when
+        the call ends, however it ends: a call cancelled while its slot is being taken
+        leaves no row behind (issue 12; decision 0182)."""
+        if self._streams is not None:
+            slot = self._streams.open(caller.subject)
+            context.add_done_callback(lambda _: slot.release())
+            try:
+                await slot.admitted()
+            except PlannerError as error:
+                await _refuse(requests, context, error)
+            return slot
+        if self._hub.stream_count(caller.subject) >= self._limits.streams_per_human:
+            await _refuse(
+                requests,
+                context,
+                ResourceExhausted(
+                    f"at most {self._limits.streams_per_human} open Chat streams per human",
+                    reason="TOO_MANY_STREAMS",
+                    retry_after_s=1.0,
+                ),
+            )
+        return None
+
+    def _ending(
+        self, stream: _Stream, reader: asyncio.Task[None], slot: StreamSlot | None
+    ) -> Callable[[], None]:
+        """What must follow a stream, as one synchronous, idempotent call: stop its
+        reader and tasks, detach its queue, release its slot, count it closed."""
+        ended = False
+
+        def end() -> None:
+            nonlocal ended
+            if ended:
+                return
+            ended = True
+            reader.cancel()
             stream.close()
-            self._hub.detach(queue)
-            if stream_id and self._streams is not None:
-                self._streams.close(stream_id)
+            self._hub.detach(stream.queue)
+            if slot is not None:
+                slot.release()
             self._stream_changed(-1)
+
+        return end
 
     def _stream_changed(self, delta: int) -> None:
         if self._on_stream_change is not None:
@@ -296,6 +332,23 @@ class _Stream:
                 return
             if turn is None or turn.end_reason is not None:
                 self._queue.end(None)
+
+    @property
+    def queue(self) -> StreamQueue:
+        """The stream's outbound queue."""
+        return self._queue
+
+    def fail(self, error: Exception) -> None:
+        """End the stream with ``error``'s status (after what is queued)."""
+        if isinstance(error, PlannerError):
+            ending = error
+        elif isinstance(error, StoreUnavailable):
+            ending = Unavailable("the database is unavailable", reason="DATABASE_UNAVAILABLE")
+        else:
+            # A bug: mapped to INTERNAL, and logged with this cause by the error table.
+            ending = Internal("internal error", reason="INTERNAL")
+            ending.__cause__ = error
+        self._queue.end(ending)
 
     def _reply_error(self, error: Exception, request_id: str) -> None:
         self._queue.put_reply(
@@ -403,6 +456,18 @@ class _Stream:
             self._reply_error(error, request.request_id)
         except Exception as error:
             self._reply_error(error, request.request_id)
+
+
+async def _read_requests(
+    stream: _Stream, requests: AsyncIterator[chat_pb2.ChatRequest | Undecodable]
+) -> None:
+    """The reader task of a Chat stream. Whatever ends it, but the cancellation that
+    stops it, ends the stream with a status and an ErrorInfo: never silence, and never an
+    exception nobody retrieves (issue 12)."""
+    try:
+        await stream.read(requests)
+    except Exception as error:
+        stream.fail(error)
 
 
 #: How long a refused stream waits for the client's first message before ending.

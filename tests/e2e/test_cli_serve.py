@@ -87,6 +87,7 @@ def served(tmp_path: Path) -> Iterator[Served]:
         BALLET_PLANNER__SERVER__ADDRESS=address,
         BALLET_PLANNER__SERVER__METRICS_ADDRESS=f"127.0.0.1:{free_port()}",
         BALLET_PLANNER__SERVER__GRACE_S=str(GRACE_S),
+        BALLET_PLANNER__PLANNER__CANCEL_GRACE="1",
     )
     log = (tmp_path / "serve.log").open("w")
     process = subprocess.Popen(

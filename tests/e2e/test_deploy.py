@@ -33,6 +33,11 @@ def pod_spec(name: str) -> dict[str, Any]:
     return spec
 
 
+def volume(name: str, volume_name: str) -> dict[str, Any]:
+    found: dict[str, Any] = next(v for v in pod_spec(name)["volumes"] if v["name"] == volume_name)
+    return found
+
+
 def test_the_manifests_validate_against_the_kubernetes_schemas() -> None:
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "validate_kubernetes.py")],
@@ -59,7 +64,16 @@ def test_the_configmap_is_a_configuration_the_planner_accepts() -> None:
     container = pod_spec("deployment.yaml")["containers"][0]
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     assert settings.auth.jwks_path == Path(mounts["jwks"]) / "jwks.json"
-    assert settings.dependencies.service_token_file == Path(mounts["secrets"]) / "service-token"
+    secrets = Path(mounts["secrets"])
+    for name in ("gateway", "tracker", "skills", "knowledge"):
+        # One credential per dependency (decision 0153), each a key of the Secret.
+        token_file = getattr(settings.dependencies, name).service_token_file
+        assert token_file == secrets / f"{name}-token"
+    assert settings.auth.page_token_key_file == secrets / "page-token-keys"
+    mounted = {item["path"] for item in volume("deployment.yaml", "secrets")["secret"]["items"]}
+    assert mounted == {
+        f"{name}-token" for name in ("gateway", "tracker", "skills", "knowledge")
+    } | {"page-token-keys"}
     assert mounts["data"] == "/var/lib/ballet-planner"
 
 

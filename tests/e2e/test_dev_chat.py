@@ -87,7 +87,7 @@ max_rounds = {MAX_ROUNDS}
 compact_at_tokens = {COMPACT_AT_TOKENS}
 
 [server]
-grace_s = 5
+grace_s = 7
 """
 
 

@@ -116,7 +116,7 @@ def deployment_environment(root: Path) -> dict[str, str]:
         "BALLET_PLANNER__AUTH__ISSUERS": "https://core.example.internal",
         "BALLET_PLANNER__DEPENDENCIES__SERVICE_TOKEN_FILE": str(root / "service-token"),
         "BALLET_PLANNER__SERVER__INSECURE": "true",
-        "BALLET_PLANNER__SERVER__GRACE_S": "2",
+        "BALLET_PLANNER__SERVER__GRACE_S": "7",
     }
 
 

@@ -39,7 +39,7 @@ def test_serve_answers_health_without_the_devstack(tmp_path: Path) -> None:
     env = clean_env(
         BALLET_PLANNER__SERVER__ADDRESS=address,
         BALLET_PLANNER__SERVER__METRICS_ADDRESS="",
-        BALLET_PLANNER__SERVER__GRACE_S="2",
+        BALLET_PLANNER__SERVER__GRACE_S="7",
     )
     with (tmp_path / "serve.log").open("w") as log:
         process = subprocess.Popen(

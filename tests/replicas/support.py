@@ -279,7 +279,8 @@ async def start_planner_process(
             "address": address,
             "metrics_address": "",
             "replica_id": replica_id,
-            "grace_s": 2.0,
+            # At least planner.cancel_grace (5 s by default) + 2 (decision 0181).
+            "grace_s": 7.0,
             "health_check_interval_s": 0.2,
             **server,
         },

@@ -22,7 +22,7 @@ from ballet_common.tokens import (
     mint_dev_service_token,
     mint_dev_token,
 )
-from service.config import Settings, load_settings
+from service.config import SHUTDOWN_OVERHEAD_S, Settings, load_settings
 from service.transport.errors import error_info_of, status_from_trailers
 
 
@@ -95,7 +95,11 @@ def planner_settings(
         "BALLET_PLANNER__DATA_DIR": str(data_dir),
         "BALLET_PLANNER__SERVER__ADDRESS": "127.0.0.1:0",
         "BALLET_PLANNER__SERVER__METRICS_ADDRESS": "127.0.0.1:0",
-        "BALLET_PLANNER__SERVER__GRACE_S": "2",
+        # The least grace the default cancel_grace allows (decision 0181); tests stop
+        # their planners with a grace of their own.
+        "BALLET_PLANNER__SERVER__GRACE_S": str(
+            float(extra.get("PLANNER__CANCEL_GRACE", "5")) + SHUTDOWN_OVERHEAD_S
+        ),
         "BALLET_PLANNER__DATABASE__URL": database_url,
     }
     for name in ("TRACKER", "SKILLS", "KNOWLEDGE", "GATEWAY"):

@@ -30,7 +30,7 @@ async def app(tmp_path: Path) -> AsyncIterator[DevApp]:
             address="127.0.0.1:0",
             devstack_address="127.0.0.1:0",
         ),
-        {"BALLET_PLANNER__SERVER__METRICS_ADDRESS": "", "BALLET_PLANNER__SERVER__GRACE_S": "2"},
+        {"BALLET_PLANNER__SERVER__METRICS_ADDRESS": "", "BALLET_PLANNER__SERVER__GRACE_S": "7"},
     )
     yield started
     await started.stop()

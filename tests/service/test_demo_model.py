@@ -19,7 +19,7 @@ from service.adapters.channels import make_channel
 from service.chat_client import ChatClient, ChatOptions
 
 REPO = Path(__file__).resolve().parents[2]
-ENV = {"BALLET_PLANNER__SERVER__METRICS_ADDRESS": "", "BALLET_PLANNER__SERVER__GRACE_S": "2"}
+ENV = {"BALLET_PLANNER__SERVER__METRICS_ADDRESS": "", "BALLET_PLANNER__SERVER__GRACE_S": "7"}
 
 
 def readme_questions() -> list[str]:

@@ -140,7 +140,7 @@ async def seed(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Seed]:
             address="127.0.0.1:0",
             devstack_address="127.0.0.1:0",
         ),
-        {"BALLET_PLANNER__SERVER__METRICS_ADDRESS": "", "BALLET_PLANNER__SERVER__GRACE_S": "2"},
+        {"BALLET_PLANNER__SERVER__METRICS_ADDRESS": "", "BALLET_PLANNER__SERVER__GRACE_S": "7"},
     )
     channel = grpc.aio.insecure_channel(app.planner.address)
     try:

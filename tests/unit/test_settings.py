@@ -78,7 +78,7 @@ def test_environment_overrides_every_level(tmp_path: Path) -> None:
         {
             "BALLET_PLANNER__PLANNER__MAX_ROUNDS": "3",
             "ballet_planner__server__insecure": "true",
-            "BALLET_PLANNER__SERVER__GRACE_S": "2.5",
+            "BALLET_PLANNER__SERVER__GRACE_S": "7.5",
             "BALLET_PLANNER__DEPENDENCIES__TRACKER__ADDRESS": "tracker.internal:443",
             "BALLET_PLANNER__DEPENDENCIES__TRACKER__TLS": "yes",
             "BALLET_PLANNER__AUTH__ISSUERS": "core-a, core-b",
@@ -89,7 +89,7 @@ def test_environment_overrides_every_level(tmp_path: Path) -> None:
     )
     assert settings.planner.max_rounds == 3
     assert settings.server.insecure is True
-    assert settings.server.grace_s == 2.5
+    assert settings.server.grace_s == 7.5
     assert settings.dependencies.tracker.address == "tracker.internal:443"
     assert settings.dependencies.tracker.uses_tls
     assert settings.auth.issuers == ("core-a", "core-b")
@@ -123,7 +123,7 @@ PARTIAL_OVERRIDES = [
     ("dependencies.tracker.address", "127.0.0.1:7002"),
     ("dependencies.model_idle_s", 30.0),
     ("planner.max_rounds", 3),
-    ("server.grace_s", 5.0),
+    ("server.grace_s", 9.0),
     ("limits.turns_per_human", 2),
     ("database.pool_size", 3),
     ("auth.leeway_s", 10.0),
@@ -323,3 +323,18 @@ def test_a_non_finite_number_is_refused_naming_the_key(value: str) -> None:
 def test_a_database_url_of_another_engine_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"^database\.url: expected a PostgreSQL"):
         load_settings(None, {"BALLET_PLANNER__DATABASE__URL": "mysql://host/db"})
+
+
+def test_a_grace_period_that_cannot_hold_the_writes_grace_is_refused() -> None:
+    """SPEC 8 and 5 together (decision 0181): a shutdown gives started writes their
+    ``planner.cancel_grace`` and still stores every turn's end, so ``server.grace_s``
+    must leave room for both; the error names both keys."""
+    message = error_of(
+        {"BALLET_PLANNER__SERVER__GRACE_S": "6", "BALLET_PLANNER__PLANNER__CANCEL_GRACE": "5"}
+    )
+    assert message.startswith("server.grace_s: must be at least planner.cancel_grace (5) + 2 s")
+    assert "got 6" in message
+    settings = load(
+        {"BALLET_PLANNER__SERVER__GRACE_S": "3", "BALLET_PLANNER__PLANNER__CANCEL_GRACE": "1"}
+    )
+    assert (settings.server.grace_s, settings.planner.cancel_grace) == (3.0, 1.0)

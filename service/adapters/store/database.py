@@ -7,6 +7,10 @@ heartbeats) + ``database.hot_pool_size`` (psycopg: every turn's and every Chat
 stream's units of work) + 1 (the LISTEN connection of ``adapters.bus``). PostgreSQL's
 ``max_connections`` must exceed that times the number of replicas, plus what migrations
 and operators use.
+
+Both stores run their units of work in one ``UnitsOfWork`` (``work.py``): no caller's
+cancellation reaches a connection, and ``close`` waits for the units in flight before
+the pools close (decision 0180).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from service.adapters.store.engine import is_postgresql, make_engine
 from service.adapters.store.pg import PgSessionStore, PgStreamStore, StatementObserver, make_pool
 from service.adapters.store.repository import SqlSessionStore
 from service.adapters.store.streams import SqlStreamStore
+from service.adapters.store.work import UnitsOfWork
 from service.core.errors import StoreUnavailable
 
 
@@ -33,6 +38,7 @@ class Database:
     pool: AsyncConnectionPool[Any] | None
     sessions: SqlSessionStore
     streams: SqlStreamStore
+    units_of_work: UnitsOfWork
     observers: list[StatementObserver] = field(default_factory=list)
 
     def observe(self, observer: StatementObserver) -> Callable[[], None]:
@@ -53,8 +59,11 @@ class Database:
             used += stats.get("pool_size", 0) - stats.get("pool_available", 0)
         return used
 
-    async def close(self) -> None:
-        """Close the pools (connections in use are closed when returned)."""
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """Wait up to ``timeout_s`` seconds for the units of work in flight (a caller
+        that left does not stop one, decision 0180), cancel what is left, then close the
+        pools."""
+        await self.units_of_work.drain(timeout_s)
         if self.pool is not None:
             await self.pool.close()
         await self.engine.dispose()
@@ -77,9 +86,12 @@ async def open_database(
     engine = make_engine(
         url, pool_size=pool_size, max_overflow=max_overflow, pool_timeout_s=pool_timeout_s
     )
+    work = UnitsOfWork()
     if not is_postgresql(engine):
-        sessions = SqlSessionStore(engine, replica_id, context_cache_bytes=context_cache_bytes)
-        return Database(engine, None, sessions, SqlStreamStore(engine))
+        sessions = SqlSessionStore(
+            engine, replica_id, context_cache_bytes=context_cache_bytes, units_of_work=work
+        )
+        return Database(engine, None, sessions, SqlStreamStore(engine, units_of_work=work), work)
     pool = make_pool(url, max_size=hot_pool_size, timeout_s=pool_timeout_s)
     try:
         await pool.open(wait=True, timeout=pool_timeout_s)
@@ -96,8 +108,10 @@ async def open_database(
             pool,
             replica_id,
             context_cache_bytes=context_cache_bytes,
+            units_of_work=work,
             observers=observers,
         ),
-        PgStreamStore(engine, pool, observers=observers),
+        PgStreamStore(engine, pool, units_of_work=work, observers=observers),
+        work,
         observers,
     )

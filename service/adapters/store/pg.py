@@ -41,6 +41,7 @@ from service.adapters.store.tables import (
     UQ_SESSION_REQUEST_ID,
     UQ_TURN_REQUEST_ID,
 )
+from service.adapters.store.work import UnitsOfWork, every_method_a_unit_of_work
 from service.core.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -309,6 +310,7 @@ def _first_line(error: BaseException) -> str:
 # ---------------------------------------------------------------------- the stores
 
 
+@every_method_a_unit_of_work
 class PgSessionStore(SqlSessionStore):
     """``SqlSessionStore`` on PostgreSQL with the hot path on ``pool`` (decision 0113):
     ``get_session``, ``start_turn``, ``commit`` and ``renew_lease`` are one statement
@@ -322,9 +324,16 @@ class PgSessionStore(SqlSessionStore):
         replica_id: str,
         *,
         context_cache_bytes: int = CONTEXT_CACHE_BYTES,
+        units_of_work: UnitsOfWork | None = None,
         observers: list[StatementObserver] | None = None,
     ) -> None:
-        super().__init__(engine, replica_id, notify=True, context_cache_bytes=context_cache_bytes)
+        super().__init__(
+            engine,
+            replica_id,
+            notify=True,
+            context_cache_bytes=context_cache_bytes,
+            units_of_work=units_of_work,
+        )
         self._hot = PgHotPath(pool, notify=replica_id, observers=observers)
 
     async def get_session(self, session_id: str) -> Session | None:
@@ -410,6 +419,7 @@ class PgSessionStore(SqlSessionStore):
         return last, units.numbered(commit.events, last)
 
 
+@every_method_a_unit_of_work
 class PgStreamStore(SqlStreamStore):
     """``SqlStreamStore`` on PostgreSQL with a stream's opening and closing on ``pool``,
     one statement each (decision 0113)."""
@@ -419,9 +429,10 @@ class PgStreamStore(SqlStreamStore):
         engine: AsyncEngine,
         pool: AsyncConnectionPool[Any],
         *,
+        units_of_work: UnitsOfWork | None = None,
         observers: list[StatementObserver] | None = None,
     ) -> None:
-        super().__init__(engine)
+        super().__init__(engine, units_of_work=units_of_work)
         self._hot = PgHotPath(pool, notify=None, observers=observers)
 
     async def open_stream(self, stream: OpenStream, *, limit: int, now: datetime) -> bool:

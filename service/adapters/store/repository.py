@@ -49,6 +49,7 @@ from service.adapters.store.tables import (
     turns,
 )
 from service.adapters.store.turn_units import CANCEL_CHANNEL, EVENTS_CHANNEL
+from service.adapters.store.work import UnitsOfWork, every_method_a_unit_of_work
 from service.core.errors import (
     InvalidArgument,
     StoreConflict,
@@ -89,6 +90,7 @@ _RUNNING_TURN_ID = (
 )
 
 
+@every_method_a_unit_of_work
 class SqlSessionStore:
     """Sessions, transcripts, turns and events in PostgreSQL or SQLite.
 
@@ -97,6 +99,7 @@ class SqlSessionStore:
     ``notify`` sends PostgreSQL notifications to other replicas; None means "when the
     engine is PostgreSQL" (SQLite serves one process and has no notifications).
     ``context_cache_bytes`` bounds the sessions' contexts kept between turns (0: none).
+    Every public method is a unit of work of ``units_of_work`` (decision 0180).
     """
 
     def __init__(
@@ -106,6 +109,7 @@ class SqlSessionStore:
         notify: bool | None = None,
         *,
         context_cache_bytes: int = CONTEXT_CACHE_BYTES,
+        units_of_work: UnitsOfWork | None = None,
     ) -> None:
         if not replica_id or any(ch.isspace() for ch in replica_id):
             raise ValueError(f"replica id {replica_id!r} must be non-empty without spaces")
@@ -120,6 +124,7 @@ class SqlSessionStore:
         self._notify = notify
         self._units = units.SqlTurnUnits(replica_id if notify else None)
         self._cache = ContextCache(context_cache_bytes)
+        self.units_of_work = units_of_work or UnitsOfWork()
 
     # ------------------------------------------------------------------ units of work
 
@@ -577,8 +582,6 @@ class SqlSessionStore:
                     .first()
                 )
         return None if row is None else codec.turn_from_row(row)
-
-    # ------------------------------------------------------------------ helpers
 
 
 # ---------------------------------------------------------------------- module helpers

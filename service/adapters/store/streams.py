@@ -11,7 +11,8 @@ transaction-scoped advisory lock keyed by the human does that (two humans rarely
 key, and sharing one only makes them wait for each other); on SQLite every write
 transaction already holds the database's one write lock (``BEGIN IMMEDIATE``, see
 ``engine``). Statements: ``open_stream`` 3 on PostgreSQL (lock, count, insert), 2 on
-SQLite; ``close_streams`` 1; ``heartbeat`` 1 (2 on the first beat).
+SQLite; ``close_streams`` 1; ``heartbeat`` 1 (2 on the first beat); ``replica_streams``
+1.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from service.adapters.store.engine import is_postgresql, read_only
 from service.adapters.store.errors import translated
 from service.adapters.store.tables import chat_streams, planner_replicas
+from service.adapters.store.work import UnitsOfWork, every_method_a_unit_of_work
 from service.core.errors import StoreConflict
 from service.core.ports import OpenStream
 
@@ -38,14 +40,18 @@ __all__ = ["SqlStreamStore"]
 _LOCK_PREFIX = "ballet_planner.chat_streams:"
 
 
+@every_method_a_unit_of_work
 class SqlStreamStore:
     """The ``StreamStore`` port on PostgreSQL or SQLite (``engine`` from ``make_engine``,
-    shared with ``SqlSessionStore``)."""
+    shared with ``SqlSessionStore``). Every public method is one unit of work run by
+    ``units_of_work``, which no caller's cancellation reaches (``work.py``)."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, *, units_of_work: UnitsOfWork | None = None) -> None:
         self._engine = engine
         self._reader = read_only(engine)
         self._postgresql = is_postgresql(engine)
+        #: Runs every public method, which no caller's cancellation reaches (``work.py``).
+        self.units_of_work = units_of_work or UnitsOfWork()
 
     @asynccontextmanager
     async def _write(self) -> AsyncIterator[AsyncConnection]:
@@ -70,8 +76,15 @@ class SqlStreamStore:
             ).first()
             if renewed is not None:
                 return True
+            # Two beats may race here (the loop's, and an open that found the row gone).
+            dialect_insert = postgresql.insert if self._postgresql else sqlite.insert
             await conn.execute(
-                insert(planner_replicas).values(replica_id=replica_id, lease_expires_at=until)
+                dialect_insert(planner_replicas)
+                .values(replica_id=replica_id, lease_expires_at=until)
+                .on_conflict_do_update(
+                    index_elements=[planner_replicas.c.replica_id],
+                    set_={"lease_expires_at": until},
+                )
             )
         return False
 
@@ -113,6 +126,16 @@ class SqlStreamStore:
         dialect_insert = postgresql.insert if self._postgresql else sqlite.insert
         async with self._write() as conn:
             await conn.execute(dialect_insert(chat_streams).values(rows).on_conflict_do_nothing())
+
+    async def replica_streams(self, replica_id: str) -> list[str]:
+        """The ids of the streams recorded for ``replica_id`` (one indexed read). Raises
+        ``StoreUnavailable``."""
+        with translated():
+            async with self._reader.connect() as conn:
+                rows = await conn.execute(
+                    select(chat_streams.c.stream_id).where(chat_streams.c.replica_id == replica_id)
+                )
+                return [str(row.stream_id) for row in rows]
 
     async def remove_replica(self, replica_id: str) -> None:
         """Delete the replica's row and, by cascade, its streams. Raises

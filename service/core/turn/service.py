@@ -46,6 +46,11 @@ T = TypeVar("T")
 
 #: Attempts to open a turn while an expired one is being closed.
 _START_ATTEMPTS = 3
+#: Shutdown (``TurnService.stop``): seconds kept after the writes' ``cancel_grace`` for
+#: a stopped turn to store its end (SPEC 5: ``turn_ended`` within ``cancel_grace`` + 1 s),
+#: and, of those, the last ones for closing from the store the runs that did not.
+STOP_MARGIN_S = 1.0
+CLOSE_MARGIN_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -95,6 +100,8 @@ class TurnService:
         self._leases = Leases(deps, self._handles)
         self._on_step = on_step
         self._accepting = True
+        #: Set by ``stop``: every turn launched from then on stops at once.
+        self._stopping: Ending | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -108,34 +115,65 @@ class TurnService:
         self._leases.start()
 
     async def stop(self, grace_s: float) -> None:
-        """Stop accepting turns; let running ones end on their own while the grace period
-        leaves room for a stop; then stop them ``INTERRUPTED`` (started writes get
-        ``cancel_grace``); close any that did not store their end from what is stored
-        (SPEC section 8, graceful shutdown). ``grace_s`` > ``cancel_grace`` + 1 is
-        checked by the settings loader."""
+        """Shut this replica's turns down within ``grace_s`` seconds (SPEC section 8,
+        graceful shutdown; decision 0181):
+
+        1. refuse new messages (``UNAVAILABLE``/``SHUTTING_DOWN``); messages being
+           accepted launch their turns;
+        2. let running turns end on their own while the period leaves room for a stop,
+           until ``grace_s - cancel_grace - STOP_MARGIN_S``;
+        3. stop the rest ``INTERRUPTED`` ("the planner is shutting down"): the model
+           stream stops and reads are abandoned at once, started writes get
+           ``cancel_grace``, and each turn stores its own end;
+        4. at ``grace_s - CLOSE_MARGIN_S``, cancel the runs that have not stored their
+           end and close their turns from what is stored.
+
+        Every turn of this process has ended in the database when this returns, unless
+        the database is unreachable (the turn's lease then lapses and a sweeper closes
+        it). The settings loader makes sure ``server.grace_s`` leaves room for
+        ``cancel_grace`` (``service.config``); a shorter ``grace_s`` (tests, a second
+        stop) skips to the stop at once and shortens the writes' grace.
+        """
         self._accepting = False
-        started = time.monotonic()
-        cancel_grace = self._deps.settings.cancel_grace_s
-        if self._accepting_tasks:
-            await asyncio.wait(set(self._accepting_tasks))
-        await self._wait_for_runs(grace_s - cancel_grace - 1.0)
+        deadline = time.monotonic() + grace_s
+        settings = self._deps.settings
+
+        await self._wait_for_runs(deadline - settings.cancel_grace_s - STOP_MARGIN_S)
+        # From here a turn launched by an acceptance still in flight stops at once too.
+        self._stopping = endings.SHUTTING_DOWN
         for handle in list(self._handles.values()):
             handle.request_stop(endings.SHUTTING_DOWN)
-        await self._wait_for_runs(grace_s - (time.monotonic() - started) - 0.5)
-        stuck = [self._handles[turn_id] for turn_id in list(self._handles)]
-        for task in list(self._tasks.values()):
+        await self._wait_for_runs(deadline - CLOSE_MARGIN_S)
+        stuck = [handle.turn_id for handle in self._handles.values()]
+        tasks = set(self._tasks.values())
+        for task in tasks:
             task.cancel()
-        if self._tasks:
-            await asyncio.wait(set(self._tasks.values()))
-        for handle in stuck:
+        if tasks:
+            # A cancelled run stops at its next await; the commit it may be in is the
+            # store's to finish (store units of work are not cancelled with callers).
+            await asyncio.wait(tasks)
+        for turn_id in stuck:
             with contextlib.suppress(StoreUnavailable):
-                await self._close(handle.turn, endings.SHUTTING_DOWN, owner=self._deps.replica_id)
+                turn = await self._deps.store.get_turn(turn_id)
+                if turn is not None and turn.state is TurnState.RUNNING:
+                    await self._close(turn, endings.SHUTTING_DOWN, owner=self._deps.replica_id)
         await self._leases.stop()
 
-    async def _wait_for_runs(self, timeout_s: float) -> None:
-        tasks = set(self._tasks.values())
-        if tasks and timeout_s > 0:
-            await asyncio.wait(tasks, timeout=timeout_s)
+    async def _wait_for_runs(self, until: float) -> None:
+        """Wait until no message is being accepted and no turn runs here, or until the
+        ``time.monotonic()`` value ``until``; turns launched meanwhile are waited for
+        too."""
+        while True:
+            waiting = set(self._accepting_tasks) | set(self._tasks.values())
+            timeout_s = until - time.monotonic()
+            if not waiting or timeout_s <= 0:
+                return
+            await asyncio.wait(waiting, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+
+    @property
+    def running_sessions(self) -> set[str]:
+        """The sessions whose turn runs in this process."""
+        return {handle.session_id for handle in self._handles.values()}
 
     @property
     def running(self) -> int:
@@ -326,6 +364,8 @@ class TurnService:
             handle.done.set()
 
         task.add_done_callback(ended)
+        if self._stopping is not None:
+            handle.request_stop(self._stopping)
 
     async def _close(
         self,

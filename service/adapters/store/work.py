@@ -1,0 +1,138 @@
+"""Units of work the store owns, so that no caller's cancellation reaches a connection
+(issue 12; decision 0180).
+
+A unit of work holds a pooled connection from its first statement to its commit or
+rollback. Cancelled inside, it has to run more awaits to give the connection back
+cleanly: psycopg cancels the statement on the server and waits for it, SQLAlchemy rolls
+back and returns the connection. A second cancellation during those (a client that
+cancels an RPC whose handler is already cleaning up, a timeout around a cancelled wait)
+leaves the connection checked out, possibly idle in a transaction that holds locks,
+until the garbage collector drops it ("The garbage collector is trying to clean up
+non-checked-in connection ...").
+
+So cancellation never reaches one: every public coroutine method of a store class
+marked ``@every_method_a_unit_of_work`` (and of its subclasses, marked too) is a unit of
+work that runs in a task the store's ``UnitsOfWork`` owns, and its caller awaits that
+task shielded. A caller cancelled meanwhile stops waiting at once; the unit of work runs
+to its end, commits or rolls back, and returns its connection. What it did
+is done whether or not anyone still waits for it: a commit that lands for a caller who
+left is the same as one whose reply was lost on the network, which every caller already
+handles (the turn service, for one, awaits its acceptance shielded and launches the
+turn whatever happens to the RPC). ``UnitsOfWork.drain`` waits for the units in flight
+before the pools close (``Database.close``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
+
+from service.core.errors import PlannerError, StoreConflict, StoreUnavailable
+
+log = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+#: The attribute that marks a store method as a unit of work (tests check every public
+#: coroutine method of the stores carries it).
+MARK = "__unit_of_work__"
+
+#: Failures of a unit of work that are the store's answers, not bugs.
+_EXPECTED = (StoreUnavailable, StoreConflict, PlannerError)
+
+
+class UnitsOfWork:
+    """The tasks that run a store's units of work (one per store or per database).
+
+    ``run`` never lets the caller's cancellation into the unit of work; ``drain`` waits
+    for those in flight. Units still running when ``drain`` gives up are cancelled then,
+    once, and awaited: a single cancellation lets them roll back and give their
+    connection back; the pools close next.
+    """
+
+    def __init__(self) -> None:
+        self._running: set[asyncio.Task[Any]] = set()
+
+    @property
+    def in_flight(self) -> int:
+        """Units of work running now."""
+        return len(self._running)
+
+    async def run(self, work: Coroutine[Any, Any, T]) -> T:
+        """Run ``work`` in a task owned here and return its result (or raise its error).
+
+        A caller cancelled while it waits gets ``CancelledError`` at once; ``work`` goes
+        on to its end.
+        """
+        task = asyncio.get_running_loop().create_task(work)
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            # Nobody will read the outcome: report a failure that is a bug, and retrieve
+            # the rest, so nothing is logged as "never retrieved".
+            task.add_done_callback(_report_abandoned)
+            raise
+
+    async def drain(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` seconds for the units in flight; then cancel the rest
+        and wait for them to give their connections back."""
+        running = set(self._running)
+        if not running:
+            return
+        _, pending = await asyncio.wait(running, timeout=max(0.0, timeout_s))
+        if pending:
+            log.warning("store: %d units of work still running at close; cancelled", len(pending))
+            for task in pending:
+                task.cancel()
+            await asyncio.wait(pending)
+
+
+class HasUnitsOfWork(Protocol):
+    """A store whose methods are units of work: it owns a ``UnitsOfWork``."""
+
+    units_of_work: UnitsOfWork
+
+
+S = TypeVar("S", bound=HasUnitsOfWork)
+C = TypeVar("C", bound=type)
+
+
+def unit_of_work(
+    method: Callable[Concatenate[S, P], Coroutine[Any, Any, T]],
+) -> Callable[Concatenate[S, P], Coroutine[Any, Any, T]]:
+    """Make a store method a unit of work run by its store's ``UnitsOfWork``: the caller's
+    cancellation never interrupts it (see the module docstring)."""
+
+    @functools.wraps(method)
+    async def run(self: S, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return await self.units_of_work.run(method(self, *args, **kwargs))
+
+    setattr(run, MARK, True)
+    return run
+
+
+def every_method_a_unit_of_work(cls: C) -> C:
+    """Make every public coroutine method defined in ``cls`` a unit of work
+    (``unit_of_work``); a subclass that defines or overrides one is marked again. A store
+    method cannot be added without being one (a test also checks every store class)."""
+    for name, value in list(vars(cls).items()):
+        if name.startswith("_") or not inspect.iscoroutinefunction(value):
+            continue
+        if not getattr(value, MARK, False):
+            setattr(cls, name, unit_of_work(value))
+    return cls
+
+
+def _report_abandoned(task: asyncio.Task[Any]) -> None:
+    if task.cancelled():
+        return
+    error = task.exception()
+    if error is not None and not isinstance(error, _EXPECTED):
+        log.error("store: a unit of work whose caller left failed", exc_info=error)
