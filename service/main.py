@@ -315,10 +315,12 @@ async def start_planner(
     *,
     backends: ToolBackends | None = None,
     clock: Clock | None = None,
+    turn_machinery: Callable[[Wiring], PlannerTurns] = build_turns,
 ) -> PlannerApp:
     """Build and start a planner from ``settings``; returns once it serves.
 
-    ``backends`` replaces the gRPC backend clients (tests). Binds ``server.address`` (port 0: a free
+    ``backends`` replaces the gRPC backend clients and ``turn_machinery`` builds the turn
+    side from the wiring (tests put doubles in either). Binds ``server.address`` (port 0: a free
     port, see ``PlannerApp.address``). Raises ``ConfigError`` (a setting that cannot be
     used, e.g. an unreadable certificate) and ``StartupError`` (database unreachable or
     behind, address in use).
@@ -370,7 +372,7 @@ async def start_planner(
             page_tokens=page_tokens,
             message_size=convert.encoded_message_bytes,
         )
-        turns = build_turns(
+        turns = turn_machinery(
             Wiring(
                 settings=settings,
                 store=store,

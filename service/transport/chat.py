@@ -427,10 +427,12 @@ class _Stream:
 
     async def _send(self, request: chat_pb2.ChatRequest) -> None:
         session = self._require_open()
-        rules = self._rpcs._rules
-        current = await rules.owned_session(self._caller, session.session_id)
+        # The session was found owned by this caller at open, and its owner never
+        # changes; the project access is re-checked (cached), and a session deleted
+        # since is refused by the store when the message is stored (SESSION_NOT_FOUND).
+        await self._rpcs._rules.recheck_project(self._caller, session)
         accepted = await self._rpcs._turns.send_message(
-            _send_request(current, self._caller, request.send_message.text, request.request_id)
+            _send_request(session, self._caller, request.send_message.text, request.request_id)
         )
         self.waiting_turn = accepted.turn.turn_id
         if accepted.duplicate:

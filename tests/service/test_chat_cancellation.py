@@ -24,7 +24,8 @@ import pytest
 from ballet.planner.v1 import chat_pb2, planner_service_pb2_grpc
 
 from service.core.ports import OpenStream, StreamStore
-from service.main import PlannerApp, PlannerTurns, Wiring, build_turn_machinery, start_planner
+from service.main import PlannerApp, start_planner
+from service.wiring import PlannerTurns, Wiring, build_turns
 from tests.hardening.support import Stack, eventually, open_request, start_stack
 from tests.service.planner_support import auth, planner_settings
 
@@ -101,8 +102,7 @@ async def planner(tmp_path: Path) -> AsyncIterator[tuple[Stack, Planner]]:
     def machinery(wiring: Wiring) -> PlannerTurns:
         assert wiring.streams is not None
         held = HeldStreamStore(wiring.streams)
-        turns = build_turn_machinery(dataclasses.replace(wiring, streams=held))
-        assert isinstance(turns, PlannerTurns)
+        turns = build_turns(dataclasses.replace(wiring, streams=held))
         built.append((turns, held))
         return turns
 
