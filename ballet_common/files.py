@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from pathlib import Path
 
 #: Owner read and write: files holding transcripts or secrets.
@@ -77,9 +78,9 @@ def create_private_file(path: Path, content: bytes = b"") -> bool:
 
 
 def exposed(path: Path) -> bool:
-    """True when ``path`` exists and its group or other users have any access to it."""
+    """True when ``path`` is a file its group or other users have any access to."""
     try:
-        mode = path.stat().st_mode
-    except FileNotFoundError:
+        status = path.stat()
+    except (FileNotFoundError, NotADirectoryError):
         return False
-    return bool(mode & 0o077)
+    return stat.S_ISREG(status.st_mode) and bool(status.st_mode & 0o077)

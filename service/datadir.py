@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ballet_common.files import private_directory
+
 #: What to do, for commands configured by settings; commands with ``--data-dir`` say so.
 HOW_TO_CHOOSE = "set data_dir (BALLET_PLANNER__DATA_DIR) to a writable folder"
 WITH_OPTION = "give --data-dir a writable folder"
@@ -33,8 +35,9 @@ def prepare(path: Path, how: str = HOW_TO_CHOOSE) -> Path:
     be created, or it is not writable.
     """
     try:
-        path.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
+        # Owner-only, whatever the umask: it holds transcripts and secrets (issue 14).
+        private_directory(path)
+    except (FileExistsError, NotADirectoryError):
         raise DataDirError(
             f"data directory {path} is a file, not a folder; {how}"
         ) from None

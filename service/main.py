@@ -331,7 +331,15 @@ async def start_planner(
         except datadir.DataDirError as error:
             raise StartupError(str(error)) from None
     metrics = Metrics()
-    verifier = token_verifier(settings)
+    try:
+        verifier = token_verifier(settings)
+        credentials = service_credentials(settings)
+        page_tokens = PageTokens(page_token_keys(settings))
+    except OSError as error:
+        # The dev secret or the page-token key of the data directory cannot be used: one
+        # line saying so (production reads its key files at first use instead).
+        problem = datadir.unusable(settings.data_dir, error, "use the dev secret")
+        raise StartupError(str(problem)) from error
     if verifier.dev_mode:
         log.warning(
             "dev mode: no auth.jwks_path, bearer tokens are checked with the HS256 dev "
@@ -339,8 +347,6 @@ async def start_planner(
         )
     metrics.dev_mode.set(1 if verifier.dev_mode else 0)
     clock = clock or SystemClock()
-    credentials = service_credentials(settings)
-    page_tokens = PageTokens(page_token_keys(settings))
     database = await _open_database(settings)
     metrics.database_connections_in_use.set_function(database.checked_out)
     opened: list[Any] = []

@@ -110,14 +110,21 @@ def deployment_environment(root: Path) -> dict[str, str]:
     jwk = json.loads(jwt.algorithms.OKPAlgorithm.to_jwk(public))
     jwk.update(kid="core-1", alg="EdDSA", use="sig")
     (root / "jwks.json").write_text(json.dumps({"keys": [jwk]}))
-    (root / "service-token").write_text("a-service-token-for-the-backends\n")
-    return {
+    (root / "page-token-keys").write_text("a-page-token-key-of-the-deployment\n")
+    environment = {
         "BALLET_PLANNER__AUTH__JWKS_PATH": str(root / "jwks.json"),
         "BALLET_PLANNER__AUTH__ISSUERS": "https://core.example.internal",
-        "BALLET_PLANNER__DEPENDENCIES__SERVICE_TOKEN_FILE": str(root / "service-token"),
+        "BALLET_PLANNER__AUTH__PAGE_TOKEN_KEY_FILE": str(root / "page-token-keys"),
         "BALLET_PLANNER__SERVER__INSECURE": "true",
         "BALLET_PLANNER__SERVER__GRACE_S": "7",
     }
+    # One credential per dependency, each for that dependency alone (decision 0153).
+    for name in ("GATEWAY", "TRACKER", "SKILLS", "KNOWLEDGE"):
+        (root / f"{name.lower()}-token").write_text(f"a-service-token-for-the-{name.lower()}\n")
+        environment[f"BALLET_PLANNER__DEPENDENCIES__{name}__SERVICE_TOKEN_FILE"] = str(
+            root / f"{name.lower()}-token"
+        )
+    return environment
 
 
 def test_cmd_and_healthcheck_run_with_environment_variables_alone(tmp_path: Path) -> None:

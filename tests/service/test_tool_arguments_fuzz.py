@@ -34,6 +34,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from ballet_common.tokens import KNOWLEDGE_AUDIENCE, SKILLS_AUDIENCE, TRACKER_AUDIENCE
 from devstack.server import DevStack, DevStackConfig
 from service.adapters.backends import GrpcToolBackends
 from service.adapters.channels import make_channel
@@ -337,9 +338,10 @@ async def rig(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Rig]:
         tracker=channel,
         skills=channel,
         knowledge=channel,
-        tracker_credential=stack.planner_credential,
-        skills_credential=stack.planner_credential,
-        knowledge_credential=stack.planner_credential,
+        # One credential per backend, each for its own audience (issue 14).
+        tracker_credential=lambda: stack.planner_credential(TRACKER_AUDIENCE),
+        skills_credential=lambda: stack.planner_credential(SKILLS_AUDIENCE),
+        knowledge_credential=lambda: stack.planner_credential(KNOWLEDGE_AUDIENCE),
     )
     try:
         yield Rig(stack, ToolRunner(backends, timeout_s=10.0), itertools.count())
