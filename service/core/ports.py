@@ -244,8 +244,10 @@ class SessionStore(Protocol):
         """The messages of one turn, in sequence order."""
         ...
 
-    async def load_context(self, session_id: str) -> ContextSnapshot | None:
-        """The session and the messages after its summary; None when it is gone."""
+    def load_context(self, session_id: str) -> Awaitable[ContextSnapshot | None]:
+        """The session and the messages after its summary; None when it is gone. (An
+        awaitable, not a coroutine: a store that holds the context answers without a
+        task.)"""
         ...
 
     async def start_turn(self, start: TurnStart) -> TurnStartOutcome:

@@ -93,7 +93,8 @@ async def test_callers_cancelled_at_any_point_leave_no_connection_checked_out(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(CALLERS):
-            caller = asyncio.get_running_loop().create_task(rng.choice(operations)())
+            # ensure_future: load_context answers a kept context with a finished future.
+            caller = asyncio.ensure_future(rng.choice(operations)())
             callers.append(caller)
             await yield_loop(rng.randrange(12))
             caller.cancel()

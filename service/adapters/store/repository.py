@@ -17,7 +17,8 @@ cancel for its running turn). ``service.adapters.bus.PgNotifier`` receives them.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import asynccontextmanager
 from datetime import datetime
 from typing import Any
@@ -382,16 +383,25 @@ class SqlSessionStore:
             rows = (await conn.execute(stmt)).mappings().all()
         return [codec.message_from_row(row) for row in rows]
 
-    async def load_context(self, session_id: str) -> ContextSnapshot | None:
+    def load_context(self, session_id: str) -> Awaitable[ContextSnapshot | None]:
         """The session and the messages after its summary's ``up_to``, in sequence order
         (SPEC 6; T1: no message older than the summary is read). None when it is gone.
 
         Served from the context cache when this process's own units of work have kept
-        it current (decision 0113); read from the database, and kept, otherwise.
+        it current (decision 0113): a finished future, no task and no connection (a turn
+        starts its model call without yielding to the event loop); read from the
+        database as a unit of work, and kept, otherwise.
         """
         cached = self._cache.get(session_id)
         if cached is not None:
-            return cached
+            ready: asyncio.Future[ContextSnapshot | None] = (
+                asyncio.get_running_loop().create_future()
+            )
+            ready.set_result(cached)
+            return ready
+        return self.units_of_work.run(self._load_context(session_id))
+
+    async def _load_context(self, session_id: str) -> ContextSnapshot | None:
         snapshot = await self._read_context(session_id)
         if snapshot is None:
             return None

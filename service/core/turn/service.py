@@ -253,14 +253,16 @@ class TurnService:
             if outcome.kind is StartOutcomeKind.DUPLICATE:
                 return Accepted(outcome.turn, outcome.events[0], duplicate=True)
             stored = list(outcome.events)
-            self._deps.hub.publish(stored)
             acting = Acting(
                 human_id=request.human_id,
                 organization_id=request.organization_id,
                 token=request.token,
                 session_id=session.session_id,
             )
+            # Launched before the events are published: the turn's first steps (and its
+            # model call) run before the streams' writers wake for these events.
             self._launch(TurnHandle(outcome.turn, session, acting, stored[0].sequence))
+            self._deps.hub.publish(stored)
             return Accepted(outcome.turn, stored[0], duplicate=False)
         raise FailedPrecondition("a turn is still closing; try again", reason="TURN_IN_PROGRESS")
 
