@@ -1,6 +1,7 @@
 """OpenTelemetry tracing for the planner and the devstack (issue 16; decision 0190).
 
-``tracing_from_environment`` reads the standard ``OTEL_*`` variables and returns a
+``tracing_from_environment`` reads the process's standard ``OTEL_*`` variables (the
+SDK's exporter and sampler read them there too) and returns a
 ``Tracing`` (an SDK tracer provider exporting OTLP over gRPC) or None. Tracing is off
 unless ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or ``..._TRACES_ENDPOINT``) or
 ``OTEL_TRACES_EXPORTER`` is set, and off whenever ``OTEL_SDK_DISABLED=true``; off means
@@ -107,18 +108,16 @@ def tracing_from_environment(
     *,
     service_version: str | None = None,
     instance_id: str = "",
-    environ: Mapping[str, str] | None = None,
 ) -> Tracing | None:
-    """A ``Tracing`` as the ``OTEL_*`` variables of ``environ`` (default: the process's)
-    ask, or None when they ask for none (see the module docstring).
+    """A ``Tracing`` as the process's ``OTEL_*`` variables ask, or None when they ask
+    for none (see the module docstring).
 
     ``service_name``, ``service_version`` and ``instance_id`` are the resource's
     ``service.*`` attributes unless ``OTEL_SERVICE_NAME``/``OTEL_RESOURCE_ATTRIBUTES``
     say otherwise (the version defaults to the installed ``ballet-planner``'s). Raises
     ``TracingConfigError``.
     """
-    environ = os.environ if environ is None else environ
-    wanted = exporters_wanted(environ)
+    wanted = exporters_wanted(os.environ)
     if not wanted:
         return None
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter

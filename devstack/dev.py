@@ -193,14 +193,14 @@ async def start_dev(
 
     Raises ``ConfigError`` (a setting, an ``OTEL_*`` variable), ``DevError`` (the model
     provider, an address in use, an input file that cannot be imported), ``StartupError``
-    (the planner). The ``OTEL_*`` variables of ``environ`` trace both, each under its own
+    (the planner). The process's ``OTEL_*`` variables trace both, each under its own
     service name (decision 0190).
     """
     started = time.perf_counter()
     settings = settings or dev_settings(options, environ)
-    tracing = planner_tracing(settings, environ)
+    tracing = planner_tracing(settings)
     try:
-        stack_tracing = tracing_from_environment("ballet-devstack", environ=environ)
+        stack_tracing = tracing_from_environment("ballet-devstack")
     except TracingConfigError as error:  # pragma: no cover - planner_tracing said it first
         raise DevError(str(error)) from error
     try:

@@ -28,7 +28,7 @@ import contextlib
 import logging
 import signal
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -264,19 +264,16 @@ def _server_credentials(settings: Settings) -> Any | None:
     )
 
 
-def planner_tracing(
-    settings: Settings, environ: Mapping[str, str] | None = None
-) -> Tracing | None:
-    """Tracing as the ``OTEL_*`` variables of ``environ`` (default: the process's) ask,
-    or None (off: nothing is installed); service ``ballet-planner``, instance
-    ``server.replica_id`` (``ballet_common.tracing``; decision 0190). Raises
-    ``ConfigError`` naming the variable that cannot be used."""
+def planner_tracing(settings: Settings) -> Tracing | None:
+    """Tracing as the process's ``OTEL_*`` variables ask, or None (off: nothing is
+    installed); service ``ballet-planner``, instance ``server.replica_id``
+    (``ballet_common.tracing``; decision 0190). Raises ``ConfigError`` naming the
+    variable that cannot be used."""
     try:
         return tracing_from_environment(
             "ballet-planner",
             service_version=version(),
             instance_id=settings.server.replica_id,
-            environ=environ,
         )
     except TracingConfigError as error:
         raise ConfigError(str(error)) from error

@@ -26,7 +26,7 @@ from ballet.planner.v1 import chat_pb2, planner_service_pb2_grpc
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 from ballet_common.tokens import HUMAN_AUDIENCES, dev_secret, mint_dev_token
-from tests.e2e.dev_support import clean_env, command
+from tests.e2e.dev_support import DevProcess, clean_env, command
 from tests.e2e.test_cli_serve import free_port, wait_serving
 from tests.e2e.test_devstack_standalone import printed_command, read_banner
 from tests.otlp import OtlpReceiver, ReceivedSpan
@@ -209,3 +209,32 @@ def test_one_chat_turn_is_one_trace_across_the_planner_and_the_devstack(
     for text in (HUMAN_TEXT, TITLE, ANSWER, TOOL_RESULT_TEXT, json.dumps(ARGUMENTS), token):
         assert text.encode() not in exported, text
     assert b"Zebra" not in exported and b"lantern" not in exported
+
+
+def test_dev_traces_the_planner_and_the_devstack_each_under_its_name(
+    tmp_path: Path, receiver: OtlpReceiver
+) -> None:
+    """``ballet-planner dev`` runs both in one process; each exports under its own
+    service name, and a turn is one trace across the two (the chat client sends no trace
+    context: the Chat RPC's span is the root)."""
+    dev = DevProcess.start(
+        ["--data-dir", "data"], tmp_path, OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint
+    )
+    try:
+        chat = dev.chat("--message", "What are the open epics?")
+        assert chat.returncode == 0, chat.stdout + chat.stderr
+    finally:
+        code, _ = dev.stop()
+    assert code == 0, dev.log()
+    spans = receiver.spans()
+    (turn,) = [s for s in spans if s.span.name == "planner.turn"]
+    trace = [s for s in spans if s.trace_id == turn.trace_id]
+    (rpc,) = [s for s in trace if s.span.name == "ballet.planner.v1.PlannerService/Chat"]
+    assert rpc.parent_span_id == "" and turn.parent_span_id == rpc.span_id
+    handled = {s.span.name for s in trace if s.service == "ballet-devstack"}
+    assert {
+        "ballet.llm.v1.GatewayService/Generate",
+        "ballet.tracker.v1.TrackerService/ListItems",
+    } <= handled
+    exported = b"".join(request.SerializeToString() for request in receiver.requests)
+    assert b"open epics" not in exported

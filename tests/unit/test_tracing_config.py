@@ -4,6 +4,7 @@ off unless an endpoint or an exporter is named, and off at no cost."""
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import pytest
@@ -80,16 +81,26 @@ def test_what_cannot_be_done_is_refused_naming_the_variable(
         exporters_wanted(environ)
 
 
-def test_the_planner_reports_a_bad_variable_as_a_configuration_error(tmp_path: Path) -> None:
+def without_otel(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [name for name in os.environ if name.startswith("OTEL_")]:
+        monkeypatch.delenv(name)
+
+
+def test_the_planner_reports_a_bad_variable_as_a_configuration_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    without_otel(monkeypatch)
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "jaeger")
     settings = load_settings(None, {"BALLET_PLANNER__DATA_DIR": str(tmp_path)})
     with pytest.raises(ConfigError, match="OTEL_TRACES_EXPORTER: jaeger is not supported"):
-        planner_tracing(settings, {"OTEL_TRACES_EXPORTER": "jaeger"})
+        planner_tracing(settings)
 
 
-def test_off_by_default_builds_nothing(tmp_path: Path) -> None:
+def test_off_by_default_builds_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    without_otel(monkeypatch)
     settings = load_settings(None, {"BALLET_PLANNER__DATA_DIR": str(tmp_path)})
-    assert planner_tracing(settings, {}) is None
-    assert tracing_from_environment("ballet-devstack", environ={}) is None
+    assert planner_tracing(settings) is None
+    assert tracing_from_environment("ballet-devstack") is None
     # What the turns and the store get when no tracing is given: the no-op tracer.
     assert TurnDependencies.__dataclass_fields__["tracer"].default is NULL_TRACER
 
