@@ -10,7 +10,8 @@ Serves the tracker, skills and knowledge backends and the LLM gateway (over the
 Prints the address, what was loaded, and ready-to-paste ``ballet-planner serve``,
 ``token`` and ``chat`` lines for the same data directory (whose dev secret both sides
 share), then serves until Ctrl-C or SIGTERM. ``ballet-planner dev`` runs the same stack
-together with the planner in one process.
+together with the planner in one process. The ``OTEL_*`` variables trace it as the
+planner is traced (service ``ballet-devstack``; ``ballet_common.tracing``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pathlib import Path
 import grpc
 
 from ballet_common.tokens import Trust, dev_secret
+from ballet_common.tracing import tracing_from_environment
 from devstack.gateway import Provider, add_gateway_service
 from devstack.model import (
     OPENAI_MODEL_VARIABLE,
@@ -41,6 +43,10 @@ from devstack.model import (
 )
 from devstack.server import DEFAULT_ADDRESS, DevStack, DevStackConfig, StartupReport
 
+#: The devstack's service name in traces (``OTEL_SERVICE_NAME`` overrides it).
+TRACING_SERVICE = "ballet-devstack"
+#: Seconds given to exporting the spans still queued at exit.
+TRACING_FLUSH_S = 5.0
 #: The planner's defaults (SPEC section 3 and its settings), to print only what differs.
 PLANNER_DATA_DIR = Path(".ballet-dev")
 DEPENDENCIES = ("TRACKER", "SKILLS", "KNOWLEDGE", "GATEWAY")
@@ -171,6 +177,7 @@ async def serve(options: Options) -> None:
     """Start the stack with the gateway, print how to use it, and run until SIGINT or
     SIGTERM. Raises ``ProviderSetupError`` before anything starts when the model cannot
     be set up."""
+    tracing = tracing_from_environment(TRACING_SERVICE)
     provider, model = make_provider(options.provider, options.scenario)
     # The planner proves itself to the gateway with a credential minted from the data
     # directory's dev secret, as it does to the backends (decision 0157).
@@ -179,8 +186,11 @@ async def serve(options: Options) -> None:
     def add_gateway(server: grpc.aio.Server) -> None:
         add_gateway_service(server, provider, trust=trust)
 
+    interceptors = (tracing.server_interceptor(),) if tracing is not None else ()
     try:
-        stack = await DevStack.start(replace(options.config, extra_services=add_gateway))
+        stack = await DevStack.start(
+            replace(options.config, extra_services=add_gateway, interceptors=interceptors)
+        )
         stopping = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
@@ -192,6 +202,8 @@ async def serve(options: Options) -> None:
             await stack.stop()
     finally:
         await _close(provider)
+        if tracing is not None:
+            await tracing.shutdown(TRACING_FLUSH_S)
 
 
 async def _close(provider: Provider) -> None:

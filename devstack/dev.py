@@ -46,6 +46,7 @@ from pathlib import Path
 import grpc
 
 from ballet_common.tokens import Trust, dev_secret
+from ballet_common.tracing import Tracing, TracingConfigError, tracing_from_environment
 from devstack.gateway import GatewayServicer, Provider, add_gateway_service
 from devstack.model import (
     OPENAI_MODEL_VARIABLE,
@@ -56,7 +57,7 @@ from devstack.model import (
 from devstack.server import DEFAULT_ADDRESS as DEVSTACK_ADDRESS
 from devstack.server import DevStack, DevStackConfig
 from service.config import ENV_PREFIX, ChannelSettings, Settings, load_settings
-from service.main import PlannerApp, migrate_database, start_planner
+from service.main import PlannerApp, migrate_database, planner_tracing, start_planner
 
 __all__ = [
     "DEPENDENCY_SERVICES",
@@ -158,10 +159,12 @@ class DevApp:
     provider: Provider
     provider_description: str
     ready_s: float
+    #: The devstack's tracing (the planner owns its own); None when off.
+    tracing: Tracing | None = None
 
     async def stop(self) -> None:
         """Stop the planner (turns end within ``server.grace_s``), then the devstack,
-        then the provider's connections."""
+        then the provider's connections, then export the devstack's last spans."""
         try:
             await self.planner.stop()
         finally:
@@ -171,6 +174,12 @@ class DevApp:
                 aclose = getattr(self.provider, "aclose", None)
                 if aclose is not None:
                     await aclose()
+                if self.tracing is not None:
+                    await self.tracing.shutdown(TRACING_FLUSH_S)
+
+
+#: Seconds given to exporting the devstack's spans still queued at exit.
+TRACING_FLUSH_S = 5.0
 
 
 async def start_dev(
@@ -182,11 +191,35 @@ async def start_dev(
     """Start the devstack and the planner; returns once both serve. ``settings``: those
     ``dev_settings(options, environ)`` returned, when the caller loaded them already.
 
-    Raises ``ConfigError`` (a setting), ``DevError`` (the model provider, an address in
-    use, an input file that cannot be imported), ``StartupError`` (the planner).
+    Raises ``ConfigError`` (a setting, an ``OTEL_*`` variable), ``DevError`` (the model
+    provider, an address in use, an input file that cannot be imported), ``StartupError``
+    (the planner). The process's ``OTEL_*`` variables trace both, each under its own
+    service name (decision 0190).
     """
     started = time.perf_counter()
     settings = settings or dev_settings(options, environ)
+    tracing = planner_tracing(settings)
+    try:
+        stack_tracing = tracing_from_environment("ballet-devstack")
+    except TracingConfigError as error:  # pragma: no cover - planner_tracing said it first
+        raise DevError(str(error)) from error
+    try:
+        return await _start_dev(options, environ, settings, (tracing, stack_tracing), started)
+    except BaseException:
+        for each in (tracing, stack_tracing):
+            if each is not None:
+                await each.shutdown(0.5)
+        raise
+
+
+async def _start_dev(
+    options: DevOptions,
+    environ: Mapping[str, str] | None,
+    settings: Settings,
+    tracings: tuple[Tracing | None, Tracing | None],
+    started: float,
+) -> DevApp:
+    tracing, stack_tracing = tracings
     try:
         provider, description = make_provider(options.provider, options.scenario, environ)
     except ProviderSetupError as error:
@@ -210,6 +243,7 @@ async def start_dev(
                 knowledge_dir=options.knowledge_dir,
                 skills_dir=options.skills_dir,
                 extra_services=add_gateway,
+                interceptors=(stack_tracing.server_interceptor(),) if stack_tracing else (),
             )
         )
     except OSError as error:
@@ -223,7 +257,7 @@ async def start_dev(
             # one developer's single process, so it brings its own schema up to date
             # (docs/decisions/0050-dev-command.md).
             await migrate_database(settings.database.url)
-        planner = await start_planner(settings)
+        planner = await start_planner(settings, tracing=tracing)
     except BaseException:
         await stack.stop()
         raise
@@ -236,6 +270,7 @@ async def start_dev(
         provider=provider,
         provider_description=description,
         ready_s=time.perf_counter() - started,
+        tracing=stack_tracing,
     )
 
 

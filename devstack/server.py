@@ -88,6 +88,8 @@ class DevStackConfig:
       services it registers (seen through ``add_generic_rpc_handlers``), plus
       ``extra_service_names``, are listed by reflection and reported SERVING by health;
       its return value is ignored.
+    - ``interceptors``: server interceptors of every call, e.g. tracing's
+      (``ballet_common.tracing.Tracing.server_interceptor``); none by default.
     """
 
     data_dir: Path
@@ -102,6 +104,7 @@ class DevStackConfig:
     extra_services: Callable[[grpc.aio.Server], object] | None = None
     extra_service_names: tuple[str, ...] = ()
     token_leeway_s: float = 30.0
+    interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -211,7 +214,9 @@ class DevStack:
         calls = CallLog()
         faults = FaultInjector()
         # No SO_REUSEPORT (gRPC's default): a second devstack on the same port must fail.
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        server = grpc.aio.server(
+            options=[("grpc.so_reuseport", 0)], interceptors=config.interceptors or None
+        )
 
         def backend(service: str, domain: str, audience: str) -> Backend:
             authenticator = Authenticator(trust, audience, leeway_s=config.token_leeway_s)

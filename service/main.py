@@ -4,7 +4,8 @@
 does that, then waits for SIGTERM or SIGINT and shuts down gracefully. Nothing else in
 the service builds engines, channels or servers, and nothing does I/O at import time.
 
-Start-up order: metrics; token verification (dev mode: the HS256 secret of the data
+Start-up order: tracing, when the ``OTEL_*`` variables ask for it (``planner_tracing``;
+decision 0190); metrics; token verification (dev mode: the HS256 secret of the data
 dir, a WARNING, ``ballet_planner_dev_mode`` = 1); the service credentials (one per
 dependency audience) and the page-token keys; the database (SQLite: migrate here,
 with a WARNING, since SQLite means a single process; PostgreSQL: never migrate, and
@@ -17,7 +18,7 @@ Shutdown (SPEC section 8; decision 0181): health NOT_SERVING first, then the ser
 accepting calls; running turns end within the grace period (or are stopped and closed
 ``INTERRUPTED`` by the turn machinery), then every Chat stream ends
 ``UNAVAILABLE``/``SHUTTING_DOWN``; then the metrics endpoint, channels and the database
-close. The whole takes at most the grace period.
+close, and the spans still queued are exported. The whole takes at most the grace period.
 """
 
 from __future__ import annotations
@@ -39,12 +40,14 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from ballet_common.files import private_directory
+from ballet_common.tracing import Tracing, TracingConfigError, tracing_from_environment
 from service import datadir
 from service.adapters.backends import GrpcToolBackends
 from service.adapters.channels import ChannelTls, make_channel
 from service.adapters.store import migrate, schema_status
 from service.adapters.store.database import Database, open_database
 from service.adapters.store.engine import prepare_sqlite_file
+from service.adapters.tracing import OtelTracer
 from service.config import ChannelSettings, ConfigError, Settings, channels, split_address
 from service.core.errors import StoreUnavailable
 from service.core.pages import PageTokens
@@ -54,12 +57,14 @@ from service.core.ports import (
     ToolBackends,
 )
 from service.core.sessions import ProjectAccess, SessionLimits, SessionRules
+from service.core.tracing import NULL_TRACER
 from service.identity import page_token_keys, service_credentials, token_verifier
 from service.metrics import Metrics, MetricsInterceptor, MetricsServer, start_metrics_server
 from service.transport import convert
 from service.transport.auth import Authenticator
 from service.transport.decoding import add_planner_service
 from service.transport.sessions import PlannerServicer
+from service.version import version
 from service.wiring import PlannerTurns, Wiring, build_turns
 
 log = logging.getLogger(__name__)
@@ -114,6 +119,7 @@ class PlannerApp:
     _channels: Sequence[Any]
     _metrics_server: MetricsServer | None
     _turns: PlannerTurns
+    _tracing: Tracing | None = None
     _stopping: asyncio.Event = field(default_factory=asyncio.Event)
     _monitor: asyncio.Task[None] | None = None
     _stopped: asyncio.Future[None] | None = None
@@ -152,6 +158,8 @@ class PlannerApp:
         for channel in self._channels:
             await channel.close()
         await self.database.close(grace - (time.monotonic() - started))
+        if self._tracing is not None:
+            await self._tracing.shutdown(grace - (time.monotonic() - started))
         log.info("stopped")
 
     async def wait_for_termination(self) -> None:
@@ -224,7 +232,7 @@ def _channel_tls(channel: ChannelSettings) -> ChannelTls | None:
     )
 
 
-def _make_channels(settings: Settings) -> dict[str, Any]:
+def _make_channels(settings: Settings, tracing: Tracing | None) -> dict[str, Any]:
     made: dict[str, Any] = {}
     for name, channel in channels(settings.dependencies):
         try:
@@ -233,6 +241,7 @@ def _make_channels(settings: Settings) -> dict[str, Any]:
                 tls=_channel_tls(channel),
                 insecure=channel.insecure,
                 max_receive_bytes=channel.max_message_bytes,
+                interceptors=tracing.client_interceptors(channel.address) if tracing else (),
             )
         except ValueError as error:
             raise ConfigError(f"dependencies.{name}.address: {error}") from error
@@ -255,7 +264,22 @@ def _server_credentials(settings: Settings) -> Any | None:
     )
 
 
-async def _open_database(settings: Settings) -> Database:
+def planner_tracing(settings: Settings) -> Tracing | None:
+    """Tracing as the process's ``OTEL_*`` variables ask, or None (off: nothing is
+    installed); service ``ballet-planner``, instance ``server.replica_id``
+    (``ballet_common.tracing``; decision 0190). Raises ``ConfigError`` naming the
+    variable that cannot be used."""
+    try:
+        return tracing_from_environment(
+            "ballet-planner",
+            service_version=version(),
+            instance_id=settings.server.replica_id,
+        )
+    except TracingConfigError as error:
+        raise ConfigError(str(error)) from error
+
+
+async def _open_database(settings: Settings, tracing: Tracing | None) -> Database:
     url = settings.database.url
     try:
         if settings.database.is_sqlite:
@@ -282,6 +306,7 @@ async def _open_database(settings: Settings) -> Database:
             max_overflow=database.max_overflow,
             hot_pool_size=database.hot_pool_size,
             context_cache_bytes=database.context_cache_bytes,
+            tracer=OtelTracer(tracing.tracer) if tracing else NULL_TRACER,
         )
     except StoreUnavailable as error:
         raise StartupError(f"the database is unreachable: {error}") from error
@@ -316,15 +341,33 @@ async def start_planner(
     backends: ToolBackends | None = None,
     clock: Clock | None = None,
     turn_machinery: Callable[[Wiring], PlannerTurns] = build_turns,
+    tracing: Tracing | None = None,
 ) -> PlannerApp:
     """Build and start a planner from ``settings``; returns once it serves.
 
     ``backends`` replaces the gRPC backend clients and ``turn_machinery`` builds the turn
-    side from the wiring (tests put doubles in either). Binds ``server.address`` (port 0: a free
-    port, see ``PlannerApp.address``). Raises ``ConfigError`` (a setting that cannot be
-    used, e.g. an unreadable certificate) and ``StartupError`` (database unreachable or
-    behind, address in use).
+    side from the wiring (tests put doubles in either). ``tracing`` (``planner_tracing``;
+    None: off) traces the RPCs, turns and units of work; the planner owns it from here and
+    shuts it down when it stops. Binds ``server.address`` (port 0: a free port, see
+    ``PlannerApp.address``). Raises ``ConfigError`` (a setting that cannot be used, e.g.
+    an unreadable certificate) and ``StartupError`` (database unreachable or behind,
+    address in use).
     """
+    try:
+        return await _start_planner(settings, backends, clock, turn_machinery, tracing)
+    except BaseException:
+        if tracing is not None:
+            await tracing.shutdown(CLOSE_RESERVE_S)
+        raise
+
+
+async def _start_planner(
+    settings: Settings,
+    backends: ToolBackends | None,
+    clock: Clock | None,
+    turn_machinery: Callable[[Wiring], PlannerTurns],
+    tracing: Tracing | None,
+) -> PlannerApp:
     if settings.dev_mode or settings.database.is_sqlite:
         try:
             datadir.prepare(settings.data_dir)
@@ -347,12 +390,12 @@ async def start_planner(
         )
     metrics.dev_mode.set(1 if verifier.dev_mode else 0)
     clock = clock or SystemClock()
-    database = await _open_database(settings)
+    database = await _open_database(settings, tracing)
     metrics.database_connections_in_use.set_function(database.checked_out)
     opened: list[Any] = []
     try:
         store = database.sessions
-        outbound = _make_channels(settings)
+        outbound = _make_channels(settings, tracing)
         opened.extend(outbound.values())
         if backends is None:
             backends = GrpcToolBackends(
@@ -390,11 +433,15 @@ async def start_planner(
                 clock=clock,
                 metrics=metrics,
                 streams=database.streams,
+                tracer=OtelTracer(tracing.tracer) if tracing else NULL_TRACER,
             )
         )
 
+        # Tracing first: the metrics, and everything the handler does, run in its span.
+        interceptors: list[Any] = [tracing.server_interceptor()] if tracing else []
+        interceptors.append(MetricsInterceptor(metrics))
         server = grpc.aio.server(
-            interceptors=[MetricsInterceptor(metrics)],
+            interceptors=interceptors,
             options=server_options(settings),
             maximum_concurrent_rpcs=settings.server.maximum_concurrent_rpcs,
         )
@@ -429,6 +476,7 @@ async def start_planner(
         _channels=list(outbound.values()),
         _metrics_server=None,
         _turns=turns,
+        _tracing=tracing,
     )
     try:
         await turns.start()
@@ -457,7 +505,7 @@ async def start_planner(
 async def serve(settings: Settings) -> None:
     """Run the planner until SIGTERM or SIGINT, then shut down within
     ``server.grace_s`` (SPEC section 8)."""
-    app = await start_planner(settings)
+    app = await start_planner(settings, tracing=planner_tracing(settings))
     log.info(
         "ballet-planner serving on %s (metrics %s, replica %s)",
         app.address,

@@ -19,10 +19,12 @@ from service.core.ports import (
     SessionStore,
     StreamStore,
     ToolBackends,
+    Tracer,
 )
 from service.core.sessions import SessionRules
 from service.core.streams import StreamRegistry
 from service.core.tools import ToolRunner, declarations
+from service.core.tracing import NULL_TRACER
 from service.core.turn import TurnDependencies, TurnService, TurnSettings
 from service.credentials import ServiceCredentials
 from service.metrics import Metrics
@@ -48,6 +50,8 @@ class Wiring:
     metrics: Metrics
     #: Open Chat streams across replicas (SPEC 8); None: this process's count only.
     streams: StreamStore | None = None
+    #: Spans of turns, rounds, model and tool calls (issue 16); NULL_TRACER: off.
+    tracer: Tracer = NULL_TRACER
 
 
 def build_turns(wiring: Wiring) -> PlannerTurns:
@@ -107,6 +111,7 @@ def build_turns(wiring: Wiring) -> PlannerTurns:
             tools=tools,
             declarations=declarations(),
             observer=PrometheusTurnObserver(wiring.metrics),
+            tracer=wiring.tracer,
         )
     )
     metrics = wiring.metrics

@@ -11,6 +11,7 @@ Nothing here does I/O at import time; certificate files are read when a channel 
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +44,7 @@ def make_channel(
     tls: ChannelTls | None,
     insecure: bool,
     max_receive_bytes: int | None = None,
+    interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
 ) -> grpc.aio.Channel:
     """Make a ``grpc.aio`` channel to ``address`` (``host:port``, ``[v6]:port``,
     ``dns:///host:port``, ``unix:path``...).
@@ -50,7 +52,7 @@ def make_channel(
     With ``tls``, a secure channel (mTLS when a client certificate is configured). Without
     it, a plaintext channel, but only to a loopback address or a Unix socket, or when
     ``insecure`` is true. ``max_receive_bytes`` caps received messages (bytes; None: gRPC's
-    default of 4 MiB).
+    default of 4 MiB). ``interceptors`` see every call (tracing: none when it is off).
 
     Raises ``ValueError`` (plaintext to a non-loopback address without ``insecure``, or
     only one of ``cert_file``/``key_file``) and ``OSError`` (a certificate file cannot be
@@ -76,13 +78,17 @@ def make_channel(
             private_key=_read(tls.key_file),
             certificate_chain=_read(tls.cert_file),
         )
-        return grpc.aio.secure_channel(address, credentials, options=options)
+        return grpc.aio.secure_channel(
+            address, credentials, options=options, interceptors=interceptors or None
+        )
     if not insecure and not is_loopback(address):
         raise ValueError(
             f"refusing a plaintext channel to {address}: configure TLS for it, or set "
             "insecure = true to allow plaintext to a non-loopback address"
         )
-    return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.insecure_channel(
+        address, options=options, interceptors=interceptors or None
+    )
 
 
 def _read(path: Path | None) -> bytes | None:

@@ -13,6 +13,7 @@ from enum import StrEnum
 from typing import Protocol
 
 from service.core import backend_types as backend
+from service.core import tracing
 from service.core.model import (
     ContextEstimate,
     Message,
@@ -27,6 +28,8 @@ from service.core.model import (
 Acting = backend.Acting
 ProjectInfo = backend.ProjectInfo
 SkillDocument = backend.SkillDocument
+#: Spans without OpenTelemetry; defined in ``service/core/tracing.py`` with its no-op.
+Tracer = tracing.Tracer
 
 # --------------------------------------------------------------------------- storage
 

@@ -34,11 +34,12 @@ def command() -> list[str]:
 
 def clean_env(**extra: str) -> dict[str, str]:
     """The environment without any ``BALLET_PLANNER__``/``BALLET_OPENAI_`` setting of the
-    machine, plus ``extra``."""
+    machine, nor its ``OTEL_*`` (a collector of the machine's would get the tests'
+    spans), plus ``extra``."""
     env = {
         key: value
         for key, value in os.environ.items()
-        if not key.upper().startswith(("BALLET_PLANNER__", "BALLET_OPENAI_"))
+        if not key.upper().startswith(("BALLET_PLANNER__", "BALLET_OPENAI_", "OTEL_"))
     }
     env.update(extra)
     return env

@@ -36,6 +36,7 @@ from ballet.planner.v1 import planner_service_pb2 as pb
 from sqlalchemy import event
 
 from ballet_common.tokens import Trust, dev_secret, mint_dev_token
+from ballet_common.tracing import Tracing
 from devstack.gateway import GatewayServicer, ScriptedProvider, add_gateway_service
 from devstack.server import DevStack, DevStackConfig
 from service.adapters.store import migrate
@@ -357,11 +358,13 @@ class Rig:
         return replica
 
 
-async def _start_replica(rig: Rig, overrides: dict[str, str]) -> Replica:
+async def _start_replica(
+    rig: Rig, overrides: dict[str, str], tracing: Tracing | None = None
+) -> Replica:
     if rig.gateway_server is not None:
         overrides["DEPENDENCIES__GATEWAY__ADDRESS"] = rig.gateway_address
     settings = planner_settings(rig.data_dir, rig.stack.address, rig.database_url, **overrides)
-    app = await start_planner(settings)
+    app = await start_planner(settings, tracing=tracing)
     channel = grpc.aio.insecure_channel(app.address)
     return Replica(app, channel, planner_service_pb2_grpc.PlannerServiceStub(channel))
 
@@ -374,13 +377,15 @@ async def start_rig(
     project_id: str = "demo",
     separate_gateway: bool = False,
     settings: Mapping[str, str] | None = None,
+    tracing: tuple[Tracing, Tracing] | None = None,
 ) -> Rig:
     """Start a devstack with the gateway and a planner.
 
     ``settings`` overrides the planner's settings, keyed ``TABLE__KEY`` (e.g.
     ``{"PLANNER__MAX_ROUNDS": "3"}``, as the environment variables without their
     ``BALLET_PLANNER__`` prefix). ``separate_gateway`` serves the gateway on its own
-    server, so stopping the devstack stops only the tool backends.
+    server, so stopping the devstack stops only the tool backends. ``tracing`` traces the
+    planner and the devstack (in that order); the planner's is shut down with it.
     """
     if database_url:
         await migrate(database_url)
@@ -406,6 +411,7 @@ async def start_rig(
             else lambda server: servicers.append(
                 add_gateway_service(server, provider, trust=trust)
             ),
+            interceptors=(tracing[1].server_interceptor(),) if tracing else (),
         )
     )
     rig = Rig(
@@ -421,7 +427,8 @@ async def start_rig(
         gateway_address=gateway_address,
     )
     try:
-        rig.replicas.append(await _start_replica(rig, dict(settings or {})))
+        planner_tracing = tracing[0] if tracing else None
+        rig.replicas.append(await _start_replica(rig, dict(settings or {}), planner_tracing))
     except BaseException:
         await stack.stop(0)
         if gateway_server is not None:

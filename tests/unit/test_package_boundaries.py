@@ -69,3 +69,12 @@ def test_the_walk_sees_imports_inside_functions() -> None:
     # The check above would pass vacuously if function bodies were skipped.
     lazy = [i for i in imports_under("service") if i.path == "service/cli.py" and i.function]
     assert any(i.module == "service.main" for i in lazy)
+
+
+def test_the_core_imports_no_transport_storage_or_telemetry_library() -> None:
+    # STYLE rule 1: the core reaches the world only through its ports; tracing included
+    # (service/core/tracing.py is the port, service/adapters/tracing.py the adapter).
+    forbidden = {"grpc", "google", "sqlalchemy", "psycopg", "opentelemetry", "prometheus_client"}
+    found = [i for i in imports_under("service/core") if _top(i.module) in forbidden]
+    assert not found, found
+    assert any(i.module == "service.core.tracing" for i in imports_under("service/core"))

@@ -28,6 +28,8 @@ from service.adapters.store.repository import SqlSessionStore
 from service.adapters.store.streams import SqlStreamStore
 from service.adapters.store.work import UnitsOfWork
 from service.core.errors import StoreUnavailable
+from service.core.ports import Tracer
+from service.core.tracing import NULL_TRACER
 
 
 @dataclass
@@ -78,15 +80,17 @@ async def open_database(
     hot_pool_size: int = 20,
     pool_timeout_s: float = 10.0,
     context_cache_bytes: int = 64 << 20,
+    tracer: Tracer = NULL_TRACER,
 ) -> Database:
     """Open ``url`` (PostgreSQL or SQLite; ``make_engine`` says which URLs) with the
     stores of replica ``replica_id``. On PostgreSQL the hot path's pool is opened with one
     connection at once, so a database that cannot be reached fails here
-    (``StoreUnavailable``) rather than at the first turn."""
+    (``StoreUnavailable``) rather than at the first turn. ``tracer`` traces the units of
+    work (``work.py``)."""
     engine = make_engine(
         url, pool_size=pool_size, max_overflow=max_overflow, pool_timeout_s=pool_timeout_s
     )
-    work = UnitsOfWork()
+    work = UnitsOfWork(tracer)
     if not is_postgresql(engine):
         sessions = SqlSessionStore(
             engine, replica_id, context_cache_bytes=context_cache_bytes, units_of_work=work

@@ -20,6 +20,11 @@ left is the same as one whose reply was lost on the network, which every caller 
 handles (the turn service, for one, awaits its acceptance shielded and launches the
 turn whatever happens to the RPC). ``UnitsOfWork.drain`` waits for the units in flight
 before the pools close (``Database.close``).
+
+With a tracer, a unit of work run within a traced operation (a turn, an RPC) is a span
+``store.<method>`` of its own, opened in the unit's task so it ends with the unit, not
+with a caller who left; one run outside any (lease renewal, the sweeper, heartbeats) is
+not traced, so background upkeep sends no trace of its own (decision 0190).
 """
 
 from __future__ import annotations
@@ -31,7 +36,9 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
+from service.core import tracing
 from service.core.errors import PlannerError, StoreConflict, StoreUnavailable
+from service.core.ports import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -55,20 +62,23 @@ class UnitsOfWork:
     connection back; the pools close next.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, tracer: Tracer = tracing.NULL_TRACER) -> None:
         self._running: set[asyncio.Task[Any]] = set()
+        self._tracer = tracer
 
     @property
     def in_flight(self) -> int:
         """Units of work running now."""
         return len(self._running)
 
-    async def run(self, work: Coroutine[Any, Any, T]) -> T:
+    async def run(self, work: Coroutine[Any, Any, T], name: str = "") -> T:
         """Run ``work`` in a task owned here and return its result (or raise its error).
 
         A caller cancelled while it waits gets ``CancelledError`` at once; ``work`` goes
-        on to its end.
+        on to its end. ``name`` (the store method's) names its span.
         """
+        if name and self._tracer.current() is not None:
+            work = _traced(self._tracer, name, work)
         task = asyncio.get_running_loop().create_task(work)
         self._running.add(task)
         task.add_done_callback(self._running.discard)
@@ -94,6 +104,16 @@ class UnitsOfWork:
             await asyncio.wait(pending)
 
 
+async def _traced(tracer: Tracer, name: str, work: Coroutine[Any, Any, T]) -> T:
+    try:
+        attributes = {tracing.STORE_OPERATION: name}
+        with tracer.span(f"{tracing.STORE_SPAN}.{name}", attributes):
+            return await work
+    finally:
+        # A task cancelled before its first step never starts ``work``: close it quietly.
+        work.close()
+
+
 class HasUnitsOfWork(Protocol):
     """A store whose methods are units of work: it owns a ``UnitsOfWork``."""
 
@@ -112,7 +132,7 @@ def unit_of_work(
 
     @functools.wraps(method)
     async def run(self: S, /, *args: P.args, **kwargs: P.kwargs) -> T:
-        return await self.units_of_work.run(method(self, *args, **kwargs))
+        return await self.units_of_work.run(method(self, *args, **kwargs), method.__name__)
 
     setattr(run, MARK, True)
     return run

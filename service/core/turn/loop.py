@@ -32,15 +32,18 @@ import contextlib
 import logging
 import random
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
+from service.core import tracing
 from service.core.context import to_model_messages, with_context
 from service.core.errors import PlannerError, StoreConflict, StoreUnavailable
 from service.core.estimate import messages_tokens
-from service.core.model import ContextEstimate, EventKind, SessionEvent
+from service.core.model import ContextEstimate, EventKind, SessionEvent, TurnEndReason
 from service.core.ports import FinishReason, Purpose, SummaryUpdate, TurnCommit, TurnPatch
 from service.core.tools import WRITE_TOOLS, error_result
+from service.core.tracing import NULL_SPAN, Span, SpanRef
 from service.core.turn import ending as endings
 from service.core.turn.compact import Compactor
 from service.core.turn.ending import Ending, close_stored_turn, closing_commit
@@ -127,11 +130,27 @@ class TurnLoop:
             session=handle.session,
         )
         self._prompt: Prompt | None = None
+        self._span: Span = NULL_SPAN
+        self._round: Span = NULL_SPAN
+        self._started_by: tuple[SpanRef, ...] = ()
         self._compactor = Compactor(deps, self._state, self._commit_compaction)
         self._tools = ToolRound(deps, self._state, self._commit_results)
 
     async def run(self) -> None:
-        """Drive the turn to its end and store it; never raises but ``CancelledError``."""
+        """Drive the turn to its end and store it; never raises but ``CancelledError``.
+
+        Traced as one span, a child of the span current where the turn was launched (the
+        ``Chat`` or ``SendMessage`` RPC that sent its message) and linked to it, since a
+        turn outlives that RPC (decision 0190)."""
+        tracer, handle = self._deps.tracer, self._handle
+        started_by = tracer.current()
+        self._started_by = () if started_by is None else (started_by,)
+        attributes = {tracing.SESSION_ID: handle.session_id, tracing.TURN_ID: handle.turn_id}
+        with tracer.span(tracing.TURN_SPAN, attributes, links=self._started_by) as span:
+            self._span = span
+            await self._run()
+
+    async def _run(self) -> None:
         handle = self._handle
         timer = asyncio.get_running_loop().call_later(
             self._deps.settings.turn_timeout_s, handle.request_stop, endings.TURN_TIMEOUT
@@ -162,22 +181,42 @@ class TurnLoop:
 
     async def _drive(self) -> End:
         step: Step = Prepare()
-        while True:
-            step = self._gate(step)
-            if self._on_step is not None:
-                self._on_step(step)
-            if isinstance(step, End):
-                return step
-            if isinstance(step, Prepare):
-                step = await self._prepare()
-            elif isinstance(step, Compact):
-                assert self._prompt is not None
-                await self._compactor.maybe_compact(self._prompt)
-                step = CallModel()
-            elif isinstance(step, CallModel):
-                step = await self._call_model()
-            else:
-                step = await self._run_tools(step)
+        # One span per model call of the turn and what follows it: a round, or the answer
+        # that ends the turn (named when known); from the compaction check to the next.
+        with contextlib.ExitStack() as rounds:
+            while True:
+                step = self._gate(step)
+                if self._on_step is not None:
+                    self._on_step(step)
+                if isinstance(step, End):
+                    return step
+                if isinstance(step, Prepare):
+                    step = await self._prepare()
+                elif isinstance(step, Compact):
+                    rounds.close()
+                    self._round = rounds.enter_context(self._round_span())
+                    assert self._prompt is not None
+                    await self._compactor.maybe_compact(self._prompt)
+                    step = CallModel()
+                elif isinstance(step, CallModel):
+                    step = await self._call_model()
+                    self._name_round(step)
+                else:
+                    step = await self._run_tools(step)
+
+    def _round_span(self) -> AbstractContextManager[Span]:
+        """The span of the next model call and what follows it, linked to the RPC that
+        started the turn (decision 0190)."""
+        return self._deps.tracer.span(tracing.ROUND_SPAN, links=self._started_by)
+
+    def _name_round(self, step: Step) -> None:
+        if isinstance(step, RunTools):
+            # The calls run (refused ones, beyond the per-answer cap, are not counted).
+            calls = {tracing.ROUND: self._state.rounds, tracing.TOOL_CALLS: len(step.calls)}
+            self._round.set_attributes(calls)
+        else:
+            # No round (SPEC 5, step 6): the answer, or a call that failed or stopped.
+            self._round.rename(tracing.ANSWER_SPAN)
 
     def _gate(self, step: Step) -> Step:
         """The one check before every step: a stop request, then at the end of a round an
@@ -332,6 +371,7 @@ class TurnLoop:
             owner=self._deps.replica_id,
         )
         await self._store(commit)
+        self._trace_end(end.ending)
         self._deps.observer.turn_ended(
             end.ending.reason,
             end.ending.error_reason,
@@ -366,10 +406,20 @@ class TurnLoop:
                     owner=deps.replica_id,
                     pending=self._tools.unstored_events(),
                 )
+                self._trace_end(endings.DATABASE_UNAVAILABLE)
                 return
             # Jitter keeps a replica's closing turns from hitting the database in lockstep.
             await asyncio.sleep(delay * random.uniform(0.5, 1.0))
             delay = min(1.0, delay * 2)
+
+    def _trace_end(self, ending: Ending) -> None:
+        self._span.set_attributes(
+            {tracing.END_REASON: ending.reason.value, tracing.ROUNDS: self._state.rounds}
+        )
+        if ending.error_reason:
+            self._span.set_attributes({tracing.ERROR_REASON: ending.error_reason})
+        if ending.reason is TurnEndReason.FAILED:
+            self._span.fail(ending.error_reason or "FAILED")
 
     # ------------------------------------------------------------------ storage
 

@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from service.core import tracing
 from service.core.errors import ModelFailure
 from service.core.ids import new_id
 from service.core.model import TextDelta, ToolCallProgress
@@ -87,7 +88,40 @@ async def stream_answer(
 ) -> Streamed:
     """Stream one answer through the gateway; ``relay`` sends its text deltas to the
     session's streams. Turn-purpose usage is added to the turn's. Never raises but
-    ``CancelledError``."""
+    ``CancelledError``.
+
+    Traced as ``chat <model>`` (OpenTelemetry's GenAI conventions): purpose, outcome,
+    finish reason, usage and the number of tool calls; the gateway call, retries
+    included, is its child (decision 0190)."""
+    attributes = {
+        tracing.GEN_AI_OPERATION: tracing.MODEL_CALL_SPAN,
+        tracing.GEN_AI_MODEL: request.model,
+        tracing.PURPOSE: request.purpose.value,
+    }
+    name = f"{tracing.MODEL_CALL_SPAN} {request.model}"
+    with deps.tracer.span(name, attributes) as span:
+        streamed = await _stream_answer(deps, state, request, relay=relay)
+        answer = streamed.answer
+        outcome = "stopped" if streamed.stopped else "ok"
+        if streamed.failure is not None:
+            outcome = streamed.failure.reason
+            span.fail(streamed.failure.reason)
+        traced: dict[str, tracing.AttributeValue] = {
+            tracing.OUTCOME: outcome,
+            tracing.TOOL_CALLS: len(answer.calls),
+        }
+        if answer.finish is not None:
+            traced[tracing.GEN_AI_FINISH_REASONS] = [answer.finish.value]
+        if answer.usage is not None:
+            traced[tracing.GEN_AI_INPUT_TOKENS] = answer.usage.input_tokens
+            traced[tracing.GEN_AI_OUTPUT_TOKENS] = answer.usage.output_tokens
+        span.set_attributes(traced)
+        return streamed
+
+
+async def _stream_answer(
+    deps: TurnDependencies, state: TurnState, request: ModelRequest, *, relay: bool
+) -> Streamed:
     handle = state.handle
     answer = Answer(message_id=new_id("msg"))
     if handle.stopping:

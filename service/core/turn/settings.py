@@ -1,5 +1,6 @@
 """What every turn of a replica shares, frozen: the limits (``TurnSettings``), the ports
-and the tools (``TurnDependencies``), and the metrics hooks (``TurnObserver``)."""
+and the tools (``TurnDependencies``), the metrics hooks (``TurnObserver``) and the
+tracer."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ from service.core.ports import (
     SessionStore,
     ToolBackends,
     ToolDeclaration,
+    Tracer,
 )
 from service.core.tools import ToolRunner
+from service.core.tracing import NULL_TRACER
 
 
 @dataclass(frozen=True)
@@ -145,3 +148,5 @@ class TurnDependencies:
     tools: ToolRunner
     declarations: Sequence[ToolDeclaration]
     observer: TurnObserver = field(default_factory=NullObserver)
+    #: Spans of turns, rounds, model calls and tool calls (issue 16); off by default.
+    tracer: Tracer = NULL_TRACER

@@ -16,6 +16,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 
+from service.core import tracing
 from service.core.estimate import messages_tokens
 from service.core.model import ContextEstimate, SessionEvent
 from service.core.ports import ToolCall, TurnPatch
@@ -42,6 +43,19 @@ class RoundCommit:
 
 
 _Result = tuple[ToolOutcome, float]
+
+
+def _tool_span(call: PendingCall) -> tuple[str, tracing.Attributes]:
+    """``execute_tool <tool>`` (OpenTelemetry's GenAI conventions) and its attributes;
+    a name the model made up is ``unknown``, never itself (it is the model's text)."""
+    tool = call.name if call.name in TOOLS_BY_NAME else "unknown"
+    attributes = {
+        tracing.GEN_AI_OPERATION: tracing.TOOL_CALL_SPAN,
+        tracing.GEN_AI_TOOL_NAME: tool,
+        tracing.GEN_AI_TOOL_TYPE: "function",
+        tracing.GEN_AI_TOOL_CALL_ID: call.call_id,
+    }
+    return f"{tracing.TOOL_CALL_SPAN} {tool}", attributes
 
 
 class ToolRound:
@@ -78,10 +92,14 @@ class ToolRound:
         async def one(call: PendingCall) -> _Result:
             async with semaphore:
                 self._started.add(call.call_id)
-                begin = time.monotonic()
-                outcome = await self._deps.tools.run(
-                    ToolCall(call.call_id, call.name, call.arguments), context
-                )
+                with self._deps.tracer.span(*_tool_span(call)) as span:
+                    begin = time.monotonic()
+                    outcome = await self._deps.tools.run(
+                        ToolCall(call.call_id, call.name, call.arguments), context
+                    )
+                    span.set_attributes({tracing.OUTCOME: outcome.error_reason or "ok"})
+                    if outcome.error_reason:
+                        span.fail(outcome.error_reason)
                 return outcome, time.monotonic() - begin
 
         loop = asyncio.get_running_loop()

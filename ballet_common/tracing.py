@@ -1,0 +1,531 @@
+"""OpenTelemetry tracing for the planner and the devstack (issue 16; decision 0190).
+
+``tracing_from_environment`` reads the process's standard ``OTEL_*`` variables (the
+SDK's exporter and sampler read them there too) and returns a
+``Tracing`` (an SDK tracer provider exporting OTLP over gRPC) or None. Tracing is off
+unless ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or ``..._TRACES_ENDPOINT``) or
+``OTEL_TRACES_EXPORTER`` is set, and off whenever ``OTEL_SDK_DISABLED=true``; off means
+no tracer provider, no interceptor and no span anywhere: the callers install nothing.
+The rest of the standard variables keep their standard meaning and are read by the SDK
+itself: ``OTEL_SERVICE_NAME`` and ``OTEL_RESOURCE_ATTRIBUTES`` (over the defaults given
+here), ``OTEL_TRACES_SAMPLER``/``_ARG``, ``OTEL_BSP_*``, ``OTEL_EXPORTER_OTLP_*`` (endpoint,
+headers, timeout, certificates, ``INSECURE``), ``OTEL_PROPAGATORS``.
+
+``Tracing.server_interceptor`` and ``Tracing.client_interceptors`` trace gRPC calls: a
+SERVER span per inbound RPC, child of the W3C ``traceparent`` the caller sent, and a
+CLIENT span per outbound RPC, whose context travels in the call's ``traceparent``. They
+are this project's own, not opentelemetry-instrumentation-grpc's: that package puts a
+failed call's status details and exception messages on its spans, and details here can
+quote content (the scripted gateway's "no rule matches" quotes the human's message; a
+backend's NOT_FOUND quotes what the model asked for). These spans carry the method, the
+status code and at most an exception's type, never a message (decision 0190).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.metadata
+import inspect
+import logging
+import os
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+from opentelemetry.propagators.textmap import Getter, Setter
+from opentelemetry.sdk.resources import OTELResourceDetector, Resource
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+log = logging.getLogger(__name__)
+
+#: Either of these set (to an endpoint) turns tracing on, exporting OTLP over gRPC.
+ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+#: The OTLP transport; only ``grpc`` is supported (issue 16: OTLP over gRPC).
+PROTOCOL_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
+#: The values of ``OTEL_TRACES_EXPORTER`` understood here (a comma-separated list).
+EXPORTERS = ("otlp", "console", "none")
+#: The instrumentation scope of every span this project makes.
+SCOPE = "ballet"
+
+#: Server codes that mark the span an error (OpenTelemetry's gRPC conventions: the rest
+#: are the caller's doing, and the server answered as it should).
+_SERVER_ERRORS = frozenset(
+    {
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DATA_LOSS,
+    }
+)
+_CANCELLED: tuple[type[BaseException], ...] = (asyncio.CancelledError, GeneratorExit)
+
+
+class TracingConfigError(ValueError):
+    """An ``OTEL_*`` variable asks for something this service cannot do; the message
+    names the variable and what it accepts."""
+
+
+def exporters_wanted(environ: Mapping[str, str]) -> list[str]:
+    """The span exporters ``environ`` asks for (``otlp``, ``console``); empty: tracing
+    off. Raises ``TracingConfigError`` for an exporter or OTLP protocol not supported."""
+    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return []
+    listed = environ.get("OTEL_TRACES_EXPORTER", "")
+    names = [name.strip().lower() for name in listed.split(",") if name.strip()]
+    if not names:
+        # Unlike the SDK's own default (otlp), nothing is exported until asked for.
+        names = ["otlp"] if any(environ.get(v, "").strip() for v in ENDPOINT_VARIABLES) else []
+    unknown = [name for name in names if name not in EXPORTERS]
+    if unknown:
+        raise TracingConfigError(
+            f"OTEL_TRACES_EXPORTER: {', '.join(unknown)} is not supported "
+            f"(use {', '.join(EXPORTERS)})"
+        )
+    wanted = list(dict.fromkeys(name for name in names if name != "none"))
+    if "otlp" in wanted:
+        for variable in PROTOCOL_VARIABLES:
+            protocol = environ.get(variable, "").strip().lower()
+            if protocol and protocol != "grpc":
+                raise TracingConfigError(
+                    f"{variable}={protocol}: only grpc is supported (OTLP over gRPC)"
+                )
+            if protocol:
+                break
+    return wanted
+
+
+def tracing_from_environment(
+    service_name: str,
+    *,
+    service_version: str | None = None,
+    instance_id: str = "",
+) -> Tracing | None:
+    """A ``Tracing`` as the process's ``OTEL_*`` variables ask, or None when they ask
+    for none (see the module docstring).
+
+    ``service_name``, ``service_version`` and ``instance_id`` are the resource's
+    ``service.*`` attributes unless ``OTEL_SERVICE_NAME``/``OTEL_RESOURCE_ATTRIBUTES``
+    say otherwise (the version defaults to the installed ``ballet-planner``'s). Raises
+    ``TracingConfigError``.
+    """
+    wanted = exporters_wanted(os.environ)
+    if not wanted:
+        return None
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+
+    processors: list[SpanProcessor] = []
+    for name in wanted:
+        if name == "otlp":
+            # Imported here: a process that traces nothing never loads the exporter.
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+                OTLPSpanExporter,
+            )
+
+            processors.append(BatchSpanProcessor(OTLPSpanExporter()))
+        else:
+            processors.append(BatchSpanProcessor(ConsoleSpanExporter()))
+    return make_tracing(
+        service_name,
+        processors,
+        service_version=service_version or _installed_version(),
+        instance_id=instance_id,
+    )
+
+
+def _installed_version() -> str:
+    try:
+        return importlib.metadata.version("ballet-planner")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def make_tracing(
+    service_name: str,
+    processors: Sequence[SpanProcessor],
+    *,
+    service_version: str,
+    instance_id: str = "",
+) -> Tracing:
+    """A ``Tracing`` whose spans go to ``processors`` (tests give an in-memory one).
+
+    The provider is this process's for this service alone, not the global one: ``dev``
+    runs the planner and the devstack in one process, each under its own service name.
+    The sampler is the SDK's (``OTEL_TRACES_SAMPLER``; default: parent-based, always on).
+    """
+    provider = TracerProvider(
+        resource=_resource(service_name, service_version, instance_id),
+        # Shut down by its owner within its grace period, never by an atexit hook that
+        # could hold the process up to 30 s behind a collector that is down.
+        shutdown_on_exit=False,
+    )
+    for processor in processors:
+        provider.add_span_processor(processor)
+    return Tracing(provider, provider.get_tracer(SCOPE, service_version))
+
+
+def _resource(service_name: str, service_version: str, instance_id: str) -> Resource:
+    attributes: dict[str, Any] = {
+        "service.name": service_name,
+        "service.version": service_version,
+    }
+    if instance_id:
+        attributes["service.instance.id"] = instance_id
+    # OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES override the defaults.
+    attributes.update(OTELResourceDetector().detect().attributes)
+    return Resource.create(attributes)
+
+
+@dataclass
+class Tracing:
+    """Tracing on: the tracer provider of one service and what traces its gRPC calls.
+
+    ``tracer`` makes the spans; ``shutdown`` exports what is queued and stops.
+    """
+
+    provider: TracerProvider
+    tracer: trace.Tracer
+    _ending: set[asyncio.Task[None]] = field(default_factory=set, repr=False)
+    _stopped: asyncio.Future[None] | None = field(default=None, repr=False)
+
+    def server_interceptor(self) -> grpc.aio.ServerInterceptor:
+        """A SERVER span per inbound RPC, child of the caller's ``traceparent``."""
+        return TracingServerInterceptor(self.tracer)
+
+    def client_interceptors(self, address: str = "") -> list[grpc.aio.ClientInterceptor]:
+        """A CLIENT span per outbound RPC on a channel to ``address`` (``host:port``,
+        for the ``server.address`` attribute), its context sent as ``traceparent``."""
+        return [
+            _UnaryUnary(self.tracer, address, self._ending),
+            _UnaryStream(self.tracer, address, self._ending),
+            _StreamUnary(self.tracer, address, self._ending),
+            _StreamStream(self.tracer, address, self._ending),
+        ]
+
+    async def shutdown(self, timeout_s: float) -> bool:
+        """Export the spans still queued, then stop, within ``timeout_s`` seconds.
+
+        Returns False when that did not finish in time (a collector that is down or
+        slow): the spans still queued are lost, and the export goes on in a daemon thread
+        that never holds the process up. A second call waits for the first's export.
+        Never raises but ``CancelledError``.
+        """
+        if self._stopped is None:
+            self._stopped = self._stop()
+        timeout_s = max(0.0, timeout_s)
+        try:
+            await asyncio.wait_for(asyncio.shield(self._stopped), timeout_s)
+        except TimeoutError:
+            log.warning("tracing: spans not exported within %.1f s were dropped", timeout_s)
+            return False
+        return True
+
+    def _stop(self) -> asyncio.Future[None]:
+        loop = asyncio.get_running_loop()
+        finished: asyncio.Future[None] = loop.create_future()
+
+        def settle() -> None:
+            if not finished.done():
+                finished.set_result(None)
+
+        def run() -> None:
+            try:
+                self.provider.shutdown()
+            except Exception:  # the SDK logs its own export failures; shutdown is done
+                log.debug("tracing: the tracer provider's shutdown failed", exc_info=True)
+            finally:
+                # RuntimeError: the loop closed first, and nobody waits any more.
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(settle)
+
+        threading.Thread(target=run, name="tracing-shutdown", daemon=True).start()
+        return finished
+
+
+# --------------------------------------------------------------------------- metadata
+
+
+class _MetadataGetter(Getter[Iterable[Any]]):
+    """Reads ``traceparent`` and friends from gRPC invocation metadata (pairs)."""
+
+    def get(self, carrier: Iterable[Any], key: str) -> list[str] | None:
+        values = [
+            value for name, value in carrier if name == key and isinstance(value, str)
+        ]
+        return values or None
+
+    def keys(self, carrier: Iterable[Any]) -> list[str]:
+        return [name for name, _ in carrier]
+
+
+class _MetadataSetter(Setter[grpc.aio.Metadata]):
+    """Writes ``traceparent`` and friends into outbound metadata, replacing any there."""
+
+    def set(self, carrier: grpc.aio.Metadata, key: str, value: str) -> None:
+        carrier[key] = value
+
+
+_GETTER = _MetadataGetter()
+_SETTER = _MetadataSetter()
+
+
+def _method(method: str | bytes) -> tuple[str, str, str]:
+    """``/pkg.Service/Method`` as (span name ``pkg.Service/Method``, service, method)."""
+    if isinstance(method, bytes):
+        method = method.decode(errors="replace")
+    name = method.lstrip("/")
+    service, _, rpc = name.partition("/")
+    return name, service, rpc
+
+
+def _rpc_attributes(method: str | bytes) -> tuple[str, dict[str, Any]]:
+    name, service, rpc = _method(method)
+    return name, {"rpc.system": "grpc", "rpc.service": service, "rpc.method": rpc}
+
+
+# --------------------------------------------------------------------------- server
+
+
+def _server_code(context: Any, default: grpc.StatusCode) -> grpc.StatusCode:
+    try:
+        code = context.code()
+    except Exception:  # the context may be gone with the call; the default stands
+        return default
+    if isinstance(code, grpc.StatusCode):
+        return code
+    if isinstance(code, int):
+        for candidate in grpc.StatusCode:
+            if candidate.value[0] == code:
+                return candidate
+    return default
+
+
+@dataclass(frozen=True)
+class _Active:
+    """A server span, the context token that made it current, and the RPC's task."""
+
+    span: trace.Span
+    token: Any
+    task: asyncio.Task[Any] | None
+
+
+class TracingServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """A SERVER span per RPC: named ``pkg.Service/Method``, child of the W3C trace
+    context in the call's metadata (an absent or malformed one starts a new trace),
+    current while the handler runs (so what the handler starts, tasks included, is its
+    child), ended with ``rpc.grpc.status_code``."""
+
+    def __init__(self, tracer: trace.Tracer) -> None:
+        self._tracer = tracer
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[Any], Awaitable[Any]],
+        handler_call_details: Any,
+    ) -> Any:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        metadata = tuple(handler_call_details.invocation_metadata or ())
+        options = {
+            "request_deserializer": handler.request_deserializer,
+            "response_serializer": handler.response_serializer,
+        }
+        if handler.unary_unary is not None:
+            behaviour = self._unary(method, metadata, handler.unary_unary)
+            return grpc.unary_unary_rpc_method_handler(behaviour, **options)
+        if handler.stream_unary is not None:
+            behaviour = self._unary(method, metadata, handler.stream_unary)
+            return grpc.stream_unary_rpc_method_handler(behaviour, **options)
+        if handler.unary_stream is not None:
+            behaviour = self._streaming(method, metadata, handler.unary_stream)
+            return grpc.unary_stream_rpc_method_handler(behaviour, **options)
+        if handler.stream_stream is not None:
+            behaviour = self._streaming(method, metadata, handler.stream_stream)
+            return grpc.stream_stream_rpc_method_handler(behaviour, **options)
+        return handler  # pragma: no cover - every handler has one behaviour
+
+    def _start(self, method: str, metadata: tuple[Any, ...]) -> _Active:
+        parent = propagate.extract(metadata, getter=_GETTER)
+        name, attributes = _rpc_attributes(method)
+        span = self._tracer.start_span(
+            name, context=parent, kind=SpanKind.SERVER, attributes=attributes
+        )
+        token = otel_context.attach(trace.set_span_in_context(span, parent))
+        return _Active(span, token, asyncio.current_task())
+
+    @staticmethod
+    def _end(active: _Active, code: grpc.StatusCode, error: str) -> None:
+        span = active.span
+        span.set_attribute("rpc.grpc.status_code", code.value[0])
+        if code in _SERVER_ERRORS:
+            span.set_attribute("error.type", error or code.name)
+            span.set_status(Status(StatusCode.ERROR))
+        span.end()
+        # Each RPC runs in a task of its own, whose context ends with it: a handler's
+        # generator finalized elsewhere (a stream its caller left) has nothing to detach.
+        if asyncio.current_task() is active.task:
+            otel_context.detach(active.token)
+
+    def _unary(
+        self, method: str, metadata: tuple[Any, ...], behaviour: Callable[..., Any]
+    ) -> Callable[..., Any]:
+        async def traced(request: Any, context: Any) -> Any:
+            active = self._start(method, metadata)
+            code, error = grpc.StatusCode.UNKNOWN, ""
+            try:
+                response = await behaviour(request, context)
+                code = _server_code(context, grpc.StatusCode.OK)
+                return response
+            except grpc.aio.AbortError:
+                code = _server_code(context, grpc.StatusCode.UNKNOWN)
+                raise
+            except BaseException as exc:
+                if isinstance(exc, _CANCELLED):
+                    code = grpc.StatusCode.CANCELLED
+                else:
+                    error = type(exc).__qualname__
+                raise
+            finally:
+                self._end(active, code, error)
+
+        return traced
+
+    def _streaming(
+        self, method: str, metadata: tuple[Any, ...], behaviour: Callable[..., Any]
+    ) -> Callable[..., Any]:
+        if not inspect.isasyncgenfunction(behaviour):
+            # A handler that writes with context.write() and returns.
+            return self._unary(method, metadata, behaviour)
+
+        async def traced(request: Any, context: Any) -> AsyncIterator[Any]:
+            active = self._start(method, metadata)
+            code, error = grpc.StatusCode.UNKNOWN, ""
+            try:
+                async for response in behaviour(request, context):
+                    yield response
+                code = _server_code(context, grpc.StatusCode.OK)
+            except grpc.aio.AbortError:
+                code = _server_code(context, grpc.StatusCode.UNKNOWN)
+                raise
+            except BaseException as exc:
+                if isinstance(exc, _CANCELLED):
+                    code = grpc.StatusCode.CANCELLED
+                else:
+                    error = type(exc).__qualname__
+                raise
+            finally:
+                self._end(active, code, error)
+
+        return traced
+
+
+# --------------------------------------------------------------------------- client
+
+
+class _Client:
+    """A CLIENT span per call, child of the caller's current span, its context injected
+    as ``traceparent``; ended when the call is done, whatever ends it (the caller may stop
+    reading a stream and cancel it: that is not an error of the call)."""
+
+    def __init__(self, tracer: trace.Tracer, address: str, ending: set[asyncio.Task[None]]):
+        self._tracer = tracer
+        self._attributes: dict[str, Any] = {}
+        host, _, port = address.rpartition(":")
+        if host and port.isdigit():
+            self._attributes = {"server.address": host.strip("[]"), "server.port": int(port)}
+        self._ending = ending
+
+    def _start(self, details: Any) -> tuple[trace.Span, Any]:
+        name, attributes = _rpc_attributes(details.method)
+        span = self._tracer.start_span(
+            name, kind=SpanKind.CLIENT, attributes={**attributes, **self._attributes}
+        )
+        metadata = grpc.aio.Metadata(*tuple(details.metadata or ()))
+        propagate.inject(metadata, context=trace.set_span_in_context(span), setter=_SETTER)
+        new_details = grpc.aio.ClientCallDetails(
+            details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
+        )
+        return span, new_details
+
+    async def _call(self, details: Any, start: Callable[[Any], Awaitable[Any]]) -> Any:
+        span, new_details = self._start(details)
+        try:
+            call = await start(new_details)
+        except BaseException as exc:
+            code = getattr(exc, "code", None)
+            if isinstance(exc, grpc.RpcError) and callable(code):
+                span.set_attribute("rpc.grpc.status_code", code().value[0])
+            span.set_attribute("error.type", type(exc).__qualname__)
+            span.set_status(Status(StatusCode.ERROR))
+            span.end()
+            raise
+        call.add_done_callback(lambda done: self._done(span, done))
+        return call
+
+    def _done(self, span: trace.Span, call: Any) -> None:
+        # The code is read with an await; the span ends at the time the call did.
+        ended = time.time_ns()
+        task = asyncio.get_running_loop().create_task(self._finish(span, call, ended))
+        self._ending.add(task)
+        task.add_done_callback(self._ending.discard)
+
+    @staticmethod
+    async def _finish(span: trace.Span, call: Any, ended: int) -> None:
+        try:
+            code = await call.code()
+        except BaseException:
+            code = grpc.StatusCode.CANCELLED
+        if not isinstance(code, grpc.StatusCode):
+            code = grpc.StatusCode.UNKNOWN
+        span.set_attribute("rpc.grpc.status_code", code.value[0])
+        locally_cancelled = code is grpc.StatusCode.CANCELLED and call.cancelled()
+        if code is not grpc.StatusCode.OK and not locally_cancelled:
+            span.set_attribute("error.type", code.name)
+            span.set_status(Status(StatusCode.ERROR))
+        span.end(end_time=ended)
+
+
+class _UnaryUnary(_Client, grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    async def intercept_unary_unary(
+        self, continuation: Callable[..., Any], client_call_details: Any, request: Any
+    ) -> Any:
+        return await self._call(
+            client_call_details, lambda details: continuation(details, request)
+        )
+
+
+class _UnaryStream(_Client, grpc.aio.UnaryStreamClientInterceptor):  # type: ignore[misc]
+    async def intercept_unary_stream(
+        self, continuation: Callable[..., Any], client_call_details: Any, request: Any
+    ) -> Any:
+        return await self._call(
+            client_call_details, lambda details: continuation(details, request)
+        )
+
+
+class _StreamUnary(_Client, grpc.aio.StreamUnaryClientInterceptor):  # type: ignore[misc]
+    async def intercept_stream_unary(
+        self, continuation: Callable[..., Any], client_call_details: Any, requests: Any
+    ) -> Any:
+        return await self._call(
+            client_call_details, lambda details: continuation(details, requests)
+        )
+
+
+class _StreamStream(_Client, grpc.aio.StreamStreamClientInterceptor):  # type: ignore[misc]
+    async def intercept_stream_stream(
+        self, continuation: Callable[..., Any], client_call_details: Any, requests: Any
+    ) -> Any:
+        return await self._call(
+            client_call_details, lambda details: continuation(details, requests)
+        )
