@@ -19,8 +19,13 @@ import pytest
 
 from tests.pg import ExternalPg, PgCluster, PgServer, PostgresNotFound, postgres_required
 
-# <repo>/../shared/data: the data sets shared by the project's repositories.
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+# The data sets shared by the project's repositories (a real tracker export, decision
+# records, skills, recorded model streams): BALLET_SHARED_DATA, else the folder
+# `shared/data` beside the checkout, where the team's machines keep it.
+SHARED_DATA = Path(
+    os.environ.get("BALLET_SHARED_DATA")
+    or Path(__file__).resolve().parents[1].parent / "shared" / "data"
+)
 
 
 def _unavailable(reason: str, *, required: bool) -> NoReturn:
@@ -91,14 +96,14 @@ def own_pg_cluster() -> Iterator[PgCluster]:
 
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
-    """The shared data folder, ``<repo>/../shared/data`` (read-only in CI).
+    """The shared data folder, ``SHARED_DATA`` (read-only in CI).
 
     Skips when it is absent, or fails with BALLET_REQUIRE_SHARED_DATA=1 (set by .ci/run).
     """
     if not SHARED_DATA.is_dir():
         _unavailable(
-            f"shared data folder {SHARED_DATA} is absent (it is expected beside the "
-            "repository; BALLET_REQUIRE_SHARED_DATA=1 turns this skip into a failure)",
+            f"shared data folder {SHARED_DATA} is absent (set BALLET_SHARED_DATA; "
+            "BALLET_REQUIRE_SHARED_DATA=1 turns this skip into a failure)",
             required=os.environ.get("BALLET_REQUIRE_SHARED_DATA") == "1",
         )
     return SHARED_DATA

@@ -33,6 +33,6 @@ async def start_gateway() -> AsyncIterator[Callable[[Provider], Awaitable[Gatewa
 
 @pytest.fixture(scope="session")
 def llm_streams_dir(shared_data: Path) -> Path:
-    """`<repo>/../shared/data/llm-streams`, the recorded model streams (skips when absent,
+    """`llm-streams` in the shared data folder, the recorded model streams (skips when absent,
     fails with BALLET_REQUIRE_SHARED_DATA=1, as `shared_data` does)."""
     return shared_data / "llm-streams"

@@ -1,5 +1,6 @@
 """The planner's production code does not depend on the devstack, and the devstack uses
-only the planner's public entry points (issue 10; docs/decisions/0160-devstack-split.md).
+only the planner's public entry points; no module of the service outgrows one concern
+(issue 10; docs/decisions/0160-devstack-split.md).
 
 Read from the source with ``ast``, so an import hidden in a function counts too.
 """
@@ -78,3 +79,18 @@ def test_the_core_imports_no_transport_storage_or_telemetry_library() -> None:
     found = [i for i in imports_under("service/core") if _top(i.module) in forbidden]
     assert not found, found
     assert any(i.module == "service.core.tracing" for i in imports_under("service/core"))
+
+
+#: The largest module ``service/`` may hold, in lines (issue 10, Done-when 3): past it a
+#: module owns more than one thing and is split, as ``service/core/turn/`` was.
+MAX_MODULE_LINES = 600
+
+
+def test_no_module_of_the_service_is_over_600_lines() -> None:
+    sizes = {
+        path.relative_to(REPO).as_posix(): len(path.read_text().splitlines())
+        for path in (REPO / "service").rglob("*.py")
+    }
+    too_long = {path: lines for path, lines in sizes.items() if lines > MAX_MODULE_LINES}
+    assert not too_long, too_long
+    assert max(sizes.values()) > MAX_MODULE_LINES // 2  # the walk found the modules

@@ -23,17 +23,7 @@ from contextlib import asynccontextmanager
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import (
-    Select,
-    and_,
-    delete,
-    func,
-    insert,
-    or_,
-    select,
-    text,
-    update,
-)
+from sqlalchemy import Select, and_, delete, func, insert, or_, select, text, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from service.adapters.store import codec
@@ -51,17 +41,8 @@ from service.adapters.store.tables import (
 )
 from service.adapters.store.turn_units import CANCEL_CHANNEL, EVENTS_CHANNEL
 from service.adapters.store.work import UnitsOfWork, every_method_a_unit_of_work
-from service.core.errors import (
-    InvalidArgument,
-    StoreConflict,
-    StoreUnavailable,
-)
-from service.core.model import (
-    Message,
-    Session,
-    SessionEvent,
-    Turn,
-)
+from service.core.errors import InvalidArgument, StoreConflict, StoreUnavailable
+from service.core.model import Message, Session, SessionEvent, Turn
 from service.core.ports import (
     ContextSnapshot,
     LeaseStatus,
