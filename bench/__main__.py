@@ -31,6 +31,11 @@ def parse_args(argv: list[str] | None = None) -> Options:
     parser.add_argument("--no-profile", action="store_true", help="skip the py-spy profile")
     parser.add_argument("--keep", action="store_true", help="keep the work folder and logs")
     parser.add_argument(
+        "--traced",
+        action="store_true",
+        help="trace the planner (OTEL_*) into an OTLP sink in the driver",
+    )
+    parser.add_argument(
         "--set",
         action="append",
         default=[],
@@ -51,6 +56,7 @@ def parse_args(argv: list[str] | None = None) -> Options:
         profile=not args.no_profile,
         keep=args.keep,
         planner_settings=tuple(settings),
+        traced=args.traced,
     )
 
 

@@ -46,6 +46,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from bench import database, profile
 from bench.bare import MESSAGE_BYTES, BareClient
 from bench.client import ChatError, ChatStream, Dependencies, Tokens, TurnResult, channel
+from bench.otlp_sink import OtlpSink
 from bench.procs import (
     Child,
     CpuMeter,
@@ -146,6 +147,9 @@ class Options:
     #: Planner settings to override, ``table.key`` -> value (``--set``), e.g. to measure
     #: a larger ``database.pool_size``.
     planner_settings: tuple[tuple[str, str], ...] = ()
+    #: Trace the planner into an OTLP sink in the driver (``--traced``), to measure what
+    #: tracing costs a turn (docs/decisions/0190-tracing.md).
+    traced: bool = False
 
 
 def _free_port() -> int:
@@ -1275,6 +1279,13 @@ async def run(options: Options) -> Report:
     sizes = QUICK if options.quick else FULL
     report = Report(mode="quick" if options.quick else "full", machine=machine())
     started = time.monotonic()
+    sink = None
+    if options.traced:
+        # The children inherit the driver's environment (procs.Child): OTEL_* set here
+        # traces the planner (the stack, bench.stack, installs no tracing).
+        sink = OtlpSink()
+        os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = sink.start()
+        os.environ["OTEL_EXPORTER_OTLP_INSECURE"] = "true"
     log("starting PostgreSQL and the process tree")
     env = await Environment.start(options)
     bench = Bench(env, sizes, report, options)
@@ -1299,5 +1310,11 @@ async def run(options: Options) -> Report:
     finally:
         await bench.close()
         env.stop(keep_logs_in=options.out if failed or options.keep else None, keep=options.keep)
+        if sink is not None:
+            sink.stop()
+            report.notes.append(
+                f"Traced (--traced): the planner exported {sink.spans:,} spans "
+                f"in {sink.batches:,} batches to an OTLP sink in the driver."
+            )
     report.total_s = time.monotonic() - started
     return report
