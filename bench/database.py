@@ -109,6 +109,25 @@ class ServerProbe:
         assert row is not None
         return int(str(row[0]))
 
+    async def statements(self) -> int:
+        """SQL statements run so far in this probe's database by other sessions (the
+        planner), counted by ``pg_stat_statements`` at top level; -1 when the extension
+        is not loaded (an existing server given with ``--database-url``)."""
+        try:
+            await self._conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+            row = await (
+                await self._conn.execute(
+                    "SELECT coalesce(sum(calls), 0)::bigint FROM pg_stat_statements"
+                    " WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())"
+                    " AND query NOT LIKE %s AND query NOT LIKE %s AND query NOT LIKE %s",
+                    ("%pg_stat_statements%", "%pg_current_snapshot%", "%pg_stat_activity%"),
+                )
+            ).fetchone()
+        except psycopg.Error:
+            return -1
+        assert row is not None
+        return int(str(row[0]))
+
     async def connections(self, application_name: str) -> int:
         """Connections of one application (e.g. ``ballet-planner``) to the server."""
         row = await (

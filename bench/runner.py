@@ -198,6 +198,9 @@ class Environment:
             server = ExternalPg(options.database_url)
         else:
             cluster = PgCluster.temporary()
+            # Counts the planner's SQL statements per turn (T1); top-level statements
+            # only, so a server-side function is one statement, as it is one round trip.
+            cluster.configure({"shared_preload_libraries": "'pg_stat_statements'"})
             cluster.start()
             server = cluster
         env = cls(work, server, cluster)
@@ -518,8 +521,10 @@ class Bench:
             await self.stats()
             for _ in range(5):
                 xid = await probe.next_xid()
+                statements = await probe.statements()
                 await self.turns(stream, 1)
                 writes = await probe.next_xid() - xid
+                sql = await probe.statements() - statements
                 counts = await self.stats()
                 calls = counts["calls"]
                 per_turn.append(
@@ -529,6 +534,7 @@ class Bench:
                         "tool": int(calls.get("GetItem", 0)),
                         "prompt": int(calls.get("GetProject", 0)) + int(calls.get("ReadSkill", 0)),
                         "writes": writes,
+                        "statements": sql,
                     }
                 )
             # A human's first turn in a project: the system prompt is not cached yet.
@@ -588,6 +594,18 @@ class Bench:
             note="xid advance; a lease renewal may add one",
         )
         add(judge(row, "<= 4", median("writes") <= 4))
+        if per_turn[0]["statements"] >= 0:
+            row = Row(
+                section,
+                "t1.statements",
+                "SQL statements (planner database)",
+                "count",
+                median("statements"),
+                *spread("statements"),
+                samples="5",
+                note="pg_stat_statements, top level; a heartbeat or lease renewal may add one",
+            )
+            add(judge(row, "<= 12", median("statements") <= 12))
         row = Row(
             section,
             "t1.prompt",

@@ -240,6 +240,12 @@ class PgCluster(PgServer):
             shutil.rmtree(base_dir, ignore_errors=True)
             raise
 
+    def configure(self, settings: dict[str, str]) -> None:
+        """Append ``settings`` (name -> value as postgresql.conf spells it, quotes
+        included) to the configuration; call before ``start`` (e.g. the benchmark's
+        ``shared_preload_libraries``)."""
+        self._append_config(settings)
+
     def _write_config(self) -> None:
         settings = {
             "listen_addresses": "'127.0.0.1'",
@@ -252,15 +258,18 @@ class PgCluster(PgServer):
             # The server log goes to postgres.log via pg_ctl -l; no collector process.
             "logging_collector": "off",
         }
-        conf = "".join(f"{key} = {value}\n" for key, value in settings.items())
-        # Written through the postgres user so the files keep their owner.
-        self._run(["tee", "-a", str(self.data_dir / "postgresql.conf")], input_text=conf)
+        self._append_config(settings)
         hba = [
             "local all all trust",
             "host all all 127.0.0.1/32 trust",
             "host all all ::1/128 trust",
         ]
         self._run(["tee", str(self.data_dir / "pg_hba.conf")], input_text="\n".join(hba) + "\n")
+
+    def _append_config(self, settings: dict[str, str]) -> None:
+        conf = "".join(f"{key} = {value}\n" for key, value in settings.items())
+        # Written through the postgres user so the files keep their owner.
+        self._run(["tee", "-a", str(self.data_dir / "postgresql.conf")], input_text=conf)
 
     def _set_port(self, port: int) -> None:
         # The last setting in postgresql.conf wins, so appending overrides the old port.
