@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import shlex
-import signal
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -29,8 +27,9 @@ from pathlib import Path
 
 import grpc
 
+from ballet_common.signals import StopSignals, stop_when_signalled
 from ballet_common.tokens import Trust, dev_secret
-from ballet_common.tracing import tracing_from_environment
+from ballet_common.tracing import Tracing, tracing_from_environment
 from devstack.gateway import Provider, add_gateway_service
 from devstack.model import (
     OPENAI_MODEL_VARIABLE,
@@ -45,8 +44,10 @@ from devstack.server import DEFAULT_ADDRESS, DevStack, DevStackConfig, StartupRe
 
 #: The devstack's service name in traces (``OTEL_SERVICE_NAME`` overrides it).
 TRACING_SERVICE = "ballet-devstack"
-#: Seconds given to exporting the spans still queued at exit.
-TRACING_FLUSH_S = 5.0
+#: Seconds given to exporting the spans still queued at exit (decision 0190).
+TRACING_FLUSH_S = 2.0
+#: Seconds the stack's calls get to finish at a stop.
+STACK_GRACE_S = 1.0
 #: The planner's defaults (SPEC section 3 and its settings), to print only what differs.
 PLANNER_DATA_DIR = Path(".ballet-dev")
 DEPENDENCIES = ("TRACKER", "SKILLS", "KNOWLEDGE", "GATEWAY")
@@ -173,10 +174,11 @@ def _loaded(report: StartupReport, project: str) -> list[str]:
     return lines
 
 
-async def serve(options: Options) -> None:
+async def serve(options: Options) -> int:
     """Start the stack with the gateway, print how to use it, and run until SIGINT or
-    SIGTERM. Raises ``ProviderSetupError`` before anything starts when the model cannot
-    be set up."""
+    SIGTERM; a second signal during the stop skips to its end (decision 0185). Returns
+    the exit code: 0, or ``128 + signum`` when a second signal hurried the stop. Raises
+    ``ProviderSetupError`` before anything starts when the model cannot be set up."""
     tracing = tracing_from_environment(TRACING_SERVICE)
     provider, model = make_provider(options.provider, options.scenario)
     # The planner proves itself to the gateway with a credential minted from the data
@@ -191,19 +193,52 @@ async def serve(options: Options) -> None:
         stack = await DevStack.start(
             replace(options.config, extra_services=add_gateway, interceptors=interceptors)
         )
-        stopping = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, stopping.set)
-        print(banner(stack, options, model), flush=True)
-        try:
-            await stopping.wait()
-        finally:
-            await stack.stop()
+        with StopSignals("python -m devstack") as signals:
+            print(banner(stack, options, model), flush=True)
+            stopper = _Stopper(stack, provider, tracing)
+            try:
+                return await stop_when_signalled(signals, stopper.stop)
+            finally:
+                await stopper.stop(0 if signals.hurried.is_set() else None)
     finally:
-        await _close(provider)
         if tracing is not None:
+            # Nothing when the stop exported already; after a failed start, what is queued.
             await tracing.shutdown(TRACING_FLUSH_S)
+
+
+class _Stopper:
+    """The devstack's stop: its server (calls get ``STACK_GRACE_S``), the provider's
+    connections, then the spans still queued (at most ``TRACING_FLUSH_S``). A second
+    call hurries a first in progress: calls are cancelled and the export is cut short
+    (decision 0185)."""
+
+    def __init__(self, stack: DevStack, provider: Provider, tracing: Tracing | None) -> None:
+        self._stack = stack
+        self._provider = provider
+        self._tracing = tracing
+        self._stopped: asyncio.Future[None] | None = None
+        self._flushing = False
+
+    async def stop(self, grace: float | None) -> None:
+        if self._stopped is not None:
+            if grace is not None and not self._stopped.done():
+                await self._stack.stop(0)
+                if self._flushing and self._tracing is not None:
+                    await self._tracing.shutdown(grace)
+            await asyncio.shield(self._stopped)
+            return
+        self._stopped = asyncio.get_running_loop().create_future()
+        try:
+            try:
+                await self._stack.stop(STACK_GRACE_S if grace is None else 0)
+            finally:
+                await _close(self._provider)
+                if self._tracing is not None:
+                    self._flushing = True
+                    flush = TRACING_FLUSH_S if grace is None else min(grace, TRACING_FLUSH_S)
+                    await self._tracing.shutdown(flush)
+        finally:
+            self._stopped.set_result(None)
 
 
 async def _close(provider: Provider) -> None:
@@ -213,16 +248,18 @@ async def _close(provider: Provider) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m devstack``: 0 after Ctrl-C or SIGTERM; 2 when the model
-    or an address cannot be used (one line on stderr)."""
+    """Entry point of ``python -m devstack``: 0 after Ctrl-C or SIGTERM (130 or 143 when
+    a second one cut the stop short); 2 when the model or an address cannot be used (one
+    line on stderr)."""
     options = parse_args(argv)
     try:
-        with contextlib.suppress(KeyboardInterrupt):
-            asyncio.run(serve(options))
+        return asyncio.run(serve(options))
     except (ProviderSetupError, OSError, ValueError) as error:
         print(f"python -m devstack: cannot start: {error}", file=sys.stderr)
         return 2
-    return 0
+    except KeyboardInterrupt:
+        # Ctrl-C during the start, before the loop handles the signals.
+        return 130
 
 
 if __name__ == "__main__":

@@ -26,8 +26,9 @@ settings of ``service.config``), never its internals.
    (docs/decisions/0050-dev-command.md).
 
 ``run_dev(options)`` prints where everything listens and how to connect, then serves until
-SIGINT or SIGTERM and shuts down: the planner first (its turns end within
-``server.grace_s``), then the devstack, then the provider's connections.
+SIGINT or SIGTERM and shuts down within ``server.grace_s``: the planner first (its turns
+end within that period), then the devstack, then the provider's connections. It says what
+the stop waits for; a second Ctrl-C skips to the end (decision 0185).
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ import dataclasses
 import json
 import os
 import shlex
-import signal
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -45,6 +45,7 @@ from pathlib import Path
 
 import grpc
 
+from ballet_common.signals import StopSignals, stop_when_signalled
 from ballet_common.tokens import Trust, dev_secret
 from ballet_common.tracing import Tracing, TracingConfigError, tracing_from_environment
 from devstack.gateway import GatewayServicer, Provider, add_gateway_service
@@ -57,7 +58,14 @@ from devstack.model import (
 from devstack.server import DEFAULT_ADDRESS as DEVSTACK_ADDRESS
 from devstack.server import DevStack, DevStackConfig
 from service.config import ENV_PREFIX, ChannelSettings, Settings, load_settings
-from service.main import PlannerApp, migrate_database, planner_tracing, start_planner
+from service.main import (
+    EXIT_RESERVE_S,
+    PlannerApp,
+    migrate_database,
+    planner_tracing,
+    start_planner,
+    stopping_message,
+)
 
 __all__ = [
     "DEPENDENCY_SERVICES",
@@ -162,24 +170,58 @@ class DevApp:
     #: The devstack's tracing (the planner owns its own); None when off.
     tracing: Tracing | None = None
 
-    async def stop(self) -> None:
-        """Stop the planner (turns end within ``server.grace_s``), then the devstack,
-        then the provider's connections, then export the devstack's last spans."""
+    _stopped: asyncio.Future[None] | None = None
+    _deadline: float = 0.0
+    _flushing: bool = False
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop within ``grace`` seconds (default the planner's ``server.grace_s``): the
+        planner (its turns end, or are interrupted, within that period), then the
+        devstack, then the provider's connections, then export the devstack's last spans
+        (at most ``TRACING_FLUSH_S``, and never past the period).
+
+        A call while a stop runs waits for it, and hurries it when its ``grace`` ends
+        earlier (a second Ctrl-C; decision 0185)."""
+        grace = self.settings.server.grace_s if grace is None else max(0.0, grace)
+        if self._stopped is not None:
+            if not self._stopped.done() and time.monotonic() + grace < self._deadline:
+                self._deadline = time.monotonic() + grace
+                await self.planner.stop(grace)
+                if self._flushing and self.tracing is not None:
+                    await self.tracing.shutdown(self._remaining())
+            await asyncio.shield(self._stopped)
+            return
+        self._stopped = asyncio.get_running_loop().create_future()
+        self._deadline = time.monotonic() + grace
         try:
-            await self.planner.stop()
+            await self._stop(grace)
+        finally:
+            self._stopped.set_result(None)
+
+    def _remaining(self) -> float:
+        return max(0.0, self._deadline - time.monotonic() - EXIT_RESERVE_S)
+
+    async def _stop(self, grace: float) -> None:
+        try:
+            await self.planner.stop(grace)
         finally:
             try:
-                await self.stack.stop()
+                # The planner's calls are over; others get what is left, up to 1 s.
+                await self.stack.stop(min(STACK_GRACE_S, self._remaining()))
             finally:
                 aclose = getattr(self.provider, "aclose", None)
                 if aclose is not None:
                     await aclose()
                 if self.tracing is not None:
-                    await self.tracing.shutdown(TRACING_FLUSH_S)
+                    self._flushing = True
+                    await self.tracing.shutdown(min(TRACING_FLUSH_S, self._remaining()))
 
 
-#: Seconds given to exporting the devstack's spans still queued at exit.
-TRACING_FLUSH_S = 5.0
+#: Seconds given to exporting the devstack's spans still queued at exit (less when the
+#: grace period has less left).
+TRACING_FLUSH_S = 2.0
+#: Seconds the devstack's own calls get to finish once the planner stopped.
+STACK_GRACE_S = 1.0
 
 
 async def start_dev(
@@ -342,19 +384,41 @@ def banner(app: DevApp) -> str:
     return "\n".join(lines)
 
 
-async def run_dev(options: DevOptions, settings: Settings | None = None) -> None:
-    """Start, print the banner, serve until SIGINT or SIGTERM, then stop cleanly."""
+async def run_dev(options: DevOptions, settings: Settings | None = None) -> int:
+    """Start, print the banner, serve until SIGINT or SIGTERM, then stop cleanly within
+    the planner's ``server.grace_s``, saying what the stop waits for; a second signal
+    during the stop skips to its end (decision 0185). Returns the exit code: 0, or
+    ``128 + signum`` when a second signal hurried the stop."""
     app = await start_dev(options, settings=settings)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
-    try:
-        print(banner(app), flush=True)
-        await stop.wait()
-        print("ballet-planner dev: stopping", flush=True)
-    finally:
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(signum)
-        await app.stop()
+
+    def stopping(signum: int) -> None:
+        print(f"ballet-planner dev: {stopping_message(app.planner)}", flush=True)
+
+    def hurrying(signum: int) -> None:
+        running = app.planner.running_turns
+        turns = f"interrupting {running} running turn{'s' if running != 1 else ''}"
+        print(f"ballet-planner dev: stopping at once: {turns}", flush=True)
+
+    with StopSignals("ballet-planner dev") as signals:
+        try:
+            print(banner(app), flush=True)
+            code = await stop_when_signalled(
+                signals, app.stop, on_stop=stopping, on_hurry=hurrying
+            )
+        finally:
+            await app.stop(0 if signals.hurried.is_set() else None)
+    left = app.planner.turns_left_running
+    if left is None:
+        print(
+            "ballet-planner dev: the database did not say whether turns were left running; "
+            "any are closed INTERRUPTED by the sweeper once their lease lapses",
+            flush=True,
+        )
+    elif left:
+        print(
+            f"ballet-planner dev: {left} turn{'s' if left != 1 else ''} left running for the "
+            "sweeper (closed INTERRUPTED once their lease lapses)",
+            flush=True,
+        )
     print("ballet-planner dev: stopped", flush=True)
+    return code

@@ -8,7 +8,9 @@ subcommand is one ``_add_<name>`` function registering its parser and handler, s
 one touches nothing else.
 
 Exit codes: 0 success; 1 a failed check or command (``health`` not SERVING); 2 a usage or
-configuration error, with a message on stderr naming the problem.
+configuration error, with a message on stderr naming the problem; for ``serve`` and
+``dev``, 130 (SIGINT) or 143 (SIGTERM) when a second signal cut the shutdown short
+(``ballet_common.signals``).
 """
 
 from __future__ import annotations
@@ -55,11 +57,11 @@ def _serve(args: argparse.Namespace) -> int:
 
     configure_logging(settings.logging)
     try:
-        asyncio.run(serve(settings))
+        # 0, or 128 + the signal's number when a second one cut the shutdown short.
+        return asyncio.run(serve(settings))
     except StartupError as error:
         print(f"ballet-planner: cannot start: {error}", file=sys.stderr)
         return 1
-    return 0
 
 
 # --------------------------------------------------------------------------- migrate
@@ -365,11 +367,10 @@ def _dev(args: argparse.Namespace) -> int:
         return 1
     configure_logging(settings.logging)
     try:
-        asyncio.run(run_dev(options, settings))
+        return asyncio.run(run_dev(options, settings))
     except (DevError, StartupError) as error:
         print(f"ballet-planner dev: cannot start: {error}", file=sys.stderr)
         return 1
-    return 0
 
 
 # --------------------------------------------------------------------------- chat

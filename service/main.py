@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from ballet_common.files import private_directory
+from ballet_common.signals import StopSignals, signal_name, stop_when_signalled
 from ballet_common.tracing import Tracing, TracingConfigError, tracing_from_environment
 from service import datadir
 from service.adapters.backends import GrpcToolBackends
@@ -48,7 +48,14 @@ from service.adapters.store import migrate, schema_status
 from service.adapters.store.database import Database, open_database
 from service.adapters.store.engine import prepare_sqlite_file
 from service.adapters.tracing import OtelTracer
-from service.config import ChannelSettings, ConfigError, Settings, channels, split_address
+from service.config import (
+    SHUTDOWN_OVERHEAD_S,
+    ChannelSettings,
+    ConfigError,
+    Settings,
+    channels,
+    split_address,
+)
 from service.core.errors import StoreUnavailable
 from service.core.pages import PageTokens
 from service.core.ports import (
@@ -81,6 +88,10 @@ PING_TIMEOUT_S = 5.0
 #: it the time the streams get to deliver their end (``config.SHUTDOWN_OVERHEAD_S``).
 CLOSE_RESERVE_S = 0.5
 STREAMS_END_S = 0.5
+#: The end of the grace period kept for the process to exit once everything is closed.
+EXIT_RESERVE_S = 0.25
+#: At most this long to ask the store, once the turns stopped, whether any was left.
+CHECK_LEFT_S = 1.0
 
 
 class StartupError(RuntimeError):
@@ -123,22 +134,54 @@ class PlannerApp:
     _stopping: asyncio.Event = field(default_factory=asyncio.Event)
     _monitor: asyncio.Task[None] | None = None
     _stopped: asyncio.Future[None] | None = None
+    _deadline: float | None = None
+    #: After ``stop``: turns of this replica still running in the store (left for the
+    #: sweeper); None when the store could not tell.
+    turns_left_running: int | None = 0
+
+    @property
+    def running_turns(self) -> int:
+        """Turns running in this process now."""
+        return self._turns.turns.running
+
+    @property
+    def turns_end_within_s(self) -> float:
+        """Seconds from the start of a graceful stop that running turns get to end on
+        their own before they are stopped ``INTERRUPTED`` (``grace_s - cancel_grace - 2``;
+        decision 0181)."""
+        settings = self.settings
+        grace, cancel_grace = settings.server.grace_s, settings.planner.cancel_grace
+        return max(0.0, grace - cancel_grace - SHUTDOWN_OVERHEAD_S)
 
     async def stop(self, grace: float | None = None) -> None:
         """Shut down within ``grace`` seconds (default ``server.grace_s``): health
         NOT_SERVING first, then stop the server and the turns, then close everything.
-        Idempotent; a second call waits for the first."""
+
+        Idempotent. A call while a stop runs waits for it, and hurries it when its
+        ``grace`` ends earlier than the stop in progress would: the stop skips ahead to
+        that end (turns stopped and closed ``INTERRUPTED`` at once, calls cancelled,
+        the rest closed in what is left; decision 0185). ``turns_left_running`` says
+        afterwards whether any turn of this process was left for the sweeper."""
+        grace = self.settings.server.grace_s if grace is None else max(0.0, grace)
         if self._stopped is not None:
+            hurried = self._deadline is not None and time.monotonic() + grace < self._deadline
+            if hurried and not self._stopped.done():
+                await self._hurry(grace)
             await asyncio.shield(self._stopped)
             return
         self._stopped = asyncio.get_running_loop().create_future()
+        self._deadline = time.monotonic() + grace
         try:
-            await self._shutdown(self.settings.server.grace_s if grace is None else grace)
+            await self._shutdown()
         finally:
             self._stopped.set_result(None)
 
-    async def _shutdown(self, grace: float) -> None:
-        started = time.monotonic()
+    def _remaining(self) -> float:
+        assert self._deadline is not None
+        return max(0.0, self._deadline - time.monotonic())
+
+    async def _shutdown(self) -> None:
+        grace = self._remaining()
         await self.health.enter_graceful_shutdown()
         log.info("shutting down: health NOT_SERVING")
         self._stopping.set()
@@ -149,18 +192,56 @@ class PlannerApp:
         # end of the budget; the turns, and then the streams, end before that; the rest
         # of the grace period closes channels and pools (decision 0181).
         reserve = min(CLOSE_RESERVE_S, grace / 4)
-        budget = max(0.0, grace - reserve - (time.monotonic() - started))
+        budget = max(0.0, self._remaining() - reserve)
         server_stopped = asyncio.ensure_future(self._server.stop(budget))
         await self._turns.stop(max(0.0, budget - min(STREAMS_END_S, budget / 4)))
         if self._metrics_server is not None:
             await self._metrics_server.stop()
         await server_stopped
+        await self._check_turns_left()
         for channel in self._channels:
             await channel.close()
-        await self.database.close(grace - (time.monotonic() - started))
+        await self.database.close(self._remaining())
         if self._tracing is not None:
-            await self._tracing.shutdown(grace - (time.monotonic() - started))
+            # Exiting within the grace period comes first: what the collector has not
+            # taken by then is dropped (decision 0190).
+            await self._tracing.shutdown(self._remaining() - EXIT_RESERVE_S)
         log.info("stopped")
+
+    async def _hurry(self, grace: float) -> None:
+        """Move the end of the stop in progress to ``grace`` seconds from now: the
+        server cancels its calls and the turns' stop skips ahead (``PlannerTurns.hurry``)."""
+        self._deadline = time.monotonic() + grace
+        log.warning("shutting down at once: running turns are interrupted now")
+        reserve = min(CLOSE_RESERVE_S, grace / 4)
+        budget = max(0.0, grace - reserve)
+        server_stopped = asyncio.ensure_future(self._server.stop(budget))
+        await self._turns.hurry(max(0.0, budget - min(STREAMS_END_S, budget / 4)))
+        await server_stopped
+
+    async def _check_turns_left(self) -> None:
+        # The turns' stop closes every turn it ran unless the store failed it; what is
+        # left is the sweeper's, and whoever stopped the process is told (decision 0185).
+        try:
+            left = await asyncio.wait_for(
+                self.store.running_turns(owner=self.settings.server.replica_id),
+                max(0.0, min(CHECK_LEFT_S, self._remaining() - CLOSE_RESERVE_S / 2)),
+            )
+        except (StoreUnavailable, TimeoutError):
+            self.turns_left_running = None
+            log.warning(
+                "shutting down: cannot tell whether turns of this replica are left running "
+                "(the database did not answer); any are closed INTERRUPTED when their lease "
+                "lapses"
+            )
+            return
+        self.turns_left_running = len(left)
+        if left:
+            log.warning(
+                "shutting down: %d turn(s) of this replica left running; they are closed "
+                "INTERRUPTED when their lease lapses",
+                len(left),
+            )
 
     async def wait_for_termination(self) -> None:
         """Wait until the gRPC server has stopped."""
@@ -502,9 +583,11 @@ async def _start_planner(
     return app
 
 
-async def serve(settings: Settings) -> None:
+async def serve(settings: Settings) -> int:
     """Run the planner until SIGTERM or SIGINT, then shut down within
-    ``server.grace_s`` (SPEC section 8)."""
+    ``server.grace_s`` (SPEC section 8; decision 0181). A second signal during the
+    shutdown skips to its end (``ballet_common.signals``; decision 0185). Returns the
+    exit code: 0, or ``128 + signum`` when a second signal hurried the stop."""
     app = await start_planner(settings, tracing=planner_tracing(settings))
     log.info(
         "ballet-planner serving on %s (metrics %s, replica %s)",
@@ -512,13 +595,30 @@ async def serve(settings: Settings) -> None:
         app.metrics_address or "off",
         settings.server.replica_id,
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(signum)
-        await app.stop(settings.server.grace_s)
+
+    def stopping(signum: int) -> None:
+        log.info("%s: %s", signal_name(signum), stopping_message(app))
+
+    with StopSignals("ballet-planner") as signals:
+        try:
+            return await stop_when_signalled(signals, app.stop, on_stop=stopping)
+        finally:
+            # Whatever ended the wait (a failure, a cancelled task), nothing outlives it.
+            await app.stop(0 if signals.hurried.is_set() else None)
+
+
+def stopping_message(app: PlannerApp) -> str:
+    """What a graceful stop waits for, and how to skip it: "stopping: 1 running turn gets
+    up to 13 s to end, then is interrupted; at most 20 s in all; a second Ctrl-C (SIGINT)
+    or SIGTERM stops at once"."""
+    grace = app.settings.server.grace_s
+    running = app.running_turns
+    if running:
+        turns = "turn gets" if running == 1 else "turns get"
+        waits = (
+            f"{running} running {turns} up to {app.turns_end_within_s:g} s to end, then "
+            f"{'is' if running == 1 else 'are'} interrupted; at most {grace:g} s in all"
+        )
+    else:
+        waits = f"no turn running; at most {grace:g} s"
+    return f"stopping: {waits}; a second Ctrl-C (SIGINT) or SIGTERM stops at once"

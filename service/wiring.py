@@ -192,3 +192,10 @@ class PlannerTurns:
         if self.streams is not None:
             await self.streams.stop()
         await self.notifier.stop()
+
+    async def hurry(self, grace_s: float) -> None:
+        """Hurry a ``stop`` in progress to end within ``grace_s`` (a second stop signal;
+        decision 0185): the turns' stop is called again with that period
+        (``TurnService.stop`` skips ahead to stopping and closing the turns), and the stop
+        in progress then ends the streams and stops the rest."""
+        await self.turns.stop(grace_s)
