@@ -88,8 +88,10 @@ PING_TIMEOUT_S = 5.0
 #: it the time the streams get to deliver their end (``config.SHUTDOWN_OVERHEAD_S``).
 CLOSE_RESERVE_S = 0.5
 STREAMS_END_S = 0.5
-#: The end of the grace period kept for the process to exit once everything is closed.
-EXIT_RESERVE_S = 0.25
+#: The end of the grace period no export of spans may use: the process's exit after the
+#: stop (the interpreter's teardown of gRPC and the rest) takes about 0.3-0.5 s, and in
+#: ``dev`` the devstack stops after the planner (decision 0190).
+EXIT_RESERVE_S = 1.0
 #: At most this long to ask the store, once the turns stopped, whether any was left.
 CHECK_LEFT_S = 1.0
 
@@ -135,6 +137,7 @@ class PlannerApp:
     _monitor: asyncio.Task[None] | None = None
     _stopped: asyncio.Future[None] | None = None
     _deadline: float | None = None
+    _flushing: bool = False
     #: After ``stop``: turns of this replica still running in the store (left for the
     #: sweeper); None when the store could not tell.
     turns_left_running: int | None = 0
@@ -205,6 +208,7 @@ class PlannerApp:
         if self._tracing is not None:
             # Exiting within the grace period comes first: what the collector has not
             # taken by then is dropped (decision 0190).
+            self._flushing = True
             await self._tracing.shutdown(self._remaining() - EXIT_RESERVE_S)
         log.info("stopped")
 
@@ -218,6 +222,8 @@ class PlannerApp:
         server_stopped = asyncio.ensure_future(self._server.stop(budget))
         await self._turns.hurry(max(0.0, budget - min(STREAMS_END_S, budget / 4)))
         await server_stopped
+        if self._flushing and self._tracing is not None:
+            await self._tracing.shutdown(self._remaining() - EXIT_RESERVE_S)
 
     async def _check_turns_left(self) -> None:
         # The turns' stop closes every turn it ran unless the store failed it; what is
@@ -589,17 +595,18 @@ async def serve(settings: Settings) -> int:
     shutdown skips to its end (``ballet_common.signals``; decision 0185). Returns the
     exit code: 0, or ``128 + signum`` when a second signal hurried the stop."""
     app = await start_planner(settings, tracing=planner_tracing(settings))
-    log.info(
-        "ballet-planner serving on %s (metrics %s, replica %s)",
-        app.address,
-        app.metrics_address or "off",
-        settings.server.replica_id,
-    )
 
     def stopping(signum: int) -> None:
         log.info("%s: %s", signal_name(signum), stopping_message(app))
 
     with StopSignals("ballet-planner") as signals:
+        # Said once the signals are handled: a stop asked for from now on is graceful.
+        log.info(
+            "ballet-planner serving on %s (metrics %s, replica %s)",
+            app.address,
+            app.metrics_address or "off",
+            settings.server.replica_id,
+        )
         try:
             return await stop_when_signalled(signals, app.stop, on_stop=stopping)
         finally:
