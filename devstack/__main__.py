@@ -197,7 +197,14 @@ async def serve(options: Options) -> int:
             print(banner(stack, options, model), flush=True)
             stopper = _Stopper(stack, provider, tracing)
             try:
-                return await stop_when_signalled(signals, stopper.stop)
+                return await stop_when_signalled(
+                    signals,
+                    stopper.stop,
+                    on_stop=lambda signum: print(
+                        "python -m devstack: stopping; press Ctrl-C again to stop at once",
+                        flush=True,
+                    ),
+                )
             finally:
                 await stopper.stop(0 if signals.hurried.is_set() else None)
     finally:

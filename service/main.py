@@ -18,7 +18,9 @@ Shutdown (SPEC section 8; decision 0181): health NOT_SERVING first, then the ser
 accepting calls; running turns end within the grace period (or are stopped and closed
 ``INTERRUPTED`` by the turn machinery), then every Chat stream ends
 ``UNAVAILABLE``/``SHUTTING_DOWN``; then the metrics endpoint, channels and the database
-close, and the spans still queued are exported. The whole takes at most the grace period.
+close, and the spans still queued are exported (at most 2 s; decision 0190). The whole
+takes at most the grace period. A second signal during it skips to its end: turns are
+interrupted at once and the process exits 128 + the signal's number (decision 0185).
 """
 
 from __future__ import annotations

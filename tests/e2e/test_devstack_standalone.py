@@ -139,3 +139,18 @@ def test_a_bad_scenario_is_one_line(tmp_path: Path) -> None:
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("python -m devstack: cannot start: --scenario")
     assert not (tmp_path / ".ballet-dev").exists()
+
+
+def test_two_ctrl_c_stop_the_devstack_without_a_traceback(
+    stack: tuple[subprocess.Popen[str], str], tmp_path: Path
+) -> None:
+    process, _ = stack
+    assert process.stdout is not None
+    process.send_signal(signal.SIGINT)
+    assert "stopping" in process.stdout.readline()
+    process.send_signal(signal.SIGINT)
+    code = process.wait(30)
+    # 130 when the second Ctrl-C hurried the stop; 0 when the stop had ended first.
+    assert code in (0, 130)
+    log = (tmp_path / "devstack.log").read_text()
+    assert "Traceback" not in log and "Segmentation fault" not in log
