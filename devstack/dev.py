@@ -64,7 +64,6 @@ from service.main import (
     migrate_database,
     planner_tracing,
     start_planner,
-    stopping_message,
 )
 
 __all__ = [
@@ -382,6 +381,23 @@ def banner(app: DevApp) -> str:
         "Stop with Ctrl-C.",
     ]
     return "\n".join(lines)
+
+
+def stopping_message(planner: PlannerApp) -> str:
+    """What a graceful stop waits for, and how to skip it: "stopping: 1 running turn gets
+    up to 13 s to end, then is interrupted; at most 20 s in all; press Ctrl-C again to
+    stop at once" (decision 0185)."""
+    grace = planner.settings.server.grace_s
+    running = planner.running_turns
+    if running:
+        turns = "turn gets" if running == 1 else "turns get"
+        waits = (
+            f"{running} running {turns} up to {planner.turns_end_within_s:g} s to end, then "
+            f"{'is' if running == 1 else 'are'} interrupted; at most {grace:g} s in all"
+        )
+    else:
+        waits = f"no turn running; at most {grace:g} s"
+    return f"stopping: {waits}; press Ctrl-C again to stop at once"
 
 
 async def run_dev(options: DevOptions, settings: Settings | None = None) -> int:

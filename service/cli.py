@@ -53,7 +53,8 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def _serve(args: argparse.Namespace) -> int:
     settings = _settings(args.config)
     from service.logs import configure_logging
-    from service.main import StartupError, serve
+    from service.main import StartupError
+    from service.serving import serve
 
     configure_logging(settings.logging)
     try:

@@ -1,6 +1,6 @@
 """The composition root: settings in, a running planner out (STYLE rule 1).
 
-``start_planner(settings)`` wires everything and starts serving; ``serve(settings)``
+``start_planner(settings)`` wires everything and starts serving; ``service.serving.serve``
 does that, then waits for SIGTERM or SIGINT and shuts down gracefully. Nothing else in
 the service builds engines, channels or servers, and nothing does I/O at import time.
 
@@ -41,7 +41,6 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from ballet_common.files import private_directory
-from ballet_common.signals import StopSignals, signal_name, stop_when_signalled
 from ballet_common.tracing import Tracing, TracingConfigError, tracing_from_environment
 from service import datadir
 from service.adapters.backends import GrpcToolBackends
@@ -589,45 +588,3 @@ async def _start_planner(
         await app.stop(0)
         raise
     return app
-
-
-async def serve(settings: Settings) -> int:
-    """Run the planner until SIGTERM or SIGINT, then shut down within
-    ``server.grace_s`` (SPEC section 8; decision 0181). A second signal during the
-    shutdown skips to its end (``ballet_common.signals``; decision 0185). Returns the
-    exit code: 0, or ``128 + signum`` when a second signal hurried the stop."""
-    app = await start_planner(settings, tracing=planner_tracing(settings))
-
-    def stopping(signum: int) -> None:
-        log.info("%s: %s", signal_name(signum), stopping_message(app))
-
-    with StopSignals("ballet-planner") as signals:
-        # Said once the signals are handled: a stop asked for from now on is graceful.
-        log.info(
-            "ballet-planner serving on %s (metrics %s, replica %s)",
-            app.address,
-            app.metrics_address or "off",
-            settings.server.replica_id,
-        )
-        try:
-            return await stop_when_signalled(signals, app.stop, on_stop=stopping)
-        finally:
-            # Whatever ended the wait (a failure, a cancelled task), nothing outlives it.
-            await app.stop(0 if signals.hurried.is_set() else None)
-
-
-def stopping_message(app: PlannerApp) -> str:
-    """What a graceful stop waits for, and how to skip it: "stopping: 1 running turn gets
-    up to 13 s to end, then is interrupted; at most 20 s in all; a second Ctrl-C (SIGINT)
-    or SIGTERM stops at once"."""
-    grace = app.settings.server.grace_s
-    running = app.running_turns
-    if running:
-        turns = "turn gets" if running == 1 else "turns get"
-        waits = (
-            f"{running} running {turns} up to {app.turns_end_within_s:g} s to end, then "
-            f"{'is' if running == 1 else 'are'} interrupted; at most {grace:g} s in all"
-        )
-    else:
-        waits = f"no turn running; at most {grace:g} s"
-    return f"stopping: {waits}; a second Ctrl-C (SIGINT) or SIGTERM stops at once"

@@ -131,7 +131,7 @@ def test_a_second_signal_during_a_turn_stops_dev_at_once_and_cleanly(
         chat = start_turn(dev)
         first, second = signals
         dev.process.send_signal(first)
-        said = read_until(dev.process, "stops at once")
+        said = read_until(dev.process, "press Ctrl-C again to stop at once")
         # Grace 20 s, cancel grace 5 s: the turn gets 13 s before it is interrupted.
         assert "stopping: 1 running turn gets up to 13 s to end, then is interrupted" in said
         assert "at most 20 s in all" in said

@@ -1,0 +1,56 @@
+"""``ballet-planner serve`` as a process: start the planner, serve until SIGTERM or
+SIGINT, then stop within ``server.grace_s`` (SPEC section 8; decision 0181), or at once
+on a second signal (``ballet_common.signals``; decision 0185).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ballet_common.signals import StopSignals, signal_name, stop_when_signalled
+from service.config import Settings
+from service.main import PlannerApp, planner_tracing, start_planner
+
+log = logging.getLogger(__name__)
+
+
+async def serve(settings: Settings) -> int:
+    """Run the planner until SIGTERM or SIGINT, then shut down within
+    ``server.grace_s`` (SPEC section 8; decision 0181). A second signal during the
+    shutdown skips to its end (``ballet_common.signals``; decision 0185). Returns the
+    exit code: 0, or ``128 + signum`` when a second signal hurried the stop."""
+    app = await start_planner(settings, tracing=planner_tracing(settings))
+
+    def stopping(signum: int) -> None:
+        log.info("%s: %s", signal_name(signum), stopping_message(app))
+
+    with StopSignals("ballet-planner") as signals:
+        # Said once the signals are handled: a stop asked for from now on is graceful.
+        log.info(
+            "ballet-planner serving on %s (metrics %s, replica %s)",
+            app.address,
+            app.metrics_address or "off",
+            settings.server.replica_id,
+        )
+        try:
+            return await stop_when_signalled(signals, app.stop, on_stop=stopping)
+        finally:
+            # Whatever ended the wait (a failure, a cancelled task), nothing outlives it.
+            await app.stop(0 if signals.hurried.is_set() else None)
+
+
+def stopping_message(app: PlannerApp) -> str:
+    """What a graceful stop waits for, and how to skip it, for the log: "stopping: 1
+    running turn gets up to 13 s to end, then is interrupted; at most 20 s in all; a
+    second SIGINT or SIGTERM stops at once"."""
+    grace = app.settings.server.grace_s
+    running = app.running_turns
+    if running:
+        turns = "turn gets" if running == 1 else "turns get"
+        waits = (
+            f"{running} running {turns} up to {app.turns_end_within_s:g} s to end, then "
+            f"{'is' if running == 1 else 'are'} interrupted; at most {grace:g} s in all"
+        )
+    else:
+        waits = f"no turn running; at most {grace:g} s"
+    return f"stopping: {waits}; a second SIGINT or SIGTERM stops at once"
