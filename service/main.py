@@ -140,7 +140,7 @@ class PlannerApp:
     _deadline: float | None = None
     _flushing: bool = False
     #: After ``stop``: turns of this replica still running in the store (left for the
-    #: sweeper); None when the store could not tell.
+    #: sweeper); None when the store could not tell, or a ``stop(0)`` did not ask.
     turns_left_running: int | None = 0
 
     @property
@@ -229,10 +229,14 @@ class PlannerApp:
     async def _check_turns_left(self) -> None:
         # The turns' stop closes every turn it ran unless the store failed it; what is
         # left is the sweeper's, and whoever stopped the process is told (decision 0185).
+        # A stop with no time left (stop(0)) does not ask.
+        budget = min(CHECK_LEFT_S, self._remaining() - CLOSE_RESERVE_S / 2)
+        if budget <= 0:
+            self.turns_left_running = None
+            return
         try:
             left = await asyncio.wait_for(
-                self.store.running_turns(owner=self.settings.server.replica_id),
-                max(0.0, min(CHECK_LEFT_S, self._remaining() - CLOSE_RESERVE_S / 2)),
+                self.store.running_turns(owner=self.settings.server.replica_id), budget
             )
         except (StoreUnavailable, TimeoutError):
             self.turns_left_running = None
