@@ -39,7 +39,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from ballet_common.files import private_directory
+from ballet_common.files import DatabaseFileError, private_directory
 from ballet_common.tracing import Tracing, TracingConfigError, tracing_from_environment
 from service import datadir
 from service.adapters.backends import GrpcToolBackends
@@ -285,7 +285,10 @@ async def _open_database(settings: Settings, tracing: Tracing | None) -> Databas
         if settings.database.is_sqlite:
             # Transcripts: 0600 in a 0700 directory whatever the umask (issue 14).
             private_directory(settings.data_dir)
-            prepare_sqlite_file(url)
+            try:
+                prepare_sqlite_file(url)
+            except DatabaseFileError as error:
+                raise StartupError(str(error)) from None
             await migrate(url)
             log.warning(
                 "SQLite database: single process only; its schema was migrated at start "
