@@ -40,6 +40,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from ballet_common.files import DatabaseFileError, private_directory
+from ballet_common.tokens import DevSecretError
 from ballet_common.tracing import Tracing, TracingConfigError, tracing_from_environment
 from service import datadir
 from service.adapters.backends import GrpcToolBackends
@@ -381,6 +382,8 @@ async def _start_planner(
         verifier = token_verifier(settings)
         credentials = service_credentials(settings)
         page_tokens = PageTokens(page_token_keys(settings))
+    except DevSecretError as error:
+        raise StartupError(str(error)) from None
     except OSError as error:
         # The dev secret or the page-token key of the data directory cannot be used: one
         # line saying so (production reads its key files at first use instead).
