@@ -13,12 +13,17 @@ before SQLite opens it covers them too.
 Existing files and directories are never changed: an operator may have chosen their modes
 (a group-readable directory shared with a backup agent, say). ``exposed`` tells whether a
 file is open to other users, for a warning.
+
+``check_sqlite_file`` asks SQLite whether an existing database file is one, so that a
+damaged ``planner.db`` or ``devstack.db`` is one line at start-up naming the file and what
+to do, not a traceback from deep inside the first migration (issue 16, First-run errors).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import sqlite3
 import stat
 from pathlib import Path
 
@@ -84,3 +89,36 @@ def exposed(path: Path) -> bool:
     except (FileNotFoundError, NotADirectoryError):
         return False
     return stat.S_ISREG(status.st_mode) and bool(status.st_mode & 0o077)
+
+
+#: SQLite's result codes for a file that is not a database (``SQLITE_NOTADB``) and for a
+#: damaged one (``SQLITE_CORRUPT``); https://sqlite.org/rescode.html.
+_NOT_A_DATABASE = frozenset({26, 11})
+
+
+class DatabaseFileError(ValueError):
+    """A SQLite database file is not a database or is damaged; ``str(error)`` is one line
+    naming the file and what to do."""
+
+
+def check_sqlite_file(path: Path) -> None:
+    """Check that the SQLite file ``path`` holds a database SQLite can read.
+
+    Opens it read-write (never creating it) and reads its schema table, which makes
+    SQLite check the file header and the first page; an empty file is a valid empty
+    database. Cheap (one page), unlike ``PRAGMA integrity_check``: damage further in
+    is found when it is read. Raises ``DatabaseFileError`` when SQLite answers
+    ``SQLITE_NOTADB`` or ``SQLITE_CORRUPT``; other failures (a locked or unreadable file)
+    are left to the caller's own opening, which reports them.
+    """
+    uri = f"{path.absolute().as_uri()}?mode=rw"
+    try:
+        with contextlib.closing(sqlite3.connect(uri, uri=True)) as connection:
+            connection.execute("SELECT count(*) FROM sqlite_master").fetchone()
+    except sqlite3.DatabaseError as error:
+        if getattr(error, "sqlite_errorcode", None) not in _NOT_A_DATABASE:
+            return
+        raise DatabaseFileError(
+            f"{path} is not a SQLite database or is damaged ({error}); move it away (the "
+            "next start makes an empty one) or restore it from a backup"
+        ) from error

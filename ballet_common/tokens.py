@@ -31,6 +31,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import secrets
 import threading
 import time
@@ -74,6 +75,14 @@ DEV_SERVICE_ISSUER = "ballet-core-dev-services"
 DEV_KID = "dev"
 DEV_SERVICE_KID = "dev-service"
 DEV_SECRET_FILE = "dev-secret"
+#: The shortest dev secret accepted, in bytes: HS256's key must be at least as long as
+#: its hash output (RFC 7518 section 3.2). A generated secret has 64 (32 random bytes, hex).
+MIN_DEV_SECRET_BYTES = 32
+#: The longest lifetime of a dev token, in seconds (30 days; docs/decisions/0168).
+MAX_DEV_TOKEN_TTL_S = 30 * 24 * 3600.0
+#: How far ahead of now a token's ``exp`` may lie, in seconds (366 days), for any issuer:
+#: further is no issuer's policy but a mistake or a forgery (docs/decisions/0168).
+MAX_TOKEN_HORIZON_S = 366 * 24 * 3600.0
 MAX_LEEWAY_S = 60.0
 _PRODUCTION_ALGORITHMS = frozenset({"EdDSA", "RS256"})
 #: Label of the dev service key's derivation (changing it invalidates dev service tokens).
@@ -290,7 +299,8 @@ class TokenVerifier:
         this verifier does not trust, bad signature, unknown ``kid``, ``none`` or an
         algorithm other than the key's, no ``sub``, no ``org`` on a human token);
         ``TOKEN_EXPIRED``; ``WRONG_AUDIENCE``; ``SCOPE_NOT_ALLOWED`` (a human token with a
-        ``scope`` claim).
+        ``scope`` claim). ``TOKEN_INVALID`` too when ``exp`` lies more than
+        ``MAX_TOKEN_HORIZON_S`` ahead (decision 0168).
         """
         if not token:
             raise TokenError("TOKEN_MISSING", "a bearer token is required")
@@ -326,6 +336,21 @@ class TokenVerifier:
         return _claims(payload, token, service=issuer.service)
 
 
+def _expires_at(payload: Mapping[str, Any]) -> float:
+    """The verified ``exp`` as seconds since the epoch; a value PyJWT let through that is
+    not a finite number within ``MAX_TOKEN_HORIZON_S`` of now is ``TOKEN_INVALID``."""
+    try:
+        expires = float(payload["exp"])
+    except (TypeError, ValueError, OverflowError):
+        expires = math.inf
+    if not expires - time.time() <= MAX_TOKEN_HORIZON_S:
+        raise TokenError(
+            "TOKEN_INVALID",
+            f"the token expires more than {MAX_TOKEN_HORIZON_S / 86400:.0f} days from now",
+        )
+    return expires
+
+
 def _claims(payload: Mapping[str, Any], raw: str, *, service: bool) -> Claims:
     subject = payload.get("sub")
     organization = payload.get("org", "")
@@ -350,7 +375,7 @@ def _claims(payload: Mapping[str, Any], raw: str, *, service: bool) -> Claims:
         organization_id=organization,
         issuer=str(payload.get("iss", "")),
         audiences=audiences,
-        expires_at=float(payload["exp"]),
+        expires_at=_expires_at(payload),
         service=service,
         scopes=scopes,
         raw=raw,
@@ -372,28 +397,56 @@ def bearer(metadata: Iterable[tuple[str, str | bytes]], key: str = "authorizatio
 # --------------------------------------------------------------------------- dev mode
 
 
+class DevSecretError(ValueError):
+    """The data directory's dev secret cannot sign tokens (too short); ``str(error)`` is
+    one line naming the file and how to make a new one."""
+
+
 def dev_secret(data_dir: Path, *, create: bool = True) -> bytes:
     """Return the dev HS256 secret of ``data_dir``, generating it on first use.
 
     A new secret is 32 random bytes (hex), written ``0600`` in a ``0700`` directory
     whatever the umask. An existing one readable by other users is still used, with a
-    WARNING (anyone who reads it can mint tokens for every dev user). Raises
+    WARNING (anyone who reads it can mint tokens for every dev user), logged once per file
+    per process (``serve`` and ``dev`` read it several times). Raises
     ``FileNotFoundError`` when it does not exist and ``create`` is false, ``OSError``
-    when it cannot be read or written.
+    when it cannot be read or written, ``DevSecretError`` when it holds fewer than
+    ``MIN_DEV_SECRET_BYTES`` bytes (an empty or hand-written file; RFC 7518 section 3.2).
     """
     path = data_dir / DEV_SECRET_FILE
     if not path.exists():
         if not create:
             raise FileNotFoundError(f"no dev secret in {data_dir}; run the planner once first")
         create_private_file(path, secrets.token_hex(32).encode())
-    elif exposed(path):
-        log.warning(
-            "the dev secret %s is readable by other users (mode %o): anyone who can read "
-            "it can mint tokens; run chmod 600 on it",
-            path,
-            path.stat().st_mode & 0o777,
+    secret = path.read_bytes().strip()
+    if len(secret) < MIN_DEV_SECRET_BYTES:
+        held = "is empty" if not secret else f"holds {len(secret)} bytes"
+        raise DevSecretError(
+            f"the dev secret {path} {held}, fewer than the {MIN_DEV_SECRET_BYTES} an HS256 "
+            "key needs: delete it and start the planner (or run `ballet-planner token "
+            "--create-secret`) to make a new one"
         )
-    return path.read_text().strip().encode()
+    if exposed(path):
+        _warn_exposed_once(path)
+    return secret
+
+
+_warned_lock = threading.Lock()
+_warned: set[Path] = set()
+
+
+def _warn_exposed_once(path: Path) -> None:
+    key = path.resolve()
+    with _warned_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    log.warning(
+        "the dev secret %s is readable by other users (mode %o): anyone who can read "
+        "it can mint tokens; run chmod 600 on it",
+        path,
+        path.stat().st_mode & 0o777,
+    )
 
 
 def dev_service_key(secret: bytes) -> bytes:
@@ -413,8 +466,10 @@ def mint_dev_token(
     now: float | None = None,
     claims: Mapping[str, Any] | None = None,
 ) -> str:
-    """Mint a human's HS256 dev token; ``ttl_s`` is its lifetime in seconds (may be
-    negative). ``claims`` adds or overrides claims (tests forge tokens with it)."""
+    """Mint a human's HS256 dev token; ``ttl_s`` is its lifetime in seconds, at most
+    ``MAX_DEV_TOKEN_TTL_S`` (may be negative: tests mint expired tokens). ``claims`` adds
+    or overrides claims (tests forge tokens with it). Raises ``ValueError`` for a
+    lifetime that is not finite or too long."""
     issued = time.time() if now is None else now
     payload: dict[str, Any] = {
         "sub": subject,
@@ -422,7 +477,7 @@ def mint_dev_token(
         "iss": issuer,
         "aud": list(audiences),
         "iat": int(issued),
-        "exp": int(issued + ttl_s),
+        "exp": _expiry(issued, ttl_s),
     }
     payload.update(claims or {})
     return jwt.encode(payload, secret, algorithm="HS256", headers={"kid": DEV_KID})
@@ -442,7 +497,9 @@ def mint_dev_service_token(
 
     ``secret`` is the dev secret (the key is derived from it); ``audiences`` are the
     services it may call; ``scopes`` become the space-separated ``scope`` claim;
-    ``organization_id`` (``org``) is left out when empty; ``ttl_s`` in seconds.
+    ``organization_id`` (``org``) is left out when empty; ``ttl_s`` in seconds, at most
+    ``MAX_DEV_TOKEN_TTL_S``. Raises ``ValueError`` for a lifetime that is not finite or
+    too long.
     """
     issued = time.time() if now is None else now
     payload: dict[str, Any] = {
@@ -450,7 +507,7 @@ def mint_dev_service_token(
         "iss": DEV_SERVICE_ISSUER,
         "aud": list(audiences),
         "iat": int(issued),
-        "exp": int(issued + ttl_s),
+        "exp": _expiry(issued, ttl_s),
     }
     if organization_id:
         payload["org"] = organization_id
@@ -460,3 +517,12 @@ def mint_dev_service_token(
     return jwt.encode(
         payload, dev_service_key(secret), algorithm="HS256", headers={"kid": DEV_SERVICE_KID}
     )
+
+
+def _expiry(issued: float, ttl_s: float) -> int:
+    """``exp`` for a token issued at ``issued`` (Unix seconds) living ``ttl_s`` seconds."""
+    if not math.isfinite(ttl_s) or ttl_s > MAX_DEV_TOKEN_TTL_S:
+        raise ValueError(
+            f"a dev token lives at most {MAX_DEV_TOKEN_TTL_S:.0f} s (30 days), not {ttl_s!r}"
+        )
+    return int(issued + ttl_s)

@@ -29,8 +29,10 @@ import importlib.metadata
 import inspect
 import logging
 import os
+import re
 import threading
 import time
+import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,7 +106,54 @@ def exporters_wanted(environ: Mapping[str, str]) -> list[str]:
                 )
             if protocol:
                 break
+        # As for the protocol, the traces-specific variable wins over the general one.
+        for variable in ENDPOINT_VARIABLES:
+            endpoint = environ.get(variable, "").strip()
+            if endpoint:
+                check_endpoint(variable, endpoint)
+                break
     return wanted
+
+
+#: A gRPC target without a scheme: ``host:port``, the host a name, IPv4 or ``[IPv6]``.
+_HOST_PORT = re.compile(
+    r"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?):(\d{1,5})"
+)
+
+
+def check_endpoint(variable: str, endpoint: str) -> None:
+    """Refuse an OTLP/gRPC ``endpoint`` (the value of ``variable``) the exporter would only
+    fail on at its first export, silently, long after start-up.
+
+    Accepted (the OTLP exporter specification: a URL with scheme ``http`` or ``https``,
+    and the forms the gRPC client takes): ``http://host[:port]``, ``https://host[:port]``,
+    ``host:port`` and ``unix:/path``. Raises ``TracingConfigError`` naming the variable.
+    """
+    problem = ""
+    parts = urllib.parse.urlsplit(endpoint)
+    if parts.scheme in ("http", "https"):
+        try:
+            port = parts.port
+        except ValueError:
+            problem = "its port is not a number from 1 to 65535"
+        else:
+            if not parts.hostname:
+                problem = "it names no host"
+            elif port == 0:
+                problem = "its port is not a number from 1 to 65535"
+    elif parts.scheme == "unix":
+        if not endpoint.startswith("unix:/") or parts.netloc:
+            problem = "a unix socket is unix:/absolute/path"
+    else:
+        match = _HOST_PORT.fullmatch(endpoint)
+        if match is None:
+            problem = "expected http://host:port, https://host:port, host:port or unix:/path"
+        elif not 0 < int(match.group(1)) <= 65535:
+            problem = "its port is not a number from 1 to 65535"
+    if problem:
+        # A URL's user information may hold a password: the value is shown without it.
+        shown = endpoint if "@" not in endpoint else "(the value)"
+        raise TracingConfigError(f"{variable}={shown}: not an OTLP/gRPC endpoint: {problem}")
 
 
 def tracing_from_environment(

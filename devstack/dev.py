@@ -46,9 +46,10 @@ from pathlib import Path
 import grpc
 
 from ballet_common.signals import StopSignals, stop_when_signalled
-from ballet_common.tokens import Trust, dev_secret
+from ballet_common.tokens import DevSecretError, Trust, dev_secret
 from ballet_common.tracing import Tracing, TracingConfigError, tracing_from_environment
 from devstack.gateway import GatewayServicer, Provider, add_gateway_service
+from devstack.importers.errors import ImportFileError
 from devstack.model import (
     OPENAI_MODEL_VARIABLE,
     ProviderName,
@@ -268,7 +269,16 @@ async def _start_dev(
     gateway: list[GatewayServicer] = []
 
     # The gateway serves only the planner's credential, as the backends check theirs.
-    trust = Trust.dev(dev_secret(settings.data_dir))
+    try:
+        trust = Trust.dev(dev_secret(settings.data_dir))
+    except DevSecretError as error:
+        raise DevError(str(error)) from None
+    except OSError as error:
+        reason = (error.strerror or str(error)).lower()
+        raise DevError(
+            f"data directory {settings.data_dir}: cannot read the dev secret ({reason}); "
+            "give --data-dir a writable folder"
+        ) from None
 
     def add_gateway(server: grpc.aio.Server) -> None:
         gateway.append(add_gateway_service(server, provider, trust=trust))
@@ -289,6 +299,8 @@ async def _start_dev(
         )
     except OSError as error:
         raise DevError(f"devstack: {error}") from error
+    except ImportFileError as error:
+        raise DevError(str(error)) from error
     except ValueError as error:
         raise DevError(f"devstack: {error}") from error
     try:

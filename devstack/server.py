@@ -27,7 +27,7 @@ from ballet.tracker.v1 import tracker_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ballet_common.files import create_private_file, private_directory
+from ballet_common.files import check_sqlite_file, create_private_file, private_directory
 from ballet_common.tokens import (
     HUMAN_AUDIENCES,
     KNOWLEDGE_AUDIENCE,
@@ -149,8 +149,9 @@ class DevStack:
     async def start(cls, config: DevStackConfig) -> DevStack:
         """Create the schema, load the data, and serve on ``config.address``.
 
-        Raises ``ValueError`` for an unsupported database URL, ``OSError`` when the address
-        cannot be bound, and what the importers raise for malformed input files.
+        Raises ``ValueError`` for an unsupported database URL, a ``devstack.db`` that is
+        not a SQLite database (``DatabaseFileError``) and malformed input files
+        (``ImportFileError``), ``OSError`` when the address cannot be bound.
         """
         if not config.allow_non_loopback and not _is_loopback(config.address):
             raise ValueError(
@@ -168,9 +169,11 @@ class DevStack:
 
         private_directory(config.data_dir)
         secret = dev_secret(config.data_dir) if config.trust is None else None
-        if config.database_url is None:
-            # It holds what humans and the planner wrote: 0600 whatever the umask.
-            create_private_file(config.data_dir / SQLITE_FILE)
+        data_file = config.data_dir / SQLITE_FILE
+        # It holds what humans and the planner wrote: 0600 whatever the umask. One that
+        # was there already is checked: a damaged file is one line, not a traceback.
+        if config.database_url is None and not create_private_file(data_file):
+            check_sqlite_file(data_file)
         store = await Store.open(config.database_url or sqlite_url(config.data_dir))
         try:
             await store.create_schema()

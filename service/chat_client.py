@@ -5,18 +5,23 @@ One Chat stream carries one session (SPEC section 3). ``run_chat`` either
 
 - sends one message (``--message``) in a new session of ``--project`` (or in
   ``--session``), prints the turn as it streams and returns 0 when the turn ended
-  ``COMPLETED`` or ``MAX_ROUNDS``, 1 otherwise (with the reason); or
-- runs interactively: every line typed is a message, with line editing and history on a
-  terminal (``service.chat_input``). A new session is created with the first message
-  (its text is the title), not at start; ``--session`` resumes one. The commands:
-  ``/cancel`` (the running turn; typed while a message is being accepted, it cancels
-  the turn as soon as it starts), ``/new`` (the next message starts a new session),
-  ``/sessions`` (ListSessions of the project), ``/open ID`` (another session), ``/help``
-  and ``/quit``. Input is read while a turn streams, so ``/cancel`` works mid-answer;
-  Ctrl-C cancels a running turn, or quits.
+  ``COMPLETED`` or ``MAX_ROUNDS``, 1 otherwise (with the reason, on stderr alone); or
+- runs interactively (``service.chat_interactive``): every line typed is a message or a
+  command (``/cancel``, ``/new``, ``/sessions``, ``/open ID``, ``/help``, ``/quit``),
+  with line editing and history on a terminal (``service.chat_input``); a new session is
+  created with the first message (its text is the title), ``--session`` resumes one.
+  When stdin is not a terminal, each line waits until the previous turn has ended, and
+  at the end of input the chat waits for the running turn and exits as ``--message``.
 
 What is shown is ``service.chat_render``'s; with ``--json`` each ``ChatResponse`` is one
-line of protobuf JSON instead.
+line of protobuf JSON instead. Without a human at a terminal (``--message``, piped
+input), a refused message and a turn that did not end ``COMPLETED``/``MAX_ROUNDS`` are
+reported once, on stderr, and stdout keeps the transcript.
+
+The client knows its own messages by the ``request_id`` it sent, never by their text:
+the planner echoes the id on its replies, and the ``message_accepted`` every stream of
+the session hears names the turn, whose ``request_id`` ``GetTurn`` tells
+(docs/decisions/0166-chat-without-a-terminal.md).
 
 The stream is reopened with ``after_sequence`` (so nothing is missed or repeated) when
 the planner ends it with ``SLOW_CONSUMER``, when a sequence gap shows an event was
@@ -44,12 +49,13 @@ from ballet.planner.v1 import (
 from google.protobuf import json_format
 from google.rpc import status_pb2
 
-from service.chat_input import LineSource
+from service.chat_input import LineSource, utf8_text
 from service.chat_render import (
     Renderer,
     TextStitcher,
     describe_status,
     describe_turn_end,
+    ended_ok,
     error_of,
     short,
     status_text,
@@ -62,6 +68,7 @@ __all__ = [
     "ChatOptions",
     "LineSource",
     "Renderer",
+    "Sent",
     "TextStitcher",
     "describe_turn_end",
     "run_chat",
@@ -72,11 +79,6 @@ __all__ = [
 #: Messages shown when a session is resumed (``--session`` or ``/open``).
 RESUME_MESSAGES = 10
 TITLE_CHARS = 80
-
-_ENDED_OK = (
-    resources_pb2.TURN_END_REASON_COMPLETED,
-    resources_pb2.TURN_END_REASON_MAX_ROUNDS,
-)
 
 
 class ChatError(Exception):
@@ -113,14 +115,29 @@ class End(enum.Enum):
 
 
 @dataclass
-class _Turn:
-    """What the client knows of the turn it waits for (one-shot mode)."""
+class Sent:
+    """A message this client sent and what became of it.
+
+    ``text`` is what was sent (valid UTF-8); ``turn_id`` is set once the planner accepted
+    it, ``ended`` once that turn ended, ``refused`` (``CODE REASON: message``) when the
+    planner refused it.
+    """
 
     request_id: str
     text: str
     turn_id: str = ""
     ended: chat_pb2.TurnEnded | None = None
     refused: str = ""
+
+    @property
+    def done(self) -> bool:
+        """Refused, or its turn ended."""
+        return bool(self.refused) or self.ended is not None
+
+    @property
+    def ok(self) -> bool:
+        """Accepted, and its turn ended ``COMPLETED`` or ``MAX_ROUNDS``."""
+        return self.ended is not None and ended_ok(self.ended)
 
 
 @dataclass
@@ -135,8 +152,16 @@ class ChatClient:
     session: resources_pb2.Session | None = None
     last_sequence: int = 0
     running_turn: str = ""
-    #: Messages sent and not yet accepted or refused: request id -> text.
-    pending: dict[str, str] = field(default_factory=dict)
+    #: Messages sent and not yet accepted or refused, by request id.
+    pending: dict[str, Sent] = field(default_factory=dict)
+    #: Messages of this client the planner accepted on this session, by turn id.
+    own_turns: dict[str, Sent] = field(default_factory=dict)
+    #: How many of this client's messages were refused or ended their turn otherwise
+    #: than COMPLETED or MAX_ROUNDS.
+    failed: int = 0
+    #: No human watches a terminal (``--message``, piped input): errors go to stderr
+    #: once, prefixed like the CLI's, instead of into the transcript.
+    batch: bool = False
     #: ``/cancel`` (or Ctrl-C) came while a message was being accepted: cancel the turn
     #: as soon as it starts.
     cancel_requested: bool = False
@@ -144,7 +169,6 @@ class ChatClient:
     ended: dict[str, chat_pb2.TurnEnded] = field(default_factory=dict)
     #: The latest messages of a resumed session, until they are shown.
     recent: list[resources_pb2.Message] = field(default_factory=list)
-    waiting: _Turn | None = None
     #: Called when no turn runs and no message is pending any more (the prompt).
     on_idle: Callable[[], None] | None = None
     renderer: Renderer = field(init=False)
@@ -277,7 +301,10 @@ class ChatClient:
         if response.sequence > self.last_sequence + 1:
             # An event was missed (SPEC section 3: a stream that sees a gap reopens).
             return End.REOPEN
-        self.track(response)
+        claimed = ""
+        if response.WhichOneof("event") == "message_accepted":
+            claimed = await self._sender_of(response)
+        self.track(response, sender=claimed)
         if self.cancel_requested and self.running_turn:
             self.cancel_requested = False
             await self.cancel()
@@ -291,32 +318,55 @@ class ChatClient:
         pending = dict(self.pending)
         await self.open(session_id=self.session.session_id, after=self.last_sequence)
         self.pending.update(pending)
-        for request_id, text in pending.items():
-            await self._write_message(request_id, text)
+        for request_id, sent in pending.items():
+            await self._write_message(request_id, sent.text)
 
-    def track(self, response: chat_pb2.ChatResponse) -> None:
-        """Follow the session's state and show ``response``."""
+    async def _sender_of(self, response: chat_pb2.ChatResponse) -> str:
+        """The request id of this client's message that ``response`` (a
+        ``message_accepted``) accepts, or ``""`` when it is another client's.
+
+        A duplicate's reply echoes the request id (SPEC section 3, AIP-155); the event
+        every stream of the session hears does not, so while a message of ours waits,
+        ``GetTurn`` tells the accepted turn's request id. Should that read fail, the
+        oldest message waiting claims the turn: one turn runs per session, so a message
+        accepted while ours was in flight is ours unless another client's won the race
+        (ours is then refused ``TURN_IN_PROGRESS``, which this client reports).
+        """
+        if response.request_id or not self.pending or response.turn_id in self.own_turns:
+            return response.request_id
+        assert self.session is not None
+        try:
+            got = await self.stub.GetTurn(
+                planner_service_pb2.GetTurnRequest(
+                    session_id=self.session.session_id, turn_id=response.turn_id
+                ),
+                metadata=self._metadata(),
+                timeout=10,
+            )
+        except grpc.aio.AioRpcError:
+            return next(iter(self.pending))
+        request_id: str = got.turn.request_id
+        return request_id
+
+    def track(self, response: chat_pb2.ChatResponse, *, sender: str = "") -> None:
+        """Follow the session's state and show ``response``. ``sender``: the request id
+        of this client's message a ``message_accepted`` accepts (see ``_sender_of``);
+        ``""`` when it is another client's, or when the response echoes the id itself."""
         if response.sequence > 0:
             self.last_sequence = max(self.last_sequence, response.sequence)
         kind = response.WhichOneof("event")
-        waiting = self.waiting
         was_busy = self.busy
+        report = ""  # said once on stderr instead of the transcript (batch mode)
         if kind == "message_accepted":
-            message = response.message_accepted.message
             if response.turn_id not in self.ended:
                 # A duplicate's reply may name a turn that has ended already.
                 self.running_turn = response.turn_id
-            for request_id, text in list(self.pending.items()):
-                if request_id == response.request_id or text == message.text:
-                    del self.pending[request_id]
-                    break
-            if (
-                waiting is not None
-                and not waiting.turn_id
-                and (response.request_id == waiting.request_id or message.text == waiting.text)
-            ):
-                waiting.turn_id = response.turn_id
-                waiting.ended = self.ended.get(response.turn_id)
+            sent = self.pending.pop(sender or response.request_id, None)
+            if sent is not None and not sent.turn_id:
+                sent.turn_id = response.turn_id
+                self.own_turns[response.turn_id] = sent
+                if response.turn_id in self.ended:  # a duplicate's reply, after a reopen
+                    report = self._finished(sent, self.ended[response.turn_id])
         elif kind == "turn_started":
             if response.turn_id not in self.ended:
                 self.running_turn = response.turn_id
@@ -324,18 +374,35 @@ class ChatClient:
             self.ended[response.turn_id] = response.turn_ended
             if self.running_turn == response.turn_id:
                 self.running_turn = ""
-            if waiting is not None and waiting.turn_id == response.turn_id:
-                waiting.ended = response.turn_ended
+            sent = self.own_turns.get(response.turn_id)
+            if sent is not None and sent.ended is None:
+                report = self._finished(sent, response.turn_ended)
         elif kind == "error":
-            self.pending.pop(response.request_id, None)
-            if waiting is not None and response.request_id == waiting.request_id:
-                waiting.refused = describe_status(*status_text(response.error))
+            error = describe_status(*status_text(response.error))
+            sent = self.pending.pop(response.request_id, None)
+            if sent is not None:
+                sent.refused = error
+                self.failed += 1
+            report = ("message refused: " if sent is not None else "error: ") + error
         if not self._emit_json(response):
-            self.renderer.render(response)
+            if self.batch and report:
+                self.renderer.end_line()
+            else:
+                self.renderer.render(response, mine=response.turn_id in self.own_turns)
+        if self.batch and report:
+            print(f"ballet-planner chat: {report}", file=self.err, flush=True)
         if not self.busy:
             self.cancel_requested = False
         if was_busy and not self.busy and self.on_idle is not None:
             self.on_idle()
+
+    def _finished(self, sent: Sent, ended: chat_pb2.TurnEnded) -> str:
+        """Record how the turn of ``sent`` ended; what to report when it failed."""
+        sent.ended = ended
+        if ended_ok(ended):
+            return ""
+        self.failed += 1
+        return "the turn ended " + describe_turn_end(ended)
 
     def _emit_json(self, response: chat_pb2.ChatResponse) -> bool:
         if self.options.as_json:
@@ -351,15 +418,14 @@ class ChatClient:
         else:
             self.renderer.line(text)
 
-    async def send(self, text: str) -> str:
-        """Send ``text`` as a message of the open session; returns its request id."""
+    async def send(self, text: str) -> Sent:
+        """Send ``text`` as a message of the open session (made valid UTF-8 first, see
+        ``utf8_text``); returns what the client follows of it."""
         assert self._call is not None and self.session is not None
-        text = utf8_text(text)
-        request_id = uuid.uuid4().hex
-        self.renderer.sent.append(text)
-        self.pending[request_id] = text
-        await self._write_message(request_id, text)
-        return request_id
+        sent = Sent(request_id=uuid.uuid4().hex, text=utf8_text(text))
+        self.pending[sent.request_id] = sent
+        await self._write_message(sent.request_id, sent.text)
+        return sent
 
     async def _write_message(self, request_id: str, text: str) -> None:
         assert self._call is not None
@@ -413,6 +479,7 @@ class ChatClient:
         self.session = None
         self.running_turn = ""
         self.pending.clear()
+        self.own_turns.clear()
         self.cancel_requested = False
         self.last_sequence = 0
 
@@ -455,31 +522,6 @@ class ChatClient:
         )
         return list(listed.messages)[-RESUME_MESSAGES:]
 
-    async def list_sessions(self) -> None:
-        """Print the project's sessions, newest first (the current one marked ``*``)."""
-        project = self.session.project_id if self.session else self.options.project_id
-        try:
-            listed = await self.stub.ListSessions(
-                planner_service_pb2.ListSessionsRequest(project_id=project, page_size=20),
-                metadata=self._metadata(),
-                timeout=10,
-            )
-        except grpc.aio.AioRpcError as error:
-            self.note("error: " + describe_status(*error_of(error)))
-            return
-        if self.options.as_json:
-            print(json_format.MessageToJson(listed, indent=None), file=self.out, flush=True)
-            return
-        current = self.session.session_id if self.session else ""
-        self.note(f"sessions of {project} (newest first):")
-        for session in listed.sessions:
-            mark = "*" if session.session_id == current else " "
-            updated = session.update_time.ToDatetime().strftime("%Y-%m-%d %H:%M")
-            title = session.title or "(untitled)"
-            self.note(f" {mark} {session.session_id}  {updated}  {title}")
-        if listed.next_page_token:
-            self.note("   (more; the newest 20 are shown)")
-
 
 # --------------------------------------------------------------------------- modes
 
@@ -495,31 +537,17 @@ async def pump(client: ChatClient) -> None:
 
 
 async def run_once(client: ChatClient, text: str) -> int:
-    """Send ``text``, show the turn, return 0 for COMPLETED or MAX_ROUNDS, else 1."""
-    request_id = await client.send(text)
-    client.waiting = _Turn(request_id=request_id, text=text)
-    waiting = client.waiting
-    while waiting.ended is None and not waiting.refused:
+    """Send ``text``, show the turn, return 0 for COMPLETED or MAX_ROUNDS, else 1 (the
+    refusal or the turn's end said once, on stderr: ``ChatClient.batch``)."""
+    client.batch = True
+    sent = await client.send(text)
+    while not sent.done:
         event = await client.next_event()
         if event is End.REOPEN:
             await client.reopen()
         elif event is End.CLOSED:
             raise ChatError("the planner closed the stream before the turn ended")
-    if waiting.refused:
-        print(f"ballet-planner chat: message refused: {waiting.refused}", file=client.err)
-        return 1
-    ended = waiting.ended
-    assert ended is not None
-    if ended.reason in _ENDED_OK:
-        return 0
-    print(f"ballet-planner chat: the turn ended {describe_turn_end(ended)}", file=client.err)
-    return 1
-
-
-def utf8_text(text: str) -> str:
-    """``text`` as protobuf can encode it: bytes that were not UTF-8 (a terminal or argv
-    in another encoding) reach Python as lone surrogates; they become U+FFFD."""
-    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    return 0 if sent.ok else 1
 
 
 async def run_chat(
@@ -532,13 +560,19 @@ async def run_chat(
     """Run the chat; returns the exit code (see the module docstring). Raises
     ``ChatError`` when the planner cannot be reached, refuses the token, or the project
     or session does not exist."""
-    from service.adapters.channels import make_channel
+    from service.adapters.channels import is_loopback, make_channel
 
     client = ChatClient(options, out or sys.stdout, err or sys.stderr)
-    try:
-        client.channel = make_channel(options.address, tls=None, insecure=False)
-    except ValueError as error:
-        raise ChatError(f"--address {options.address}: {error}") from None
+    if not is_loopback(options.address):
+        # The client speaks plaintext gRPC, which the planner's own rules allow only on
+        # this machine (SPEC section 4); a tunnel is what reaches one elsewhere.
+        raise ChatError(
+            f"--address {options.address}: chat reaches a planner on this machine only "
+            "(127.0.0.1:PORT, localhost:PORT or [::1]:PORT; it has no TLS); for one "
+            "elsewhere, forward a local port to it, e.g. `ssh -N -L 50051:HOST:50051 "
+            "SSH_HOST`, and give --address 127.0.0.1:50051"
+        )
+    client.channel = make_channel(options.address, tls=None, insecure=False)
     try:
         if options.session_id:
             await client.resume(options.session_id)

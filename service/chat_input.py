@@ -11,7 +11,9 @@ reader waits for the first key with echo off (the terminal in cbreak mode, ``sel
 on stdin) and only then starts ``input()``, with the ``> `` prompt when the chat is idle
 and without one while a turn streams. The terminal's mode is restored by ``close``.
 Elsewhere (a pipe, a file, no ``readline``), lines are read as they come; escape
-sequences typed on a terminal without ``readline`` are dropped from the line.
+sequences typed on a terminal without ``readline`` are dropped from the line. Bytes that
+are not text in the locale's encoding reach the line as lone surrogates (never an end of
+input), and ``utf8_text`` makes them U+FFFD before the line is used.
 """
 
 from __future__ import annotations
@@ -62,13 +64,23 @@ class LineSource:
         self._saved: list[Any] | None = None
         self._wake_read, self._wake_write = os.pipe()
         self.echoes = self._terminal
+        #: A human types the lines (stdin is a terminal), not a pipe or a file.
+        self.terminal = self._terminal
+        # Bytes that are not text in the locale's encoding must not end the input (a
+        # decoding error would look like its end): they reach the line as surrogates,
+        # which ``utf8_text`` turns into U+FFFD when the line is read.
+        reconfigure = getattr(self._stream, "reconfigure", None)
+        if reconfigure is not None:
+            with contextlib.suppress(ValueError, OSError):
+                reconfigure(errors="surrogateescape")
         target = self._read_edited if self._readline is not None else self._read_plain
         threading.Thread(target=target, name="chat-stdin", daemon=True).start()
 
     async def get(self) -> str | None:
-        """The next line without its newline, or None at end of input."""
+        """The next line without its newline (valid UTF-8: see ``utf8_text``), or None
+        at end of input."""
         line = await self._queue.get()
-        return None if line is None else line.rstrip("\r\n")
+        return None if line is None else utf8_text(line.rstrip("\r\n"))
 
     def close(self) -> None:
         """Stop waiting for keys and give the terminal back its mode (idempotent)."""
@@ -140,3 +152,9 @@ def _is_terminal(stream: TextIO) -> bool:
         return stream.isatty()
     except (OSError, ValueError):
         return False
+
+
+def utf8_text(text: str) -> str:
+    """``text`` as protobuf can encode it: bytes that were not UTF-8 (a terminal or argv
+    in another encoding) reach Python as lone surrogates; they become U+FFFD."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")

@@ -5,6 +5,13 @@ A new session is created with the first message typed (its text is the title), n
 at start; ``/new`` forgets the current one so that the next message starts another.
 ``/cancel`` (or Ctrl-C) while a message is being accepted cancels its turn as soon as the
 turn starts.
+
+When stdin is not a terminal (``printf 'a\nb\n' | ballet-planner chat ...``), nobody reads
+a prompt or waits to type: the lines queue, each one (message or command) taken after
+the previous turn has ended, and at the end of input the chat waits for the running
+turn, then exits 0 when every message of its own was accepted and its turn ended
+``COMPLETED`` or ``MAX_ROUNDS``, 1 otherwise; errors go to stderr once, as with
+``--message`` (docs/decisions/0166-chat-without-a-terminal.md).
 """
 
 from __future__ import annotations
@@ -14,9 +21,13 @@ import contextlib
 import signal
 from typing import Any
 
+import grpc
+from ballet.planner.v1 import planner_service_pb2
+from google.protobuf import json_format
+
 from service.chat_client import TITLE_CHARS, ChatClient, ChatError, pump
 from service.chat_input import LineSource
-from service.chat_render import short
+from service.chat_render import describe_status, error_of, short
 
 PROMPT = "> "
 HELP = (
@@ -33,8 +44,13 @@ class Interactive:
     def __init__(self, client: ChatClient, lines: LineSource | None = None) -> None:
         self.client = client
         self.lines = lines or LineSource(prompt=self._prompt_for_input)
+        #: Lines come from a pipe or a file: they queue, no prompt, exit code by outcome.
+        self.batch = not self.lines.terminal
+        client.batch = self.batch
         self.pump: asyncio.Task[None] | None = None
         self.quit = asyncio.Event()
+        #: Set when the client goes idle (no turn runs, no message waits to be accepted).
+        self._idle = asyncio.Event()
         #: True while the prompt is on screen and nothing was typed after it.
         self.prompting = False
         self._cancel_asked = False
@@ -57,10 +73,11 @@ class Interactive:
 
     def idle(self) -> None:
         self._cancel_asked = False
+        self._idle.set()
         self.prompt()
 
     def prompt(self) -> None:
-        if not self.client.options.as_json:
+        if not self.client.options.as_json and not self.batch:
             self.client.renderer.end_line()
             self.client.renderer.write(PROMPT)
             self.prompting = True
@@ -83,6 +100,8 @@ class Interactive:
         self.client.recent.clear()
 
     def waiting_for_a_message(self) -> None:
+        if self.batch:
+            return
         self.client.note(
             f"project {self.client.options.project_id} on {self.client.options.address}: "
             "a new session starts with your first message"
@@ -91,9 +110,11 @@ class Interactive:
     # -- the loop ---------------------------------------------------------------
 
     async def run(self) -> int:
-        """Until ``/quit``, end of input or a second Ctrl-C (0); 1 via ``ChatError``
-        when the stream fails."""
-        self.client.note(HELP)
+        """Until ``/quit``, end of input or a second Ctrl-C: 0 (without a terminal, 1
+        when a message of this client was refused or its turn failed); 1 via
+        ``ChatError`` when the stream fails."""
+        if not self.batch:
+            self.client.note(HELP)
         if self.client.session is not None:  # --session: resumed
             self.header(created=False)
             self.start_pump()
@@ -121,32 +142,48 @@ class Interactive:
         else:
             self.quit.set()
 
+    def _exit_code(self) -> int:
+        return 1 if self.batch and self.client.failed else 0
+
     async def _loop(self) -> int:
         loop = asyncio.get_running_loop()
         line_task: asyncio.Task[str | None] | None = None
         quit_task = loop.create_task(self.quit.wait())
         try:
             while True:
-                if line_task is None:
-                    line_task = loop.create_task(self.lines.get())
-                waiting: set[asyncio.Task[Any]] = {line_task, quit_task}
+                waiting: set[asyncio.Task[Any]] = {quit_task}
+                idle_task: asyncio.Task[Any] | None = None
+                if self.batch and self.client.busy:
+                    # Without a terminal the next line waits for the turn to end (and
+                    # the end of input for the last one), as a script expects.
+                    self._idle.clear()
+                    idle_task = loop.create_task(self._idle.wait())
+                    waiting.add(idle_task)
+                else:
+                    if line_task is None:
+                        line_task = loop.create_task(self.lines.get())
+                    waiting.add(line_task)
                 pumping = self.pump
                 if pumping is not None:
                     waiting.add(pumping)
-                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                try:
+                    done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    if idle_task is not None:
+                        idle_task.cancel()
                 if quit_task in done:
-                    return 0
+                    return self._exit_code()
                 if pumping is not None and pumping in done:
                     pumping.result()  # raises ChatError when the stream failed
                     raise ChatError("the planner ended the chat stream (was it stopped?)")
-                if line_task in done:
+                if line_task is not None and line_task in done:
                     line = line_task.result()
                     line_task = None
                     self.prompting = False
                     if self.lines.echoes:
                         self.client.renderer.at_line_start()
                     if line is None or not await self._handle(line.strip()):
-                        return 0
+                        return self._exit_code()
         finally:
             quit_task.cancel()
             if line_task is not None:
@@ -159,6 +196,9 @@ class Interactive:
             if not client.busy:
                 self.prompt()
             return True
+        if self.batch:
+            # What a terminal would have shown as typed, so the transcript reads as one.
+            client.note(PROMPT + line)
         if line.startswith("/"):
             command, _, argument = line.partition(" ")
             if command in ("/quit", "/exit"):
@@ -197,9 +237,35 @@ class Interactive:
             else:
                 await self._open(argument)
         elif command == "/sessions":
-            await client.list_sessions()
+            await self._list_sessions()
         else:
             client.note(f"unknown command {command}; /help lists them")
+
+    async def _list_sessions(self) -> None:
+        """Print the project's sessions, newest first (the current one marked ``*``)."""
+        client = self.client
+        project = client.session.project_id if client.session else client.options.project_id
+        try:
+            listed = await client.stub.ListSessions(
+                planner_service_pb2.ListSessionsRequest(project_id=project, page_size=20),
+                metadata=(("authorization", f"Bearer {client.token}"),),
+                timeout=10,
+            )
+        except grpc.aio.AioRpcError as error:
+            client.note("error: " + describe_status(*error_of(error)))
+            return
+        if client.options.as_json:
+            print(json_format.MessageToJson(listed, indent=None), file=client.out, flush=True)
+            return
+        current = client.session.session_id if client.session else ""
+        client.note(f"sessions of {project} (newest first):")
+        for session in listed.sessions:
+            mark = "*" if session.session_id == current else " "
+            updated = session.update_time.ToDatetime().strftime("%Y-%m-%d %H:%M")
+            title = session.title or "(untitled)"
+            client.note(f" {mark} {session.session_id}  {updated}  {title}")
+        if listed.next_page_token:
+            client.note("   (more; the newest 20 are shown)")
 
     async def _leave(self) -> None:
         await self.stop_pump()

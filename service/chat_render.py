@@ -1,11 +1,14 @@
 """What ``ballet-planner chat`` shows (SPEC sections 3 and 9; docs/decisions/0051).
 
 Text deltas as they arrive, stitched by message id and character offset (a delta already
-shown is skipped; the ``assistant_message`` completes what is missing); one line per tool
-call (``-> name {args}``) and result (``<- name: ok, 12 items`` or ``<- name: error
-NOT_FOUND: ...``); the model the planner named for the turn (``turn_started``, the model
-the gateway was asked for, never a local setting), when it first appears or changes; one
-line when the turn ends. Counts take the right plural (``1 item``, ``2 items``).
+shown is skipped; the ``assistant_message`` completes what is missing); for each tool
+call, a line as soon as the model names it (``-> name …``), one with its arguments once
+they are complete (``-> name {args}``) and one with its result (``<- name: ok, 12
+items`` or ``<- name: error NOT_FOUND: ...``); other clients' messages on the session
+(``alice: text``), never this client's own; the model the planner named for the turn
+(``turn_started``, the model the gateway was asked for, never a local setting), when it
+first appears or changes; one line when the turn ends. Counts take the right plural
+(``1 item``, ``2 items``).
 """
 
 from __future__ import annotations
@@ -145,9 +148,6 @@ class Renderer:
         self.out = out
         self.stitcher = TextStitcher()
         self._line_open = False
-        #: The text of the messages this client sent and has not seen accepted yet, so
-        #: that only other clients' messages are echoed.
-        self.sent: list[str] = []
         #: The model last shown; a turn naming another one shows it again.
         self.model = ""
 
@@ -172,8 +172,9 @@ class Renderer:
         """The terminal moved to a new line by itself (the human pressed Enter)."""
         self._line_open = False
 
-    def render(self, response: chat_pb2.ChatResponse) -> None:
-        """Show one response."""
+    def render(self, response: chat_pb2.ChatResponse, *, mine: bool = False) -> None:
+        """Show one response; ``mine``: it is about a message this client sent (which
+        is not echoed: the human just typed it)."""
         kind = response.WhichOneof("event")
         if kind == "text_delta":
             delta = response.text_delta
@@ -186,9 +187,7 @@ class Renderer:
             self.end_line()
         elif kind == "message_accepted":
             message = response.message_accepted.message
-            if message.text in self.sent:
-                self.sent.remove(message.text)
-            elif not response.request_id:
+            if not mine:
                 self.line(f"{message.human_id or 'human'}: {message.text}")
         elif kind == "turn_started":
             model = response.turn_started.model
@@ -254,6 +253,15 @@ def cut_note(message: resources_pb2.Message) -> str:
         return ""
     why = _FINISHES.get(message.finish_reason, message.finish_reason)
     return f" [cut: {why}]" if why else " [cut]"
+
+
+def ended_ok(ended: chat_pb2.TurnEnded) -> bool:
+    """True when a turn ended as a script may take as success: ``COMPLETED`` or
+    ``MAX_ROUNDS`` (the turn stopped at its round limit; a new message continues)."""
+    return ended.reason in (
+        resources_pb2.TURN_END_REASON_COMPLETED,
+        resources_pb2.TURN_END_REASON_MAX_ROUNDS,
+    )
 
 
 def describe_turn_end(ended: chat_pb2.TurnEnded) -> str:

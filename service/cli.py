@@ -119,7 +119,11 @@ def _add_token(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="data directory (default: $BALLET_PLANNER__DATA_DIR or ./.ballet-dev)",
     )
     parser.add_argument(
-        "--ttl", type=float, default=DEFAULT_TOKEN_TTL_S, help="lifetime in seconds"
+        "--ttl",
+        type=float,
+        default=DEFAULT_TOKEN_TTL_S,
+        help=f"lifetime in seconds (default {DEFAULT_TOKEN_TTL_S:.0f}: 12 hours; at most "
+        "2592000: 30 days)",
     )
     parser.add_argument(
         "--scope",
@@ -139,7 +143,9 @@ def _add_token(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def _token(args: argparse.Namespace) -> int:
     from ballet_common.tokens import (
+        MAX_DEV_TOKEN_TTL_S,
         PLANNER_AUDIENCE,
+        DevSecretError,
         dev_secret,
         mint_dev_service_token,
         mint_dev_token,
@@ -151,8 +157,13 @@ def _token(args: argparse.Namespace) -> int:
     if not args.user.strip():
         print("ballet-planner token: --user must name someone", file=sys.stderr)
         return 2
-    if not args.ttl > 0:
-        print("ballet-planner token: --ttl must be a positive number of seconds", file=sys.stderr)
+    # NaN fails both comparisons; inf and 1e30 the second (decision 0168).
+    if not 0 < args.ttl <= MAX_DEV_TOKEN_TTL_S:
+        print(
+            "ballet-planner token: --ttl must be a number of seconds above 0 and at most "
+            f"{MAX_DEV_TOKEN_TTL_S:.0f} (30 days)",
+            file=sys.stderr,
+        )
         return 2
     scopes = [scope for value in args.scope for scope in value.split()]
     try:
@@ -162,7 +173,7 @@ def _token(args: argparse.Namespace) -> int:
         # A secret made here signs tokens that no running planner accepts, so it is only
         # made when asked for.
         secret = dev_secret(data_dir, create=args.create_secret)
-    except datadir.DataDirError as error:
+    except (datadir.DataDirError, DevSecretError) as error:
         print(f"ballet-planner token: {error}", file=sys.stderr)
         return 2
     except FileNotFoundError:
@@ -407,7 +418,7 @@ def _add_chat(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
 
 
 def _chat(args: argparse.Namespace) -> int:
-    from ballet_common.tokens import dev_secret, mint_dev_token
+    from ballet_common.tokens import DevSecretError, dev_secret, mint_dev_token
     from service.chat_client import ChatError, ChatOptions, run_chat
 
     address = args.address or os.environ.get("BALLET_PLANNER__SERVER__ADDRESS") or DEFAULT_ADDRESS
@@ -427,6 +438,13 @@ def _chat(args: argparse.Namespace) -> int:
                 "dev` first, or give the data directory it uses (--data-dir), or --token",
                 file=sys.stderr,
             )
+            return 2
+        except DevSecretError as error:
+            print(f"ballet-planner chat: {error}", file=sys.stderr)
+            return 2
+        except OSError as error:
+            problem = datadir.unusable(data_dir, error, "read the dev secret", datadir.WITH_OPTION)
+            print(f"ballet-planner chat: {problem}", file=sys.stderr)
             return 2
         user, org = args.user, args.org
 

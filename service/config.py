@@ -375,7 +375,7 @@ def load_settings(
     ``config_file`` is a TOML file (None: defaults only); ``environ`` defaults to
     ``os.environ``. Resolves an empty ``server.replica_id`` to ``hostname-pid-random`` and
     an empty ``database.url`` to SQLite in ``data_dir``. Raises ``ConfigError`` naming the
-    key, or naming the file when it cannot be read or parsed.
+    key, or naming the file when it cannot be read, is not UTF-8 or is not TOML.
     """
     data: dict[str, Any] = {}
     if config_file is not None:
@@ -384,6 +384,12 @@ def load_settings(
                 data = tomllib.load(handle)
         except OSError as error:
             raise ConfigError(f"{config_file}: cannot read: {error.strerror}") from error
+        except UnicodeDecodeError as error:
+            # TOML is UTF-8 (toml.io, "Spec"); tomllib decodes before parsing.
+            line = error.object.count(b"\n", 0, error.start) + 1
+            raise ConfigError(
+                f"{config_file}: not UTF-8 text (line {line}): TOML files are UTF-8"
+            ) from error
         except tomllib.TOMLDecodeError as error:
             raise ConfigError(f"{config_file}: not valid TOML: {error}") from error
     apply_environment(data, os.environ if environ is None else environ, Settings, ENV_PREFIX)

@@ -40,7 +40,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from ballet_common.files import private_directory
+from ballet_common.files import DatabaseFileError, private_directory
+from ballet_common.tokens import DevSecretError
 from ballet_common.tracing import Tracing, TracingConfigError, tracing_from_environment
 from service import datadir
 from service.adapters.backends import GrpcToolBackends
@@ -240,19 +241,11 @@ class PlannerApp:
             )
         except (StoreUnavailable, TimeoutError):
             self.turns_left_running = None
-            log.warning(
-                "shutting down: cannot tell whether turns of this replica are left running "
-                "(the database did not answer); any are closed INTERRUPTED when their lease "
-                "lapses"
-            )
+            log.warning("shutting down: the database did not say whether turns are left running")
             return
         self.turns_left_running = len(left)
         if left:
-            log.warning(
-                "shutting down: %d turn(s) of this replica left running; they are closed "
-                "INTERRUPTED when their lease lapses",
-                len(left),
-            )
+            log.warning("shutting down: %d turn(s) left running for the sweeper", len(left))
 
     async def wait_for_termination(self) -> None:
         """Wait until the gRPC server has stopped."""
@@ -377,7 +370,10 @@ async def _open_database(settings: Settings, tracing: Tracing | None) -> Databas
         if settings.database.is_sqlite:
             # Transcripts: 0600 in a 0700 directory whatever the umask (issue 14).
             private_directory(settings.data_dir)
-            prepare_sqlite_file(url)
+            try:
+                prepare_sqlite_file(url)
+            except DatabaseFileError as error:
+                raise StartupError(str(error)) from None
             await migrate(url)
             log.warning(
                 "SQLite database: single process only; its schema was migrated at start "
@@ -470,6 +466,8 @@ async def _start_planner(
         verifier = token_verifier(settings)
         credentials = service_credentials(settings)
         page_tokens = PageTokens(page_token_keys(settings))
+    except DevSecretError as error:
+        raise StartupError(str(error)) from None
     except OSError as error:
         # The dev secret or the page-token key of the data directory cannot be used: one
         # line saying so (production reads its key files at first use instead).

@@ -26,10 +26,13 @@ from pathlib import Path
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from devstack.importers.errors import ImportFileError, read_text, unreadable
 from devstack.store import Store
 from devstack.store import knowledge as knowledge_store
 
 RECORDED_BY = "import:adr"
+#: This import's name in errors (the ``--knowledge`` folder).
+IMPORTER = "knowledge"
 _FILE = re.compile(r"^(\d{4})-.+\.md$")
 _TITLE = re.compile(r"^#\s+(?:\d+\.\s*)?(.+?)\s*$", re.MULTILINE)
 _DATE = re.compile(r"^Date:\s*(\d{4}-\d{2}-\d{2})\s*$", re.MULTILINE | re.IGNORECASE)
@@ -59,21 +62,29 @@ class Adr:
 
 
 def parse_adr(path: Path) -> Adr:
-    """Parse one ADR file; raises ``ValueError`` when its name has no ``NNNN-`` prefix."""
+    """Parse one ADR file.
+
+    Raises ``ImportFileError`` when its name has no ``NNNN-`` prefix, it cannot be read,
+    is not UTF-8, or its ``Date:`` line is not a date (naming the line).
+    """
     match = _FILE.match(path.name)
     if match is None:
-        raise ValueError(f"{path.name}: not an ADR file (NNNN-title.md)")
+        raise ImportFileError(IMPORTER, path, "not an ADR file (NNNN-title.md)")
     number = match.group(1)
-    text = path.read_text(encoding="utf-8")
+    text = read_text(IMPORTER, path)
     title_match = _TITLE.search(text)
     title = title_match.group(1) if title_match else path.stem
     body = text[title_match.end() :].strip() if title_match else text.strip()
     date_match = _DATE.search(text)
-    date = (
-        datetime.strptime(date_match.group(1), "%Y-%m-%d").replace(tzinfo=UTC).timestamp()
-        if date_match
-        else None
-    )
+    date = None
+    if date_match:
+        try:
+            when = datetime.strptime(date_match.group(1), "%Y-%m-%d")
+        except ValueError:
+            line = text.count("\n", 0, date_match.start()) + 1
+            problem = f"Date {date_match.group(1)} is not a calendar date"
+            raise ImportFileError(IMPORTER, path, problem, line) from None
+        date = when.replace(tzinfo=UTC).timestamp()
     section = _STATUS.search(text)
     status_text = section.group(1).strip() if section else ""
     first_line = status_text.splitlines()[0] if status_text else ""
@@ -92,8 +103,13 @@ def parse_adr(path: Path) -> Adr:
 
 
 def read_adrs(folder: Path) -> list[Adr]:
-    """Parse every ``NNNN-*.md`` of ``folder``, in file name order."""
-    return [parse_adr(path) for path in sorted(folder.iterdir()) if _FILE.match(path.name)]
+    """Parse every ``NNNN-*.md`` of ``folder``, in file name order. Raises
+    ``ImportFileError`` when ``folder`` cannot be listed or a file cannot be parsed."""
+    try:
+        paths = sorted(folder.iterdir())
+    except OSError as error:
+        raise unreadable(IMPORTER, folder, error) from None
+    return [parse_adr(path) for path in paths if _FILE.match(path.name)]
 
 
 @dataclass(frozen=True)

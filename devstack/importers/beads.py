@@ -40,6 +40,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from devstack.importers.errors import ImportFileError, decode, unreadable
 from devstack.store import Store
 from devstack.store.access import put_project
 from devstack.store.db import upsert
@@ -47,6 +48,8 @@ from devstack.store.schema import dependencies, items
 from devstack.store.search import put_documents
 
 SOURCE = "beads"
+#: This import's name in errors (the ``--tracker`` file).
+IMPORTER = "tracker"
 INTERNAL_TYPES = frozenset({"event", "molecule", "agent", "gate"})
 TICKET_TYPES = frozenset({"task", "bug", "feature", "chore"})
 #: beads status -> item state.
@@ -107,6 +110,41 @@ def _seconds(value: Any, default: float) -> float:
         return default
 
 
+def _row(path: Path, number: int, raw: bytes) -> list[dict[str, Any]]:
+    """Line ``number`` of the export as a row (none for a blank line)."""
+    line = decode(IMPORTER, path, raw, number)
+    if not line.strip():
+        return []
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as error:
+        problem = f"not valid JSON ({error.msg[:1].lower()}{error.msg[1:]}, column {error.colno})"
+        raise ImportFileError(IMPORTER, path, problem, number) from None
+    if not isinstance(row, dict) or not isinstance(row.get("id"), str):
+        raise ImportFileError(IMPORTER, path, "not a beads issue (an object with an id)", number)
+    problem = _shape_problem(row)
+    if problem:
+        raise ImportFileError(IMPORTER, path, f"issue {row['id'][:80]!r}: {problem}", number)
+    return [row]
+
+
+def _shape_problem(row: dict[str, Any]) -> str:
+    """What is wrong with the types of the fields the mapping reads, or ""."""
+    for name in ("issue_type", "status"):
+        if name in row and row[name] is not None and not isinstance(row[name], str):
+            return f"{name} is not a string"
+    for name in ("labels", "dependencies"):
+        if row.get(name) is not None and not isinstance(row[name], list):
+            return f"{name} is not a list"
+    for link in row.get("dependencies") or []:
+        if not isinstance(link, dict):
+            return "a dependency is not an object"
+        for name in ("type", "depends_on_id"):
+            if link.get(name) is not None and not isinstance(link[name], str):
+                return f"a dependency's {name} is not a string"
+    return ""
+
+
 def _priority(value: Any) -> int:
     return min(4, max(0, value)) if isinstance(value, int) else DEFAULT_PRIORITY
 
@@ -126,17 +164,17 @@ class BeadsExport:
 def parse_export(path: Path, project_id: str) -> BeadsExport:
     """Read ``issues.jsonl`` and map it (module docstring); touches no database.
 
-    Raises ``ValueError`` naming the line of a row that is not a JSON object with an id.
+    Raises ``ImportFileError`` naming the file and line of a row that is not UTF-8, not
+    JSON, not a beads issue (an object with a string ``id``) or has a field of the wrong
+    type, and naming the file when it cannot be read.
     """
     rows: list[dict[str, Any]] = []
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if not isinstance(row, dict) or not isinstance(row.get("id"), str):
-                raise ValueError(f"{path}:{number}: not a beads issue")
-            rows.append(row)
+    try:
+        with path.open("rb") as handle:
+            for number, raw in enumerate(handle, start=1):
+                rows.extend(_row(path, number, raw))
+    except OSError as error:
+        raise unreadable(IMPORTER, path, error) from None
     export = BeadsExport()
     kept: dict[str, dict[str, Any]] = {}
     for row in rows:

@@ -16,10 +16,13 @@ from pathlib import Path
 import yaml
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from devstack.importers.errors import ImportFileError, read_text, unreadable
 from devstack.store import Store
 from devstack.store.skills import put_skill_version
 
 SKILL_FILE = "SKILL.md"
+#: This import's name in errors (the ``--skills`` folder).
+IMPORTER = "skills"
 
 
 @dataclass(frozen=True)
@@ -34,30 +37,48 @@ class SkillFile:
 def parse_skill(path: Path) -> SkillFile:
     """Parse a SKILL.md; the folder name stands in for a missing ``name``.
 
-    Raises ``ValueError`` when the file has no front matter or its YAML is not a mapping.
+    Raises ``ImportFileError`` naming the file (and the line, where there is one) when it
+    cannot be read, is not UTF-8, has no front matter, or its YAML does not parse or is
+    not a mapping.
     """
-    content = path.read_text(encoding="utf-8")
+    content = read_text(IMPORTER, path)
     lines = content.splitlines()
     if not lines or lines[0].strip() != "---":
-        raise ValueError(f"{path}: no YAML front matter")
+        raise ImportFileError(IMPORTER, path, "no YAML front matter (a first line ---)", 1)
     try:
         end = next(index for index, line in enumerate(lines[1:], 1) if line.strip() == "---")
     except StopIteration:
-        raise ValueError(f"{path}: the front matter is not closed with ---") from None
-    front = yaml.safe_load("\n".join(lines[1:end])) or {}
+        raise ImportFileError(
+            IMPORTER, path, "the front matter is not closed with ---", 1
+        ) from None
+    try:
+        front = yaml.safe_load("\n".join(lines[1:end])) or {}
+    except yaml.YAMLError as error:
+        raise _yaml_error(path, error) from None
     if not isinstance(front, dict):
-        raise ValueError(f"{path}: the front matter is not a mapping")
+        raise ImportFileError(IMPORTER, path, "the front matter is not a mapping", 2)
     name = str(front.get("name") or path.parent.name).strip()
     description = " ".join(str(front.get("description") or "").split())
     return SkillFile(name=name, description=description, content=content)
 
 
+def _yaml_error(path: Path, error: yaml.YAMLError) -> ImportFileError:
+    """One line for a YAML error in the front matter, which starts on the file's line 2."""
+    mark = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None) or str(error)
+    text = " ".join(f"the front matter is not valid YAML ({problem})".split())
+    return ImportFileError(IMPORTER, path, text, mark.line + 2 if mark is not None else None)
+
+
 def read_skills(folder: Path) -> list[SkillFile]:
-    """Parse every ``<name>/SKILL.md`` under ``folder``, in folder name order."""
+    """Parse every ``<name>/SKILL.md`` under ``folder``, in folder name order. Raises
+    ``ImportFileError`` when ``folder`` cannot be listed or a file cannot be parsed."""
+    try:
+        children = sorted(folder.iterdir())
+    except OSError as error:
+        raise unreadable(IMPORTER, folder, error) from None
     return [
-        parse_skill(child / SKILL_FILE)
-        for child in sorted(folder.iterdir())
-        if (child / SKILL_FILE).is_file()
+        parse_skill(child / SKILL_FILE) for child in children if (child / SKILL_FILE).is_file()
     ]
 
 

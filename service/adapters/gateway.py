@@ -39,7 +39,7 @@ import functools
 import random
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 from ballet.llm.v1 import gateway_pb2
@@ -53,6 +53,7 @@ from service.core.ports import (
     FinishReason,
     ModelChunk,
     ModelDeadlines,
+    ModelMessage,
     ModelRequest,
     Purpose,
     Role,
@@ -144,10 +145,11 @@ class GrpcModelGateway:
         self._jitter = jitter
         self._retry = retry or RetryPolicy()
         self._max_answer_bytes = max_answer_bytes
+        self._encodings = MessageEncodings()
 
     async def stream(self, request: ModelRequest) -> AsyncIterator[ModelChunk]:
         """Stream one answer; raises ``ModelFailure`` (see the module docstring)."""
-        wire = to_wire(request)
+        wire = to_wire(request, self._encodings)
         deadline = time.monotonic() + request.deadlines.total_s
         policy = self._retry
         attempt = 0
@@ -350,12 +352,46 @@ def _as_bytes(wire: bytes) -> bytes:
     return wire
 
 
-def to_wire(request: ModelRequest) -> bytes:
+def to_wire(request: ModelRequest, encoded: MessageEncodings | None = None) -> bytes:
     """``to_proto(request)`` serialized, with the tool declarations serialized once per
     set of declarations (they are the same on every call of a replica; concatenated
-    protobuf messages merge, and a repeated field's entries append)."""
-    head = to_proto(request, with_tools=False).SerializeToString()
-    return head + _tools_wire(tuple(request.tools))
+    protobuf messages merge, and a repeated field's entries append), and, with
+    ``encoded``, each message encoded once for as long as its object is reused."""
+    if encoded is None:
+        head = to_proto(request, with_tools=False).SerializeToString()
+        messages = b""
+    else:
+        head = to_proto(replace(request, messages=()), with_tools=False).SerializeToString()
+        messages = b"".join([encoded.field(message) for message in request.messages])
+    return head + messages + _tools_wire(tuple(request.tools))
+
+
+class MessageEncodings:
+    """Each ``ModelMessage``'s encoding as one entry of ``GenerateRequest.messages``,
+    kept by object identity (the core returns the same objects for a session's earlier
+    turns on every call: ``service.core.conversation``), at most ``max_bytes`` of
+    encodings, the oldest first out. Used from one event loop."""
+
+    def __init__(self, max_bytes: int = 64 << 20) -> None:
+        self._max_bytes = max_bytes
+        self._bytes = 0
+        # The object is kept with its bytes, so its id cannot be reused while kept.
+        self._kept: dict[int, tuple[ModelMessage, bytes]] = {}
+
+    def field(self, message: ModelMessage) -> bytes:
+        """The bytes of ``messages: [message]`` in a ``GenerateRequest``."""
+        kept = self._kept.get(id(message))
+        if kept is not None:
+            return kept[1]
+        holder = gateway_pb2.GenerateRequest()
+        _add_message(holder, message)
+        encoded = holder.SerializeToString()
+        self._kept[id(message)] = (message, encoded)
+        self._bytes += len(encoded)
+        while self._bytes > self._max_bytes and self._kept:
+            oldest = next(iter(self._kept))
+            self._bytes -= len(self._kept.pop(oldest)[1])
+        return encoded
 
 
 @functools.lru_cache(maxsize=8)
@@ -382,19 +418,23 @@ def to_proto(request: ModelRequest, *, with_tools: bool = True) -> gateway_pb2.G
         request_id=request.request_id,
     )
     for message in request.messages:
-        item = proto.messages.add(role=_ROLES[message.role])
-        if message.role is Role.TOOL:
-            item.tool_result.tool_call_id = message.tool_call_id
-            item.tool_result.name = message.tool_name
-            item.tool_result.content = message.text
-            item.tool_result.is_error = message.is_error
-        else:
-            item.text = message.text
-            for call in message.tool_calls:
-                item.tool_calls.add(id=call.call_id, name=call.name, arguments=call.arguments)
+        _add_message(proto, message)
     if with_tools:
         proto.tools.extend(_tool(tool) for tool in request.tools)
     return proto
+
+
+def _add_message(proto: gateway_pb2.GenerateRequest, message: ModelMessage) -> None:
+    item = proto.messages.add(role=_ROLES[message.role])
+    if message.role is Role.TOOL:
+        item.tool_result.tool_call_id = message.tool_call_id
+        item.tool_result.name = message.tool_name
+        item.tool_result.content = message.text
+        item.tool_result.is_error = message.is_error
+    else:
+        item.text = message.text
+        for call in message.tool_calls:
+            item.tool_calls.add(id=call.call_id, name=call.name, arguments=call.arguments)
 
 
 def translate_error(

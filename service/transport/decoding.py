@@ -13,6 +13,12 @@ an ``Undecodable`` value, which
 - the Chat reader receives in place of a ``ChatRequest`` and answers with an ``error``
   reply; the stream goes on (the framing is intact, only that message is refused).
 
+A string field holding NUL (U+0000) is refused the same way (``NUL_CHARACTER`` naming
+the field): PostgreSQL's ``text`` cannot hold it, and refusing it here, for every store,
+means a client that works against ``dev`` on SQLite works against production too
+(docs/decisions/0158-nul-characters-refused-on-the-wire.md). The check costs one ``in``
+over the request's bytes; the fields are walked only when a zero byte is there.
+
 The handlers are built from the service's descriptor (method names, message types,
 streaming), the same table the generated ``add_PlannerServiceServicer_to_server`` writes
 by hand, so a new RPC is covered without a change here.
@@ -39,22 +45,32 @@ _MAX_DEPTH = 100
 
 
 class Undecodable:
-    """A request protobuf refused: its type, and the field at fault when one was found.
+    """A request refused before its handler: its type, and the field at fault when one
+    was found.
 
     ``field`` is the dotted path of the first string field that is not UTF-8 (e.g.
-    ``open.session_id``), or empty when the bytes are malformed otherwise;
-    ``request_id`` is the message's top-level ``request_id`` when it is readable, so a
-    Chat reply can echo it.
+    ``open.session_id``), or, with ``nul``, of the first one holding U+0000; empty when
+    the bytes are malformed otherwise. ``request_id`` is the message's top-level
+    ``request_id`` when it is readable, so a Chat reply can echo it.
     """
 
-    def __init__(self, message_type: descriptor.Descriptor, data: bytes) -> None:
+    def __init__(
+        self, message_type: descriptor.Descriptor, data: bytes, *, nul_field: str = ""
+    ) -> None:
         self.message_type = message_type
-        self.field = _first_invalid_string(message_type, data, "", 0) or ""
+        self.nul = bool(nul_field)
+        self.field = nul_field or _first_invalid_string(message_type, data, "", 0) or ""
         self.request_id = _top_level_string(message_type, data, "request_id")
 
     def error(self) -> InvalidArgument:
-        """The refusal: ``INVALID_UTF8`` with the field in the ErrorInfo metadata, or
-        ``MALFORMED_REQUEST``."""
+        """The refusal: ``NUL_CHARACTER`` or ``INVALID_UTF8`` with the field in the
+        ErrorInfo metadata, or ``MALFORMED_REQUEST``."""
+        if self.nul:
+            return InvalidArgument(
+                f"field {self.field} of the request holds a NUL (U+0000) character",
+                reason="NUL_CHARACTER",
+                metadata={"field": self.field},
+            )
         if self.field:
             return InvalidArgument(
                 f"field {self.field} of the request is not valid UTF-8",
@@ -67,13 +83,20 @@ class Undecodable:
 
 
 def lenient(cls: type[message.Message]) -> Callable[[bytes], Any]:
-    """A request deserializer for ``cls`` that returns ``Undecodable`` instead of raising."""
+    """A request deserializer for ``cls`` that returns ``Undecodable`` instead of raising
+    (or instead of a request with NUL in a string field)."""
+    message_type = cast(descriptor.Descriptor, cls.DESCRIPTOR)
 
     def deserialize(data: bytes) -> Any:
         try:
-            return cls.FromString(data)
+            request = cls.FromString(data)
         except message.DecodeError:
-            return Undecodable(cast(descriptor.Descriptor, cls.DESCRIPTOR), data)
+            return Undecodable(message_type, data)
+        if b"\x00" in data:
+            field = _first_string_with_nul(message_type, data, "", 0)
+            if field:
+                return Undecodable(message_type, data, nul_field=field)
+        return request
 
     return deserialize
 
@@ -187,6 +210,28 @@ def _first_invalid_string(
                 return path
         elif field.message_type is not None:
             found = _first_invalid_string(field.message_type, payload, f"{path}.", depth + 1)
+            if found:
+                return found
+    return None
+
+
+def _first_string_with_nul(
+    message_type: descriptor.Descriptor, data: bytes, prefix: str, depth: int
+) -> str | None:
+    """The dotted path of the first ``string`` field of ``data`` (nested messages
+    included) that holds U+0000, or None."""
+    if depth > _MAX_DEPTH:
+        return None
+    for number, _, payload in _fields(data):
+        field = message_type.fields_by_number.get(number)
+        if field is None:
+            continue
+        path = f"{prefix}{field.name}"
+        if field.type == descriptor.FieldDescriptor.TYPE_STRING:
+            if b"\x00" in payload:
+                return path
+        elif field.message_type is not None and b"\x00" in payload:
+            found = _first_string_with_nul(field.message_type, payload, f"{path}.", depth + 1)
             if found:
                 return found
     return None

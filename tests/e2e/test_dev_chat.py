@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -148,10 +150,94 @@ def test_config_compact_at_tokens_triggers_a_compaction(dev: DevProcess) -> None
     assert "(earlier conversation compacted" in shown.stdout
 
 
-def test_chat_message_exits_nonzero_with_the_reason_when_the_turn_fails(dev: DevProcess) -> None:
-    result = dev.chat("--message", "please fail")
-    assert result.returncode == 1
-    assert "the turn ended [FAILED" in result.stderr
+def test_chat_message_exits_nonzero_with_the_reason_said_once(dev: DevProcess) -> None:
+    # The error goes to stderr, once; stdout keeps the transcript (a new user saw each
+    # error twice, on both).
+    failed = dev.chat("--message", "please fail")
+    assert failed.returncode == 1
+    assert failed.stderr.count("[FAILED") == 1
+    assert "ballet-planner chat: the turn ended [FAILED: 0 rounds; " in failed.stderr
+    assert "FAILED" not in failed.stdout
+
+    refused = dev.chat("--message", "x" * 40_000)  # over planner.message_max_bytes
+    assert refused.returncode == 1
+    assert refused.stderr.count("MESSAGE_TOO_LONG") == 1
+    assert "ballet-planner chat: message refused: INVALID_ARGUMENT MESSAGE_TOO_LONG" in (
+        refused.stderr
+    )
+    assert "MESSAGE_TOO_LONG" not in refused.stdout
+
+
+@pytest.mark.parametrize("raw", [b"caf\xe9", b"bad \xff utf8", b"\xff"])
+def test_a_message_that_is_not_utf8_is_sent_with_replacements_and_the_chat_ends(
+    dev: DevProcess, raw: bytes
+) -> None:
+    # Bytes that are not UTF-8 in argv (a new user's Latin-1 terminal): the client sends
+    # them as U+FFFD and must still know the turn as its own, then exit.
+    result = dev.chat("--json", "--message", os.fsdecode(raw), timeout=30)
+    assert result.returncode == 0, result.stdout + result.stderr
+    replies = responses(result.stdout)
+    session = replies[0]["sessionOpened"]["session"]["sessionId"]
+    (ended,) = events(replies, "turnEnded")
+    assert ended["reason"] == "TURN_END_REASON_COMPLETED"
+    assert human_messages(dev, session) == [raw.decode("utf-8", "replace")]
+
+
+def chat_from_a_pipe(dev: DevProcess, lines: bytes) -> subprocess.CompletedProcess[bytes]:
+    """``ballet-planner chat`` as alice with ``lines`` on its stdin (a pipe), to its end."""
+    return subprocess.run(
+        [*command(), "chat", "--address", dev.planner, "--user", "alice", "--data-dir", "data"],
+        cwd=dev.cwd,
+        env=clean_env(),
+        input=lines,
+        capture_output=True,
+        timeout=60,
+    )
+
+
+def piped_session(stdout: str) -> str:
+    found = re.search(r"^new session (\S+) in project demo", stdout, re.MULTILINE)
+    assert found, stdout
+    return found.group(1)
+
+
+def test_piped_lines_are_sent_in_order_each_after_the_previous_turn(dev: DevProcess) -> None:
+    # A new user piped messages: the first was never sent, the rest were refused "a turn
+    # is running". Without a terminal, lines queue and the end of input waits.
+    texts = ["first question", "What are the open epics?", "third, and last"]
+    result = chat_from_a_pipe(dev, "".join(text + "\n" for text in texts).encode())
+    stdout = result.stdout.decode()
+    assert result.returncode == 0, stdout + result.stderr.decode()
+    assert human_messages(dev, piped_session(stdout)) == texts
+    assert stdout.count("[COMPLETED: ") == 3
+    assert "a turn is running" not in stdout
+    assert "> " + texts[1] in stdout  # the transcript shows what was sent
+    assert result.stderr == b""
+
+
+def test_piped_lines_go_on_after_a_failure_and_the_exit_code_says_so(dev: DevProcess) -> None:
+    lines = b"hello\nplease fail\nbad \xff bytes\n/sessions\nthe end\n"
+    result = chat_from_a_pipe(dev, lines)
+    stdout, stderr = result.stdout.decode(), result.stderr.decode()
+    assert result.returncode == 1, stdout + stderr
+    session = piped_session(stdout)
+    assert human_messages(dev, session) == [
+        "hello",
+        "please fail",
+        "bad \ufffd bytes",
+        "the end",
+    ]
+    assert stderr.count("the turn ended [FAILED") == 1 and "FAILED" not in stdout
+    assert stdout.count("[COMPLETED: ") == 3
+    assert f"* {session}" in stdout  # /sessions ran, in its place
+
+
+def test_chat_names_what_to_do_for_an_address_it_cannot_use(tmp_path: Path) -> None:
+    garbage = run_cli(["chat", "--address", "garbage", "--token", "t", "--message", "hi"], tmp_path)
+    assert garbage.returncode == 1
+    assert "insecure" not in garbage.stderr  # chat has no such option
+    assert "--address garbage: chat reaches a planner on this machine only" in garbage.stderr
+    assert "forward a local port to it" in garbage.stderr
 
 
 def test_chat_errors_say_what_to_do(dev: DevProcess, tmp_path: Path) -> None:

@@ -108,3 +108,91 @@ def test_every_data_directory_the_readme_creates_is_ignored_by_git() -> None:
             ["git", "check-ignore", "--no-index", "-q", probe], cwd=REPO, timeout=30
         )
         assert ignored.returncode == 0, f"{probe} is not ignored by git"
+
+
+# --------------------------------------------------------------------------- files a new
+# user hands the planner: each is one line naming it and what to do, never a traceback.
+
+
+def _said(result: subprocess.CompletedProcess[str], expected: str) -> str:
+    """The one line on stderr that is not a JSON log record; it must hold ``expected``."""
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = [line for line in result.stderr.splitlines() if not line.startswith("{")]
+    assert len(lines) == 1 and expected in lines[0], result.stderr
+    return lines[0]
+
+
+def _serve_env(data_dir: str = "data", **extra: str) -> dict[str, str]:
+    return {
+        "BALLET_PLANNER__DATA_DIR": data_dir,
+        "BALLET_PLANNER__SERVER__ADDRESS": f"127.0.0.1:{free_port()}",
+        "BALLET_PLANNER__SERVER__METRICS_ADDRESS": "",
+        **extra,
+    }
+
+
+DEV = ["dev", "--data-dir", "data", "--address", "127.0.0.1:0", "--devstack-address", "127.0.0.1:0"]
+_NO_METRICS = {"BALLET_PLANNER__SERVER__METRICS_ADDRESS": ""}
+
+
+def test_a_configuration_file_that_is_not_utf8_is_a_configuration_error(tmp_path: Path) -> None:
+    (tmp_path / "bad.toml").write_bytes(b"\xff\xfe[planner]\n")
+    for args in (["serve"], ["migrate"], ["health"], ["dev", "--data-dir", "data"]):
+        result = run([*args, "--config", "bad.toml"], tmp_path, **_serve_env())
+        assert result.returncode == 2, (args, result.stderr)
+        _said(result, "configuration error: bad.toml: not UTF-8 text (line 1)")
+
+
+def test_a_planner_db_that_is_not_a_database_stops_start_up_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "data").mkdir(mode=0o700)
+    junk = os.urandom(4096)
+    (tmp_path / "data" / "planner.db").write_bytes(junk)
+    for args, env in ((["serve"], _serve_env()), (DEV, _NO_METRICS)):
+        result = run(args, tmp_path, **env)
+        assert result.returncode == 1, result.stderr
+        line = _said(result, "cannot start: ")
+        assert "planner.db is not a SQLite database" in line and "move it away" in line
+        assert (tmp_path / "data" / "planner.db").read_bytes() == junk
+
+
+def test_token_refuses_a_lifetime_that_is_not_finite_or_over_thirty_days(tmp_path: Path) -> None:
+    for ttl in ("inf", "nan", "1e30", "2592001"):
+        result = run(["token", "--user", "alice", "--data-dir", "d", "--ttl", ttl], tmp_path)
+        assert result.returncode == 2, result.stderr
+        _said(result, "--ttl must be a number of seconds above 0 and at most 2592000 (30 days)")
+    longest = ["token", "--user", "alice", "--data-dir", "d", "--ttl", "2592000"]
+    assert run([*longest, "--create-secret"], tmp_path).returncode == 0
+
+
+@pytest.mark.parametrize(("secret", "held"), [(b"", "is empty"), (b"abcde", "holds 5 bytes")])
+def test_a_dev_secret_too_short_to_sign_stops_token_serve_and_dev(
+    tmp_path: Path, secret: bytes, held: str
+) -> None:
+    (tmp_path / "data").mkdir(mode=0o700)
+    (tmp_path / "data" / "dev-secret").write_bytes(secret)
+    expected = f"the dev secret data/dev-secret {held}, fewer than the 32"
+    token = run(["token", "--user", "alice", "--data-dir", "data"], tmp_path)
+    assert token.returncode == 2 and not token.stdout
+    assert "delete it" in _said(token, expected)
+    for args, env in ((["serve"], _serve_env()), (DEV, _NO_METRICS)):
+        result = run(args, tmp_path, **env)
+        assert result.returncode == 1, result.stderr
+        _said(result, f"cannot start: {expected}")
+        assert "InsecureKeyLength" not in result.stderr
+
+
+def test_an_otlp_endpoint_that_is_not_one_is_a_configuration_error(tmp_path: Path) -> None:
+    result = run(["serve"], tmp_path, **_serve_env(OTEL_EXPORTER_OTLP_ENDPOINT="not-a-url"))
+    assert result.returncode == 2, result.stderr
+    _said(result, "configuration error: OTEL_EXPORTER_OTLP_ENDPOINT=not-a-url: not an OTLP")
+
+
+def test_a_malformed_import_names_the_import_the_file_and_the_line(tmp_path: Path) -> None:
+    (tmp_path / "issues.jsonl").write_text('{"id": "bd-1", "issue_type": "task"}\n{bad\n')
+    result = run([*DEV, "--tracker", "issues.jsonl", "--project", "p"], tmp_path, **_NO_METRICS)
+    assert result.returncode == 1, result.stderr
+    _said(
+        result,
+        "cannot start: the tracker import failed: issues.jsonl, line 2: not valid JSON "
+        "(expecting property name enclosed in double quotes, column 2)",
+    )

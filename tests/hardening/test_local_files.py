@@ -1,18 +1,22 @@
 """Files holding transcripts or secrets are owner-only whatever the umask (issue 14):
 ``planner.db`` (with its WAL files), ``devstack.db``, the dev secret and the page-token
 key are created ``0600`` in a ``0700`` data directory, even under ``umask 000``; a dev
-secret that others can read is used with a WARNING."""
+secret that others can read is used with a WARNING. A database file that is not one is
+refused at start-up in one line and left as it was (issue 16)."""
 
 from __future__ import annotations
 
 import logging
 import os
+import re
+import sqlite3
 import stat
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from ballet_common.files import DatabaseFileError, check_sqlite_file
 from ballet_common.tokens import dev_secret
 from devstack.server import DevStack, DevStackConfig
 from tests.hardening.support import PlannerProcess, _wait_serving, free_port, planner_command
@@ -89,3 +93,35 @@ def test_an_existing_directory_keeps_its_mode_and_a_readable_secret_is_warned_ab
         assert dev_secret(shared) == secret
     (warning,) = caplog.records
     assert warning.levelno == logging.WARNING and "readable by other users" in warning.getMessage()
+
+
+def test_a_file_that_is_not_a_sqlite_database_is_named_with_what_to_do(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.db"
+    empty.write_bytes(b"")
+    check_sqlite_file(empty)  # what create_private_file makes: a valid empty database
+    real = tmp_path / "real.db"
+    with sqlite3.connect(real) as connection:
+        connection.execute("CREATE TABLE t (x)")
+    connection.close()
+    check_sqlite_file(real)
+    damaged = real.read_bytes()
+    junk = tmp_path / "junk.db"
+    junk.write_bytes(os.urandom(4096))
+    header_only = tmp_path / "header.db"
+    header_only.write_bytes(damaged[:100] + b"\x00" * (len(damaged) - 100))
+    for path in (junk, header_only):
+        before = path.read_bytes()
+        expected = f"^{re.escape(str(path))} is not a SQLite .*move it away"
+        with pytest.raises(DatabaseFileError, match=expected):
+            check_sqlite_file(path)
+        assert path.read_bytes() == before
+
+
+async def test_the_devstack_refuses_a_devstack_db_that_is_not_a_database(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    junk = os.urandom(4096)
+    (data_dir / "devstack.db").write_bytes(junk)
+    with pytest.raises(DatabaseFileError, match=r"devstack\.db is not a SQLite database"):
+        await DevStack.start(DevStackConfig(data_dir=data_dir, address="127.0.0.1:0"))
+    assert (data_dir / "devstack.db").read_bytes() == junk

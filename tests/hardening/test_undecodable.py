@@ -1,7 +1,9 @@
 """Undecodable requests (issue 12, Done-when 5): invalid UTF-8 in every string field of
 every PlannerService request gives ``INVALID_ARGUMENT`` with one ``ErrorInfo``
 (``INVALID_UTF8``, naming the field), before authentication and never logged at ERROR;
-on Chat the stream gets that status at once as a reply and goes on.
+on Chat the stream gets that status at once as a reply and goes on. A NUL character
+(U+0000) in any string field is refused the same way (``NUL_CHARACTER``) whatever the
+store (decision 0158): the stack here runs on SQLite, which would have stored it.
 
 The requests are raw bytes written from the service's descriptors (protobuf's own
 serializer refuses to produce them): for every string field reachable from a request
@@ -23,6 +25,9 @@ from service.transport.decoding import SERVICE
 from tests.hardening.support import Stack, error_info, start_stack
 
 INVALID = b"\xff\xfe not UTF-8"
+NUL = b"a NUL \x00 inside"
+#: (payload planted in the field, the reason the refusal gives).
+BAD = [(INVALID, "INVALID_UTF8"), (NUL, "NUL_CHARACTER")]
 
 
 def _varint(value: int) -> bytes:
@@ -92,11 +97,14 @@ async def planner_address(stack: Stack) -> str:
     return planner.app.address
 
 
+@pytest.mark.parametrize(("payload", "reason"), BAD, ids=[reason for _, reason in BAD])
 @pytest.mark.parametrize(("method", "path"), CASES, ids=[f"{m}:{dotted(p)}" for m, p in CASES])
-async def test_invalid_utf8_in_a_unary_request_is_invalid_argument(
+async def test_invalid_utf8_or_nul_in_a_unary_request_is_invalid_argument(
     planner_address: str,
     method: str,
     path: tuple[descriptor.FieldDescriptor, ...],
+    payload: bytes,
+    reason: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.INFO)
@@ -104,13 +112,13 @@ async def test_invalid_utf8_in_a_unary_request_is_invalid_argument(
         call = channel.unary_unary(f"/{SERVICE.full_name}/{method}")
         # No authorization header: the refusal comes before authentication.
         with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await call(encoded(path), timeout=10)
+            await call(encoded(path, payload), timeout=10)
     error = caught.value
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
     status = rpc_status.from_call(error)
     assert status is not None and len(status.details) == 1
     info = error_info(status)
-    assert (info.reason, info.domain) == ("INVALID_UTF8", "planner.ballet")
+    assert (info.reason, info.domain) == (reason, "planner.ballet")
     assert info.metadata["field"] == dotted(path)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
@@ -125,8 +133,13 @@ async def test_a_malformed_request_is_invalid_argument_too(planner_address: str)
     assert status is not None and error_info(status).reason == "MALFORMED_REQUEST"
 
 
-async def test_invalid_utf8_on_chat_gets_a_reply_and_the_stream_goes_on(
-    stack: Stack, planner_address: str, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize(("payload", "reason"), BAD, ids=[reason for _, reason in BAD])
+async def test_invalid_utf8_or_nul_on_chat_gets_a_reply_and_the_stream_goes_on(
+    stack: Stack,
+    planner_address: str,
+    payload: bytes,
+    reason: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.INFO)
     chat_paths = list(string_paths(chat_pb2.ChatRequest.DESCRIPTOR))
@@ -145,7 +158,7 @@ async def test_invalid_utf8_on_chat_gets_a_reply_and_the_stream_goes_on(
         )(metadata=stack.auth())
         for number, path in enumerate(chat_paths):
             request_id = f"bad-{number}"
-            raw = encoded(path)
+            raw = encoded(path, payload)
             if dotted(path) != "request_id":
                 raw = _field(1, request_id.encode()) + raw
             await call.write(raw)
@@ -153,7 +166,7 @@ async def test_invalid_utf8_on_chat_gets_a_reply_and_the_stream_goes_on(
             assert reply.WhichOneof("event") == "error", reply
             assert reply.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
             info = error_info(reply.error)
-            assert (info.reason, info.metadata["field"]) == ("INVALID_UTF8", dotted(path))
+            assert (info.reason, info.metadata["field"]) == (reason, dotted(path))
             if dotted(path) != "request_id":
                 assert reply.request_id == request_id
         # The stream still reads: a valid open gets its reply.

@@ -96,3 +96,33 @@ async def test_dev_registers_the_gateway_and_points_the_planner_at_the_devstack(
         await client.close()
     assert len(app.gateway.requests) == before + 1
     assert app.gateway.requests[-1].model == app.settings.planner.model
+
+
+async def test_the_client_knows_its_message_by_request_id_never_by_its_text(app: DevApp) -> None:
+    # Another stream of the same human sends the same text first; its message_accepted
+    # is still unread when ours is sent. Matched by text, the client would take the
+    # other turn for its own (and, for text it had to repair, wait for ever).
+    mine, other = await client_of(app), await client_of(app)
+    try:
+        await mine.open(title="same text")
+        assert mine.session is not None
+        await other.open(session_id=mine.session.session_id)
+        first = await other.send("the same words")
+        while not first.done:
+            assert isinstance(await other.next_event(), chat_pb2.ChatResponse)
+        sent = await mine.send("the same words")  # the other's events wait unread
+        while not sent.done:
+            assert isinstance(await mine.next_event(), chat_pb2.ChatResponse)
+        got = await mine.stub.GetTurn(
+            pb.GetTurnRequest(session_id=mine.session.session_id, turn_id=sent.turn_id),
+            metadata=(("authorization", f"Bearer {mine.token}"),),
+        )
+    finally:
+        await mine.close()
+        await other.close()
+    assert first.ok and sent.ok
+    assert sent.turn_id != first.turn_id
+    assert got.turn.request_id == sent.request_id
+    assert list(mine.own_turns) == [sent.turn_id]
+    shown = mine.renderer.out.getvalue()  # type: ignore[attr-defined]
+    assert shown.count("alice: the same words") == 1  # the other's message, echoed once

@@ -135,3 +135,12 @@ async def test_on_an_imported_project_the_fallback_suggests_its_own_items(
         await app.stop()
     assert "mini-1" in shown and "mini-2" in shown, shown
     assert "PAN-" not in shown, shown
+
+
+async def test_a_failed_tool_call_is_reported_as_a_failure(demo: ChatClient) -> None:
+    # An error result (here NOT_FOUND) gets the failure answer, never the tool's own
+    # success text ("Here is the item:"), whichever tool failed.
+    shown = await ask(demo, "Tell me about PAN-999")
+    assert "<- get_item: error NOT_FOUND" in shown, shown
+    assert "That did not work: the tool call failed" in shown, shown
+    assert "Here is the item" not in shown, shown

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 
 import pytest
 from ballet.planner.v1 import chat_pb2, resources_pb2
@@ -88,7 +89,6 @@ def message(kind: int, **fields: object) -> resources_pb2.Message:
 def test_renderer_shows_a_turn_as_a_human_reads_it() -> None:
     out = io.StringIO()
     renderer = Renderer(out)
-    renderer.sent.append("What is open?")
     human = message(resources_pb2.MESSAGE_KIND_HUMAN, text="What is open?", human_id="alice")
     call = message(
         resources_pb2.MESSAGE_KIND_TOOL_CALL,
@@ -102,7 +102,6 @@ def test_renderer_shows_a_turn_as_a_human_reads_it() -> None:
     )
     answer = message(resources_pb2.MESSAGE_KIND_ASSISTANT, message_id="m1", text="One epic.")
     responses = [
-        chat_pb2.ChatResponse(message_accepted=chat_pb2.MessageAccepted(message=human)),
         chat_pb2.ChatResponse(tool_call_started=chat_pb2.ToolCallStarted(message=call)),
         chat_pb2.ChatResponse(tool_call_finished=chat_pb2.ToolCallFinished(message=result)),
         chat_pb2.ChatResponse(text_delta=chat_pb2.TextDelta(message_id="m1", text="One ")),
@@ -116,6 +115,10 @@ def test_renderer_shows_a_turn_as_a_human_reads_it() -> None:
             )
         ),
     ]
+    # This client's own message is not echoed (the human just typed it).
+    renderer.render(
+        chat_pb2.ChatResponse(message_accepted=chat_pb2.MessageAccepted(message=human)), mine=True
+    )
     for response in responses:
         renderer.render(response)
     assert out.getvalue() == (
@@ -224,3 +227,33 @@ def test_a_tool_call_shows_as_soon_as_its_name_is_known() -> None:
         chat_pb2.ChatResponse(tool_call_started=chat_pb2.ToolCallStarted(message=call))
     )
     assert out.getvalue().endswith('  -> get_item {"item_id":"PAN-4"}\n')
+
+
+def test_the_readme_shows_the_tool_call_lines_the_client_prints() -> None:
+    # The README said "each tool call and its result on one line"; the client prints a
+    # line when the model names the call, one with its arguments and one with its result.
+    out = io.StringIO()
+    renderer = Renderer(out)
+    call = message(
+        resources_pb2.MESSAGE_KIND_TOOL_CALL,
+        tool_call_id="c1",
+        tool_name="list_items",
+        tool_arguments='{"kind":"epic"}',
+    )
+    result = message(
+        resources_pb2.MESSAGE_KIND_TOOL_RESULT,
+        tool_call_id="c1",
+        tool_name="list_items",
+        tool_result=json.dumps({"items": [{}, {}, {}], "total_size": 3}),
+    )
+    for response in (
+        chat_pb2.ChatResponse(
+            tool_call_progress=chat_pb2.ToolCallProgress(tool_call_id="c1", tool_name="list_items")
+        ),
+        chat_pb2.ChatResponse(tool_call_started=chat_pb2.ToolCallStarted(message=call)),
+        chat_pb2.ChatResponse(tool_call_finished=chat_pb2.ToolCallFinished(message=result)),
+    ):
+        renderer.render(response)
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert out.getvalue() in readme
+    assert "its result on one\nline" not in readme

@@ -40,3 +40,20 @@ def test_malformed_bytes_are_a_malformed_request() -> None:
         assert isinstance(decoded, Undecodable), raw
         assert decoded.field == ""
         assert decoded.error().reason == "MALFORMED_REQUEST"
+
+
+def test_nul_in_a_nested_string_is_refused_naming_the_field() -> None:
+    raw = field(1, b"req-8") + field(3, field(1, b"hello \x00 world"))  # send_message.text
+    decoded = lenient(chat_pb2.ChatRequest)(raw)
+    assert isinstance(decoded, Undecodable)
+    assert (decoded.field, decoded.request_id) == ("send_message.text", "req-8")
+    error = decoded.error()
+    assert (error.reason, error.metadata) == ("NUL_CHARACTER", {"field": "send_message.text"})
+
+
+def test_zero_bytes_of_the_encoding_itself_are_not_nul_characters() -> None:
+    # An empty nested message and a zero-length field encode as a 0x00 byte.
+    request = chat_pb2.ChatRequest(request_id="r", open=chat_pb2.OpenAction())
+    data = request.SerializeToString()
+    assert b"\x00" in data
+    assert lenient(chat_pb2.ChatRequest)(data) == request

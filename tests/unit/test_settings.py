@@ -223,6 +223,9 @@ def test_file_errors_name_the_key(tmp_path: Path) -> None:
     assert "auth.issuers: expected a list" in error_of(toml='[auth]\nissuers = "x"\n', tmp=tmp_path)
     assert "planner: must be a table" in error_of(toml="planner = 3\n", tmp=tmp_path)
     assert "not valid TOML" in error_of(toml="[planner\n", tmp=tmp_path)
+    (tmp_path / "latin1.toml").write_bytes(b'[planner]\nmodel = "caf\xe9"\n')
+    with pytest.raises(ConfigError, match=r"latin1\.toml: not UTF-8 text \(line 2\)"):
+        load_settings(tmp_path / "latin1.toml", {})
     with pytest.raises(ConfigError, match="cannot read"):
         load_settings(tmp_path / "missing.toml", {})
 

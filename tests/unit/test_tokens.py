@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import logging
+import math
+import time
 from pathlib import Path
 
 import jwt
@@ -11,8 +14,11 @@ import pytest
 from ballet_common.tokens import (
     DEV_ISSUER,
     DEV_SERVICE_ISSUER,
+    MAX_DEV_TOKEN_TTL_S,
+    MAX_TOKEN_HORIZON_S,
     PLANNER_AUDIENCE,
     TRACKER_AUDIENCE,
+    DevSecretError,
     Issuer,
     KeySet,
     TokenError,
@@ -130,3 +136,49 @@ def test_the_token_command_mints_a_service_principal_only_from_the_service_issue
     reader = verifier.verify(service_token)
     assert reader.is_service and reader.scopes == {READ} and reader.organization_id == "acme"
     assert not verifier.verify(human_token).is_service
+
+
+@pytest.mark.parametrize("ttl_s", [math.inf, math.nan, 1e30, MAX_DEV_TOKEN_TTL_S + 1])
+def test_a_dev_token_is_never_minted_for_longer_than_thirty_days(ttl_s: float) -> None:
+    """Decision 0168: ``int(now + inf)`` was an OverflowError and 1e30 a token for ever."""
+    with pytest.raises(ValueError, match="at most"):
+        mint_dev_token(SECRET, "alice", ttl_s=ttl_s)
+    with pytest.raises(ValueError, match="at most"):
+        mint_dev_service_token(SECRET, "s", audiences=(PLANNER_AUDIENCE,), ttl_s=ttl_s)
+    longest = PLANNER.verify(mint_dev_token(SECRET, "alice", ttl_s=MAX_DEV_TOKEN_TTL_S))
+    assert longest.expires_at - time.time() <= MAX_DEV_TOKEN_TTL_S
+
+
+@pytest.mark.parametrize(
+    "exp", [10**30, 2**63, 10**400, int(time.time() + MAX_TOKEN_HORIZON_S + 3600)]
+)
+def test_a_token_expiring_absurdly_far_ahead_is_invalid(exp: int) -> None:
+    """A token signed with a trusted key but an ``exp`` no issuer's policy would set (a
+    forgery or a mistake) is refused, and 10**400 is not an OverflowError."""
+    assert reason(mint_dev_token(SECRET, "alice", claims={"exp": exp})) == "TOKEN_INVALID"
+    within = int(time.time() + MAX_TOKEN_HORIZON_S - 3600)
+    assert PLANNER.verify(mint_dev_token(SECRET, "alice", claims={"exp": within}))
+
+
+@pytest.mark.parametrize(("content", "held"), [(b"", "is empty"), (b"abcde\n", "holds 5 bytes")])
+def test_a_dev_secret_too_short_for_hs256_is_refused(
+    tmp_path: Path, content: bytes, held: str
+) -> None:
+    (tmp_path / "dev-secret").write_bytes(content)
+    (tmp_path / "dev-secret").chmod(0o600)
+    with pytest.raises(DevSecretError, match=f"{held}.*delete it") as refused:
+        dev_secret(tmp_path)
+    assert "\n" not in str(refused.value)
+    (tmp_path / "dev-secret").write_bytes(b"\xff" * 32)  # any 32 bytes will do, text or not
+    assert dev_secret(tmp_path) == b"\xff" * 32
+
+
+def test_a_readable_dev_secret_is_warned_about_once_per_process(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    dev_secret(tmp_path)
+    (tmp_path / "dev-secret").chmod(0o644)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):  # serve reads it for the verifier and for its credentials
+            dev_secret(tmp_path)
+    assert ["readable by other users" in r.getMessage() for r in caplog.records] == [True]

@@ -81,6 +81,55 @@ def test_what_cannot_be_done_is_refused_naming_the_variable(
         exporters_wanted(environ)
 
 
+@pytest.mark.parametrize(
+    "endpoint",
+    [
+        "http://127.0.0.1:4317",
+        "https://collector.example.com",
+        "http://[::1]:4317",
+        "collector:4317",
+        "[::1]:4317",
+        "unix:///run/otel.sock",
+    ],
+)
+def test_an_otlp_grpc_endpoint_is_accepted(endpoint: str) -> None:
+    assert exporters_wanted({"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint}) == ["otlp"]
+
+
+@pytest.mark.parametrize(
+    ("variable", "endpoint", "problem"),
+    [
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", "not-a-url", "expected http://host:port"),
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", "grpc://collector:4317", "expected http://host:port"),
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", "http//collector:4317", "expected http://host:port"),
+        ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://:4317", "names no host"),
+        ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://c:99999", "port is not a number"),
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", "collector:0", "port is not a number"),
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", "unix://run/otel.sock", "unix:/absolute/path"),
+    ],
+)
+def test_an_endpoint_the_exporter_cannot_use_is_refused_naming_the_variable(
+    variable: str, endpoint: str, problem: str
+) -> None:
+    """It used to be accepted silently: every export then failed, unseen (issue 16)."""
+    with pytest.raises(TracingConfigError, match=f"^{variable}=.*{problem}"):
+        exporters_wanted({variable: endpoint})
+
+
+def test_the_traces_endpoint_wins_and_a_password_is_never_shown() -> None:
+    assert exporters_wanted(
+        {
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c:4317",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": "unused-by-traces",
+        }
+    ) == ["otlp"]
+    with pytest.raises(TracingConfigError) as refused:
+        exporters_wanted({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://me:hunter2@c:port"})
+    assert "hunter2" not in str(refused.value)
+    # Tracing off: the variable is not read, so not checked.
+    assert exporters_wanted({"OTEL_SDK_DISABLED": "true", "OTEL_EXPORTER_OTLP_ENDPOINT": "x"}) == []
+
+
 def without_otel(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in [name for name in os.environ if name.startswith("OTEL_")]:
         monkeypatch.delenv(name)

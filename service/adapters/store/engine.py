@@ -28,7 +28,7 @@ from sqlalchemy import event
 from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from ballet_common.files import create_private_file
+from ballet_common.files import check_sqlite_file, create_private_file
 
 #: The execution option that marks an engine (or connection) as read-only: PostgreSQL
 #: reads then run in autocommit, SQLite reads without BEGIN.
@@ -43,12 +43,16 @@ def is_postgresql(engine: AsyncEngine) -> bool:
 def prepare_sqlite_file(url: str) -> None:
     """Create the SQLite file of ``url`` ``0600`` (its directory ``0700`` when made here)
     before SQLite opens it, whatever the umask: it holds transcripts (issue 14). SQLite
-    gives its WAL and journal files the database file's mode. An existing file, a
-    ``:memory:`` database and other engines are left alone."""
+    gives its WAL and journal files the database file's mode. An existing file is left
+    as it is, but checked: raises ``DatabaseFileError`` (one line naming the file) when it
+    is not a SQLite database or is damaged. A ``:memory:`` database and other engines are
+    left alone."""
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
         return
-    create_private_file(Path(parsed.database))
+    path = Path(parsed.database)
+    if not create_private_file(path):
+        check_sqlite_file(path)
 
 
 def make_engine(

@@ -37,7 +37,8 @@ from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from service.core import tracing
-from service.core.context import to_model_messages, with_context
+from service.core.context import with_context
+from service.core.conversation import Conversations
 from service.core.errors import PlannerError, StoreConflict, StoreUnavailable
 from service.core.estimate import messages_tokens
 from service.core.model import ContextEstimate, EventKind, SessionEvent, TurnEndReason
@@ -116,10 +117,12 @@ class TurnLoop:
         prompts: PromptSource,
         handle: TurnHandle,
         *,
+        conversations: Conversations | None = None,
         on_step: Callable[[Step], None] | None = None,
     ) -> None:
         self._deps = deps
         self._prompts = prompts
+        self._conversations = conversations or Conversations(max_sessions=1)
         self._handle = handle
         self._on_step = on_step
         self._state = TurnState(
@@ -263,7 +266,7 @@ class TurnLoop:
             purpose=Purpose.TURN,
             credential_ref=prompt.credential_ref,
             system=with_context(prompt.system, state.context_block),
-            messages=to_model_messages(state.messages),
+            messages=self._conversations.model_messages(self._handle.session_id, state.messages),
             tools=self._deps.declarations,
         )
         streamed = await stream_answer(self._deps, state, request, relay=True)

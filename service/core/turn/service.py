@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TypeVar
 
+from service.core.conversation import Conversations
 from service.core.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -94,6 +95,7 @@ class TurnService:
             ttl_s=settings.prompt_cache_s,
             timeout_s=settings.dependency_timeout_s,
         )
+        self._conversations = Conversations()
         self._handles: dict[str, TurnHandle] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._accepting_tasks: set[asyncio.Task[Accepted]] = set()
@@ -353,6 +355,7 @@ class TurnService:
             self._deps,
             self._prompts,
             handle,
+            conversations=self._conversations,
             on_step=(lambda step: on_step(turn_id, step)) if on_step is not None else None,
         )
         task = asyncio.get_running_loop().create_task(loop.run(), name=f"turn {turn_id}")

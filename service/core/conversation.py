@@ -1,0 +1,86 @@
+"""The conversation the model sees, kept between model calls (issue 15: a turn's cost
+must not grow with the session's earlier turns).
+
+``context.to_model_messages`` converts a session's messages after the summary into the
+model's messages: O(n) in the messages, on both model calls of every round. Without a
+compaction (a model that reports small usage, or a large ``compact_at_tokens``) a
+session of 1,000 turns made every model call convert about 5,000 messages again.
+
+The messages of turns that have ended never change: only the running turn adds messages
+(one running turn per session, SPEC 3), and its first message is the human's. So
+``Conversations`` keeps, per session, the converted messages of everything before the
+running turn's human message, and converts only the running turn's messages on each
+call. The kept part is valid while the messages before the running turn are the same:
+checked by their count and the sequences of the first and the last (the messages after
+the summary are a contiguous run of the session's transcript, and sequences are unique
+in a session), so a compaction, another replica's turn or a deleted and re-created
+session is never served from a stale entry. The same ``ModelMessage`` objects are
+returned on every hit, so an adapter may memoize their encoding by identity.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from service.core.context import to_model_messages
+from service.core.model import Message, MessageKind
+from service.core.ports import ModelMessage
+
+#: Sessions whose conversation is kept; the least recently used goes first.
+DEFAULT_MAX_SESSIONS = 1024
+
+_Key = tuple[int, int, int]
+
+
+class Conversations:
+    """Per session: the model's messages of the turns before the running one.
+
+    Owned by the turn service of one replica; used from its event loop only.
+    """
+
+    def __init__(self, max_sessions: int = DEFAULT_MAX_SESSIONS) -> None:
+        self._max_sessions = max_sessions
+        self._kept: OrderedDict[str, tuple[_Key, list[ModelMessage]]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def model_messages(self, session_id: str, messages: Sequence[Message]) -> list[ModelMessage]:
+        """``to_model_messages(messages)``, converting only the running turn's messages
+        when the earlier ones were converted before (see the module docstring)."""
+        start = _running_turn_start(messages)
+        earlier = messages[:start]
+        key = _key(earlier)
+        if key is None:
+            return to_model_messages(messages)
+        kept = self._kept.get(session_id)
+        if kept is not None and kept[0] == key:
+            self._kept.move_to_end(session_id)
+            converted = kept[1]
+        else:
+            converted = to_model_messages(earlier)
+            self._kept[session_id] = (key, converted)
+            self._kept.move_to_end(session_id)
+            while len(self._kept) > self._max_sessions:
+                self._kept.popitem(last=False)
+        return [*converted, *to_model_messages(messages[start:])]
+
+
+def _running_turn_start(messages: Sequence[Message]) -> int:
+    """The index of the last human message (the running turn's first), or 0."""
+    for index in range(len(messages) - 1, -1, -1):
+        if messages[index].kind is MessageKind.HUMAN:
+            return index
+    return 0
+
+
+def _key(earlier: Sequence[Message]) -> _Key | None:
+    """What identifies ``earlier``; None when there is nothing to keep, or a message is
+    not stored yet (sequence 0) and so cannot be told apart."""
+    if not earlier:
+        return None
+    first, last = earlier[0].sequence, earlier[-1].sequence
+    if first <= 0 or last <= 0:
+        return None
+    return (len(earlier), first, last)
