@@ -38,6 +38,7 @@ import asyncio
 import functools
 import random
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
@@ -368,29 +369,28 @@ def to_wire(request: ModelRequest, encoded: MessageEncodings | None = None) -> b
 
 class MessageEncodings:
     """Each ``ModelMessage``'s encoding as one entry of ``GenerateRequest.messages``,
-    kept by object identity (the core returns the same objects for a session's earlier
-    turns on every call: ``service.core.conversation``), at most ``max_bytes`` of
-    encodings, the oldest first out. Used from one event loop."""
+    kept by object identity for as long as the object lives (the core keeps a session's
+    earlier turns as the same objects: ``service.core.conversation``; a weak reference
+    drops the encoding with its message, so this holds no more than the core does).
+    Used from one event loop."""
 
-    def __init__(self, max_bytes: int = 64 << 20) -> None:
-        self._max_bytes = max_bytes
-        self._bytes = 0
-        # The object is kept with its bytes, so its id cannot be reused while kept.
-        self._kept: dict[int, tuple[ModelMessage, bytes]] = {}
+    def __init__(self) -> None:
+        self._kept: dict[int, tuple[weakref.ref[ModelMessage], bytes]] = {}
+
+    def __len__(self) -> int:
+        return len(self._kept)
 
     def field(self, message: ModelMessage) -> bytes:
         """The bytes of ``messages: [message]`` in a ``GenerateRequest``."""
-        kept = self._kept.get(id(message))
-        if kept is not None:
+        key = id(message)
+        kept = self._kept.get(key)
+        if kept is not None and kept[0]() is message:
             return kept[1]
         holder = gateway_pb2.GenerateRequest()
         _add_message(holder, message)
         encoded = holder.SerializeToString()
-        self._kept[id(message)] = (message, encoded)
-        self._bytes += len(encoded)
-        while self._bytes > self._max_bytes and self._kept:
-            oldest = next(iter(self._kept))
-            self._bytes -= len(self._kept.pop(oldest)[1])
+        # The callback runs when the message is freed, before its id can be reused.
+        self._kept[key] = (weakref.ref(message, lambda _: self._kept.pop(key, None)), encoded)
         return encoded
 
 

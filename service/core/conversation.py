@@ -14,8 +14,10 @@ call. The kept part is valid while the messages before the running turn are the 
 checked by their count and the sequences of the first and the last (the messages after
 the summary are a contiguous run of the session's transcript, and sequences are unique
 in a session), so a compaction, another replica's turn or a deleted and re-created
-session is never served from a stale entry. The same ``ModelMessage`` objects are
-returned on every hit, so an adapter may memoize their encoding by identity.
+session is never served from a stale entry. When a turn has ended since, the kept part
+is a prefix of the new one (same first message, its last message at the same place) and
+only the newly ended turn is converted. The same ``ModelMessage`` objects are returned
+for as long as they are kept, so an adapter may memoize their encoding by identity.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ from service.core.context import to_model_messages
 from service.core.model import Message, MessageKind
 from service.core.ports import ModelMessage
 
-#: Sessions whose conversation is kept; the least recently used goes first.
+#: Sessions whose conversation is kept, and model messages kept in all; past either the
+#: least recently used session goes first.
 DEFAULT_MAX_SESSIONS = 1024
+DEFAULT_MAX_MESSAGES = 100_000
 
 _Key = tuple[int, int, int]
 
@@ -39,8 +43,14 @@ class Conversations:
     Owned by the turn service of one replica; used from its event loop only.
     """
 
-    def __init__(self, max_sessions: int = DEFAULT_MAX_SESSIONS) -> None:
+    def __init__(
+        self,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
+        max_messages: int = DEFAULT_MAX_MESSAGES,
+    ) -> None:
         self._max_sessions = max_sessions
+        self._max_messages = max_messages
+        self._messages = 0
         self._kept: OrderedDict[str, tuple[_Key, list[ModelMessage]]] = OrderedDict()
 
     def __len__(self) -> int:
@@ -54,16 +64,23 @@ class Conversations:
         key = _key(earlier)
         if key is None:
             return to_model_messages(messages)
-        kept = self._kept.get(session_id)
+        kept = self._kept.pop(session_id, None)
+        if kept is not None:
+            self._messages -= len(kept[1])
         if kept is not None and kept[0] == key:
-            self._kept.move_to_end(session_id)
             converted = kept[1]
+        elif kept is not None and _extends(kept[0], earlier):
+            # Turns ended since: convert only theirs (they start with a human message).
+            converted = [*kept[1], *to_model_messages(earlier[kept[0][0] :])]
         else:
             converted = to_model_messages(earlier)
-            self._kept[session_id] = (key, converted)
-            self._kept.move_to_end(session_id)
-            while len(self._kept) > self._max_sessions:
-                self._kept.popitem(last=False)
+        self._kept[session_id] = ((len(earlier), key[1], key[2]), converted)
+        self._messages += len(converted)
+        while self._kept and (
+            len(self._kept) > self._max_sessions or self._messages > self._max_messages
+        ):
+            _, (_, dropped) = self._kept.popitem(last=False)
+            self._messages -= len(dropped)
         return [*converted, *to_model_messages(messages[start:])]
 
 
@@ -73,6 +90,18 @@ def _running_turn_start(messages: Sequence[Message]) -> int:
         if messages[index].kind is MessageKind.HUMAN:
             return index
     return 0
+
+
+def _extends(key: _Key, earlier: Sequence[Message]) -> bool:
+    """Whether the messages ``key`` names are a prefix of ``earlier`` that ends where a
+    turn ends (the next message is a human's)."""
+    count, first, last = key
+    return (
+        count < len(earlier)
+        and earlier[0].sequence == first
+        and earlier[count - 1].sequence == last
+        and earlier[count].kind is MessageKind.HUMAN
+    )
 
 
 def _key(earlier: Sequence[Message]) -> _Key | None:

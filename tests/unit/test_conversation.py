@@ -155,7 +155,7 @@ def test_kept_encodings_give_the_same_request_as_encoding_everything() -> None:
     for turn in range(1, 4):
         transcript.turn(turn)
     request = _request(transcript.messages)
-    encodings = MessageEncodings(max_bytes=200)
+    encodings = MessageEncodings()
     for _ in range(2):  # the second time, some encodings are kept, some evicted
         wire = to_wire(request, encodings)
         assert gateway_pb2.GenerateRequest.FromString(wire) == to_proto(request)
@@ -172,3 +172,40 @@ def test_an_encoding_is_kept_by_identity_never_by_a_reused_id() -> None:
     changed = replace(request, messages=[replace(m, text=m.text + "!") for m in request.messages])
     parsed = gateway_pb2.GenerateRequest.FromString(to_wire(changed, encodings))
     assert parsed == to_proto(changed)
+
+
+def test_a_turn_that_ended_since_is_converted_alone_and_the_rest_kept() -> None:
+    transcript = Transcript()
+    for turn in range(1, 4):
+        transcript.turn(turn)
+    transcript.turn(4, ended=False)
+    conversations = Conversations()
+    before = conversations.model_messages(transcript.session_id, transcript.messages)
+    transcript.finish(4)
+    transcript.turn(5, ended=False)
+    after = conversations.model_messages(transcript.session_id, transcript.messages)
+    assert after == to_model_messages(transcript.messages)
+    kept = len(to_model_messages(transcript.messages[:15]))  # turns 1 to 3
+    assert all(a is b for a, b in zip(before[:kept], after[:kept], strict=True))
+
+
+def test_kept_messages_are_bounded_in_all() -> None:
+    conversations = Conversations(max_messages=12)
+    for name in ("a", "b", "c"):
+        transcript = Transcript(name)
+        for turn in range(1, 3):
+            transcript.turn(turn)
+        transcript.turn(3, ended=False)
+        conversations.model_messages(name, transcript.messages)  # 8 kept each
+    assert len(conversations) == 1
+
+
+def test_an_encoding_lives_no_longer_than_its_message() -> None:
+    transcript = Transcript()
+    transcript.turn(1)
+    encodings = MessageEncodings()
+    request = _request(transcript.messages)
+    to_wire(request, encodings)
+    assert len(encodings) == len(request.messages)
+    del request
+    assert len(encodings) == 0
