@@ -53,7 +53,9 @@ class Conversations:
         self._messages = 0
         self._kept: OrderedDict[str, tuple[_Key, list[ModelMessage]]] = OrderedDict()
 
-    def __len__(self) -> int:
+    @property
+    def sessions(self) -> int:
+        """How many sessions' conversations are kept."""
         return len(self._kept)
 
     def model_messages(self, session_id: str, messages: Sequence[Message]) -> list[ModelMessage]:

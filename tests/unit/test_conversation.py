@@ -123,7 +123,7 @@ def test_unstored_messages_are_not_kept() -> None:
     unstored = [replace(m, sequence=0) for m in transcript.messages]
     conversations = Conversations()
     assert conversations.model_messages("s-1", unstored) == to_model_messages(unstored)
-    assert len(conversations) == 0
+    assert conversations.sessions == 0
 
 
 def test_sessions_beyond_the_bound_are_dropped_oldest_first() -> None:
@@ -133,7 +133,7 @@ def test_sessions_beyond_the_bound_are_dropped_oldest_first() -> None:
         transcript.turn(1)
         transcript.turn(2, ended=False)
         conversations.model_messages(name, transcript.messages)
-    assert len(conversations) == 2
+    assert conversations.sessions == 2
 
 
 def _request(messages: list[Message]) -> ModelRequest:
@@ -197,7 +197,7 @@ def test_kept_messages_are_bounded_in_all() -> None:
             transcript.turn(turn)
         transcript.turn(3, ended=False)
         conversations.model_messages(name, transcript.messages)  # 8 kept each
-    assert len(conversations) == 1
+    assert conversations.sessions == 1
 
 
 def test_an_encoding_lives_no_longer_than_its_message() -> None:
@@ -209,3 +209,9 @@ def test_an_encoding_lives_no_longer_than_its_message() -> None:
     assert len(encodings) == len(request.messages)
     del request
     assert len(encodings) == 0
+
+
+def test_an_empty_conversations_is_still_one_to_fill() -> None:
+    # The turn loop once took ``conversations or a new one``: an empty (so falsy) keeper
+    # was replaced on every turn and nothing was ever kept across turns.
+    assert Conversations()

@@ -122,7 +122,10 @@ class TurnLoop:
     ) -> None:
         self._deps = deps
         self._prompts = prompts
-        self._conversations = conversations or Conversations(max_sessions=1)
+        # Not ``or``: an empty Conversations is still the service's, to be filled.
+        self._conversations = (
+            conversations if conversations is not None else Conversations(max_sessions=1)
+        )
         self._handle = handle
         self._on_step = on_step
         self._state = TurnState(
