@@ -172,6 +172,27 @@ async def test_second_turn_reuses_the_cached_project_and_skill() -> None:
     assert rig.store.turns[next(iter(rig.store.turns))].skill_version == "1.0.0"
 
 
+async def test_later_turns_reuse_the_earlier_turns_conversation() -> None:
+    # Decision 0115: the model's messages of ended turns are converted once per session,
+    # so the next turn's requests carry the very same objects (the gateway client keeps
+    # their encodings by identity).
+    rig = make_rig(one_round)
+    for text in ("one", "two", "three"):
+        await rig.run(text)
+    second, third = rig.gateway.requests[2].messages, rig.gateway.requests[4].messages
+    turn_one = 4  # its question, the answer with its call, the result, the final answer
+    assert [m.role for m in second[:turn_one]] == [
+        Role.USER,
+        Role.ASSISTANT,
+        Role.TOOL,
+        Role.ASSISTANT,
+    ]
+    assert all(a is b for a, b in zip(second[:turn_one], third[:turn_one], strict=True))
+    # Within a turn, both calls share the earlier turns too.
+    fourth = rig.gateway.requests[5].messages
+    assert all(a is b for a, b in zip(third[: turn_one + 4], fourth, strict=False))
+
+
 async def test_max_rounds_stops_without_another_model_call_and_the_next_turn_continues() -> None:
     rig = make_rig(
         lambda r: {"tool_calls": [("list_runnable", "{}")], "usage": (10, 1)}, max_rounds=3
