@@ -191,28 +191,24 @@ def _fields(data: bytes) -> list[tuple[int, int, bytes]]:
     return found
 
 
+def _not_utf8(payload: bytes) -> bool:
+    try:
+        payload.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    return False
+
+
+def _holds_nul(payload: bytes) -> bool:
+    return b"\x00" in payload
+
+
 def _first_invalid_string(
     message_type: descriptor.Descriptor, data: bytes, prefix: str, depth: int
 ) -> str | None:
     """The dotted path of the first ``string`` field of ``data`` (decoded as
     ``message_type``, nested messages included) that is not UTF-8, or None."""
-    if depth > _MAX_DEPTH:
-        return None
-    for number, _, payload in _fields(data):
-        field = message_type.fields_by_number.get(number)
-        if field is None:
-            continue
-        path = f"{prefix}{field.name}"
-        if field.type == descriptor.FieldDescriptor.TYPE_STRING:
-            try:
-                payload.decode("utf-8")
-            except UnicodeDecodeError:
-                return path
-        elif field.message_type is not None:
-            found = _first_invalid_string(field.message_type, payload, f"{path}.", depth + 1)
-            if found:
-                return found
-    return None
+    return _first_string(message_type, data, _not_utf8, prefix, depth)
 
 
 def _first_string_with_nul(
@@ -220,6 +216,18 @@ def _first_string_with_nul(
 ) -> str | None:
     """The dotted path of the first ``string`` field of ``data`` (nested messages
     included) that holds U+0000, or None."""
+    return _first_string(message_type, data, _holds_nul, prefix, depth)
+
+
+def _first_string(
+    message_type: descriptor.Descriptor,
+    data: bytes,
+    bad: Callable[[bytes], bool],
+    prefix: str,
+    depth: int,
+) -> str | None:
+    """The dotted path of the first ``string`` field of ``data`` (decoded as
+    ``message_type``) whose bytes are ``bad``, nested messages included, or None."""
     if depth > _MAX_DEPTH:
         return None
     for number, _, payload in _fields(data):
@@ -228,10 +236,10 @@ def _first_string_with_nul(
             continue
         path = f"{prefix}{field.name}"
         if field.type == descriptor.FieldDescriptor.TYPE_STRING:
-            if b"\x00" in payload:
+            if bad(payload):
                 return path
-        elif field.message_type is not None and b"\x00" in payload:
-            found = _first_string_with_nul(field.message_type, payload, f"{path}.", depth + 1)
+        elif field.message_type is not None:
+            found = _first_string(field.message_type, payload, bad, f"{path}.", depth + 1)
             if found:
                 return found
     return None
