@@ -33,6 +33,10 @@ from service.core.ports import ModelMessage
 #: least recently used session goes first.
 DEFAULT_MAX_SESSIONS = 1024
 DEFAULT_MAX_MESSAGES = 100_000
+#: A conversation shorter than this (before the running turn) is converted again rather
+#: than kept: converting it costs about a millisecond, and keeping every short session's
+#: messages (and their encodings) would cost memory for nothing.
+MIN_KEPT_MESSAGES = 256
 
 _Key = tuple[int, int, int]
 
@@ -47,7 +51,9 @@ class Conversations:
         self,
         max_sessions: int = DEFAULT_MAX_SESSIONS,
         max_messages: int = DEFAULT_MAX_MESSAGES,
+        min_messages: int | None = None,
     ) -> None:
+        self._min_messages = MIN_KEPT_MESSAGES if min_messages is None else min_messages
         self._max_sessions = max_sessions
         self._max_messages = max_messages
         self._messages = 0
@@ -64,7 +70,8 @@ class Conversations:
         start = _running_turn_start(messages)
         earlier = messages[:start]
         key = _key(earlier)
-        if key is None:
+        if key is None or len(earlier) < self._min_messages:
+            self._forget(session_id)
             return to_model_messages(messages)
         kept = self._kept.pop(session_id, None)
         if kept is not None:
@@ -84,6 +91,12 @@ class Conversations:
             _, (_, dropped) = self._kept.popitem(last=False)
             self._messages -= len(dropped)
         return [*converted, *to_model_messages(messages[start:])]
+
+
+    def _forget(self, session_id: str) -> None:
+        kept = self._kept.pop(session_id, None)
+        if kept is not None:
+            self._messages -= len(kept[1])
 
 
 def _running_turn_start(messages: Sequence[Message]) -> int:

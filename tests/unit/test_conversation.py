@@ -70,7 +70,7 @@ class Transcript:
 
 def test_each_call_gives_what_converting_everything_gives() -> None:
     transcript = Transcript()
-    conversations = Conversations()
+    conversations = Conversations(min_messages=0)
     for turn in range(1, 6):
         # The turn's first round (its call has no result yet), then its second.
         transcript.turn(turn, ended=False)
@@ -86,7 +86,7 @@ def test_the_earlier_turns_are_converted_once_and_the_same_objects_returned() ->
     for turn in range(1, 4):
         transcript.turn(turn)
     transcript.turn(4, ended=False)
-    conversations = Conversations()
+    conversations = Conversations(min_messages=0)
     first = conversations.model_messages(transcript.session_id, transcript.messages)
     second = conversations.model_messages(transcript.session_id, transcript.messages)
     assert first == second
@@ -99,7 +99,7 @@ def test_a_compaction_or_another_replicas_turn_is_never_served_stale() -> None:
     for turn in range(1, 5):
         transcript.turn(turn)
     transcript.turn(5, ended=False)
-    conversations = Conversations()
+    conversations = Conversations(min_messages=0)
     conversations.model_messages(transcript.session_id, transcript.messages)
     # A compaction: the context now starts after the summary's up_to.
     compacted = transcript.messages[10:]
@@ -121,13 +121,13 @@ def test_unstored_messages_are_not_kept() -> None:
     transcript.turn(1)
     transcript.turn(2, ended=False)
     unstored = [replace(m, sequence=0) for m in transcript.messages]
-    conversations = Conversations()
+    conversations = Conversations(min_messages=0)
     assert conversations.model_messages("s-1", unstored) == to_model_messages(unstored)
     assert conversations.sessions == 0
 
 
 def test_sessions_beyond_the_bound_are_dropped_oldest_first() -> None:
-    conversations = Conversations(max_sessions=2)
+    conversations = Conversations(max_sessions=2, min_messages=0)
     for name in ("a", "b", "c"):
         transcript = Transcript(name)
         transcript.turn(1)
@@ -179,7 +179,7 @@ def test_a_turn_that_ended_since_is_converted_alone_and_the_rest_kept() -> None:
     for turn in range(1, 4):
         transcript.turn(turn)
     transcript.turn(4, ended=False)
-    conversations = Conversations()
+    conversations = Conversations(min_messages=0)
     before = conversations.model_messages(transcript.session_id, transcript.messages)
     transcript.finish(4)
     transcript.turn(5, ended=False)
@@ -190,7 +190,7 @@ def test_a_turn_that_ended_since_is_converted_alone_and_the_rest_kept() -> None:
 
 
 def test_kept_messages_are_bounded_in_all() -> None:
-    conversations = Conversations(max_messages=12)
+    conversations = Conversations(max_messages=12, min_messages=0)
     for name in ("a", "b", "c"):
         transcript = Transcript(name)
         for turn in range(1, 3):
@@ -214,4 +214,20 @@ def test_an_encoding_lives_no_longer_than_its_message() -> None:
 def test_an_empty_conversations_is_still_one_to_fill() -> None:
     # The turn loop once took ``conversations or a new one``: an empty (so falsy) keeper
     # was replaced on every turn and nothing was ever kept across turns.
-    assert Conversations()
+    assert Conversations(min_messages=0)
+
+
+def test_short_conversations_are_converted_again_not_kept() -> None:
+    transcript = Transcript()
+    for turn in range(1, 4):
+        transcript.turn(turn)
+    transcript.turn(4, ended=False)
+    conversations = Conversations(min_messages=16)  # 15 messages before the running turn
+    assert conversations.model_messages("s-1", transcript.messages) == (
+        to_model_messages(transcript.messages)
+    )
+    assert conversations.sessions == 0
+    transcript.finish(4)
+    transcript.turn(5, ended=False)  # now 20 before it
+    conversations.model_messages("s-1", transcript.messages)
+    assert conversations.sessions == 1
