@@ -6,14 +6,14 @@ One Chat stream carries one session (SPEC section 3). ``run_chat`` either
 - sends one message (``--message``) in a new session of ``--project`` (or in
   ``--session``), prints the turn as it streams and returns 0 when the turn ended
   ``COMPLETED`` or ``MAX_ROUNDS``, 1 otherwise (with the reason, on stderr alone); or
-- runs interactively (``service.chat_interactive``): every line typed is a message or a
+- runs interactively (``ballet_chat.interactive``): every line typed is a message or a
   command (``/cancel``, ``/new``, ``/sessions``, ``/open ID``, ``/help``, ``/quit``),
-  with line editing and history on a terminal (``service.chat_input``); a new session is
+  with line editing and history on a terminal (``ballet_chat.input``); a new session is
   created with the first message (its text is the title), ``--session`` resumes one.
   When stdin is not a terminal, each line waits until the previous turn has ended, and
   at the end of input the chat waits for the running turn and exits as ``--message``.
 
-What is shown is ``service.chat_render``'s; with ``--json`` each ``ChatResponse`` is one
+What is shown is ``ballet_chat.render``'s; with ``--json`` each ``ChatResponse`` is one
 line of protobuf JSON instead. Without a human at a terminal (``--message``, piped
 input), a refused message and a turn that did not end ``COMPLETED``/``MAX_ROUNDS`` are
 reported once, on stderr, and stdout keeps the transcript.
@@ -33,7 +33,6 @@ with a message that says what to do.
 from __future__ import annotations
 
 import enum
-import sys
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,8 +48,8 @@ from ballet.planner.v1 import (
 from google.protobuf import json_format
 from google.rpc import status_pb2
 
-from service.chat_input import LineSource, utf8_text
-from service.chat_render import (
+from ballet_chat.input import LineSource, utf8_text
+from ballet_chat.render import (
     Renderer,
     TextStitcher,
     describe_status,
@@ -71,7 +70,6 @@ __all__ = [
     "Sent",
     "TextStitcher",
     "describe_turn_end",
-    "run_chat",
     "short",
     "summarize_result",
 ]
@@ -534,58 +532,3 @@ async def pump(client: ChatClient) -> None:
             await client.reopen()
         elif event is End.CLOSED:
             return
-
-
-async def run_once(client: ChatClient, text: str) -> int:
-    """Send ``text``, show the turn, return 0 for COMPLETED or MAX_ROUNDS, else 1 (the
-    refusal or the turn's end said once, on stderr: ``ChatClient.batch``)."""
-    client.batch = True
-    sent = await client.send(text)
-    while not sent.done:
-        event = await client.next_event()
-        if event is End.REOPEN:
-            await client.reopen()
-        elif event is End.CLOSED:
-            raise ChatError("the planner closed the stream before the turn ended")
-    return 0 if sent.ok else 1
-
-
-async def run_chat(
-    options: ChatOptions,
-    *,
-    lines: LineSource | None = None,
-    out: TextIO | None = None,
-    err: TextIO | None = None,
-) -> int:
-    """Run the chat; returns the exit code (see the module docstring). Raises
-    ``ChatError`` when the planner cannot be reached, refuses the token, or the project
-    or session does not exist."""
-    from service.adapters.channels import is_loopback, make_channel
-
-    client = ChatClient(options, out or sys.stdout, err or sys.stderr)
-    if not is_loopback(options.address):
-        # The client speaks plaintext gRPC, which the planner's own rules allow only on
-        # this machine (SPEC section 4); a tunnel is what reaches one elsewhere.
-        raise ChatError(
-            f"--address {options.address}: chat reaches a planner on this machine only "
-            "(127.0.0.1:PORT, localhost:PORT or [::1]:PORT; it has no TLS); for one "
-            "elsewhere, forward a local port to it, e.g. `ssh -N -L 50051:HOST:50051 "
-            "SSH_HOST`, and give --address 127.0.0.1:50051"
-        )
-    client.channel = make_channel(options.address, tls=None, insecure=False)
-    try:
-        if options.session_id:
-            await client.resume(options.session_id)
-        elif options.message is not None:
-            await client.open(title=short(options.message, TITLE_CHARS))
-        else:
-            # Interactive: the session is created with the first message; learn now
-            # whether the planner is there and takes the token.
-            await client.check()
-        if options.message is not None:
-            return await run_once(client, options.message)
-        from service.chat_interactive import Interactive
-
-        return await Interactive(client, lines).run()
-    finally:
-        await client.close()

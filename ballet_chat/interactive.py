@@ -25,9 +25,9 @@ import grpc
 from ballet.planner.v1 import planner_service_pb2
 from google.protobuf import json_format
 
-from service.chat_client import TITLE_CHARS, ChatClient, ChatError, pump
-from service.chat_input import LineSource
-from service.chat_render import describe_status, error_of, short
+from ballet_chat.client import TITLE_CHARS, ChatClient, ChatError, pump
+from ballet_chat.input import LineSource
+from ballet_chat.render import describe_status, error_of, short
 
 PROMPT = "> "
 HELP = (

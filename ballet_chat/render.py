@@ -20,7 +20,7 @@ import grpc
 from ballet.planner.v1 import chat_pb2, resources_pb2
 from google.rpc import status_pb2
 
-from service.transport.errors import error_info_of, status_from_trailers
+from ballet_common.grpc.status import code_name, from_status, parse
 
 #: How many characters of a tool call's arguments and of a result summary are shown.
 SHORT_CHARS = 100
@@ -127,18 +127,14 @@ def describe_status(code: str, reason: str, message: str) -> str:
 
 
 def status_text(status: status_pb2.Status) -> tuple[str, str, str]:
-    info = error_info_of(status)
-    code = next(
-        (member.name for member in grpc.StatusCode if member.value[0] == status.code),
-        str(status.code),
-    )
-    return code, info.reason if info else "", status.message
+    """A status carried in a message as (code name, ErrorInfo reason, message)."""
+    return code_name(status.code), from_status(status).reason, status.message
 
 
 def error_of(error: grpc.aio.AioRpcError) -> tuple[str, str, str]:
-    status = status_from_trailers(error.trailing_metadata())
-    info = error_info_of(status) if status is not None else None
-    return error.code().name, info.reason if info else "", error.details() or ""
+    """A failed call as (code name, ErrorInfo reason, message)."""
+    failure = parse(error)
+    return failure.code.name, failure.reason, failure.message
 
 
 class Renderer:

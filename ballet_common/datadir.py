@@ -11,6 +11,9 @@ from pathlib import Path
 
 from ballet_common.files import private_directory
 
+#: The data directory of ``dev``, ``serve`` (its default), ``token`` and ``chat``.
+DEFAULT_DATA_DIR = Path(".ballet-dev")
+
 #: What to do, for commands configured by settings; commands with ``--data-dir`` say so.
 HOW_TO_CHOOSE = "set data_dir (BALLET_PLANNER__DATA_DIR) to a writable folder"
 WITH_OPTION = "give --data-dir a writable folder"
@@ -74,3 +77,12 @@ def unusable(
     return DataDirError(
         f"data directory {path}: cannot {doing} ({describe(path, error)}); {how}"
     )
+
+
+def chosen(explicit: Path | None, environ: dict[str, str] | None = None) -> Path:
+    """The data directory a command uses: ``explicit`` (its ``--data-dir``), else
+    ``$BALLET_PLANNER__DATA_DIR``, else ``./.ballet-dev``."""
+    if explicit is not None:
+        return explicit
+    env = os.environ if environ is None else environ
+    return Path(env.get("BALLET_PLANNER__DATA_DIR", "") or DEFAULT_DATA_DIR)

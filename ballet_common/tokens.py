@@ -80,6 +80,8 @@ DEV_SECRET_FILE = "dev-secret"
 MIN_DEV_SECRET_BYTES = 32
 #: The longest lifetime of a dev token, in seconds (30 days; docs/decisions/0168).
 MAX_DEV_TOKEN_TTL_S = 30 * 24 * 3600.0
+#: The lifetime of a dev token when none is asked for (``token``, ``chat --user``): 12 hours.
+DEFAULT_DEV_TOKEN_TTL_S = 12 * 3600.0
 #: How far ahead of now a token's ``exp`` may lie, in seconds (366 days), for any issuer:
 #: further is no issuer's policy but a mistake or a forgery (docs/decisions/0168).
 MAX_TOKEN_HORIZON_S = 366 * 24 * 3600.0

@@ -3,7 +3,7 @@ process (SPEC section 9; issues 3, 5 and 10).
 
 This module belongs to the devstack, not to the planner: the planner's CLI reaches it
 through one lazy import (``service/cli.py``), so an image of the planner can leave the
-devstack out. It uses only the planner's public entry points (``service.main``, the
+devstack out. It uses only the planner's public entry points (``service.server.root``, the
 settings of ``service.config``), never its internals.
 
 ``start_dev(options)`` starts, in this order:
@@ -45,6 +45,7 @@ from pathlib import Path
 
 import grpc
 
+from ballet_common import datadir
 from ballet_common.signals import StopSignals, stop_when_signalled
 from ballet_common.tokens import DevSecretError, Trust, dev_secret
 from ballet_common.tracing import Tracing, TracingConfigError, tracing_from_environment
@@ -59,7 +60,7 @@ from devstack.model import (
 from devstack.server import DEFAULT_ADDRESS as DEVSTACK_ADDRESS
 from devstack.server import DevStack, DevStackConfig
 from service.config import ENV_PREFIX, ChannelSettings, Settings, load_settings
-from service.main import (
+from service.server.root import (
     EXIT_RESERVE_S,
     PlannerApp,
     migrate_database,
@@ -81,7 +82,6 @@ __all__ = [
 
 #: The planner's default address (SPEC section 3); ``chat`` connects there by default.
 PLANNER_ADDRESS = "127.0.0.1:50051"
-DEFAULT_DATA_DIR = Path(".ballet-dev")
 DEMO_PROJECT = "demo"
 #: The devstack's dependency services, as reflection lists them.
 DEPENDENCY_SERVICES = (
@@ -367,7 +367,7 @@ def banner(app: DevApp) -> str:
         loaded += f"; {len(report.skills.versions)} skills"
     quoted_dir = shlex.quote(str(data_dir))
     chat = ["ballet-planner", "chat", "--project", project, "--user", "alice"]
-    if data_dir != DEFAULT_DATA_DIR:
+    if data_dir != datadir.DEFAULT_DATA_DIR:
         chat += ["--data-dir", str(data_dir)]
     if app.planner.address != PLANNER_ADDRESS:
         chat += ["--address", app.planner.address]

@@ -15,10 +15,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
-from google.protobuf import any_pb2
-from google.rpc import error_details_pb2, status_pb2
-from grpc_status import rpc_status
 
+from ballet_common.grpc.status import RpcFailure
 from devstack.auth import Authenticator, Caller
 from devstack.calls import CallLog, CallRecord
 from devstack.errors import BackendError, Internal
@@ -31,13 +29,9 @@ log = logging.getLogger(__name__)
 
 def rich_status(error: BackendError, domain: str) -> grpc.Status:
     """``error`` as a gRPC status whose details hold exactly one ``ErrorInfo``."""
-    info = error_details_pb2.ErrorInfo(reason=error.reason, domain=domain, metadata=error.metadata)
-    detail = any_pb2.Any()
-    detail.Pack(info)
-    status = status_pb2.Status(
-        code=grpc.StatusCode[error.code].value[0], message=error.message, details=[detail]
-    )
-    return rpc_status.to_status(status)
+    return RpcFailure(
+        grpc.StatusCode[error.code], error.message, error.reason, domain, error.metadata
+    ).to_grpc_status()
 
 
 class Backend:

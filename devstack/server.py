@@ -42,6 +42,7 @@ from ballet_common.tokens import (
 from devstack import knowledge, skills, tracker
 from devstack.auth import Authenticator
 from devstack.calls import CallLog, CallRecord
+from devstack.defaults import DEFAULT_ADDRESS as DEFAULT_ADDRESS
 from devstack.demo.project import load_demo, load_globex
 from devstack.faults import FaultInjector
 from devstack.importers.adr import AdrReport, import_adrs
@@ -55,7 +56,6 @@ from devstack.store.db import SQLITE_FILE
 
 log = logging.getLogger(__name__)
 
-DEFAULT_ADDRESS = "127.0.0.1:50052"
 #: The services this module serves itself (reflection and health list them).
 SERVICE_NAMES = (tracker.SERVICE, skills.SERVICE, knowledge.SERVICE)
 

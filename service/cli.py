@@ -1,11 +1,14 @@
-"""The ``ballet-planner`` command (SPEC section 9).
+"""The ``ballet-planner`` command: the front door of the planner's programs.
 
-Subcommands: ``serve`` (the production service), ``migrate`` (bring the database schema
-to this release), ``token`` (a dev JWT from the data directory's secret) and ``health``
-(readiness and liveness probe), ``dev`` (the devstack and the planner together,
-``devstack.dev``) and ``chat`` (the terminal client, ``service.chat_client``). Each
-subcommand is one ``_add_<name>`` function registering its parser and handler, so adding
-one touches nothing else.
+The server's own subcommands live here: ``serve`` (the production service), ``migrate``
+(bring the database schema to this release), ``token`` (a dev JWT from the data
+directory's secret) and ``health`` (readiness and liveness probe). The other programs
+add theirs through the entry point group ``ballet_planner.commands`` (a function that
+registers a subparser): ``chat``, the terminal client (``ballet_chat.command``, in this
+distribution), and ``dev``, the devstack with the planner (``devstack.command``, in the
+``ballet-devstack`` distribution, which a production image does not contain: there
+``dev`` says how to install it). Each subcommand is one ``_add_<name>`` function
+registering its parser and handler, so adding one touches nothing else.
 
 Exit codes: 0 success; 1 a failed check or command (``health`` not SERVING); 2 a usage or
 configuration error, with a message on stderr naming the problem; for ``serve`` and
@@ -20,16 +23,26 @@ import asyncio
 import os
 import sys
 from collections.abc import Callable, Sequence
+from importlib.metadata import entry_points
 from pathlib import Path
 
-from service import datadir
+from ballet_common import datadir
+from ballet_common.tokens import DEFAULT_DEV_TOKEN_TTL_S
 from service.config import ConfigError, Settings, is_loopback, load_settings, split_address
 
 Handler = Callable[[argparse.Namespace], int]
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
-DEFAULT_DATA_DIR = Path(".ballet-dev")
-DEFAULT_TOKEN_TTL_S = 12 * 3600.0
+#: The entry point group through which other programs add subcommands.
+COMMANDS_GROUP = "ballet_planner.commands"
+#: Subcommands other distributions provide, and how to get each when it is missing.
+OPTIONAL_COMMANDS = {
+    "dev": (
+        "run the devstack and the planner together (needs the devstack)",
+        "the devstack is not installed here (a production image leaves it out); from a "
+        "checkout of the repository: pip install ./devstack",
+    ),
+}
 
 
 def _settings(config: Path | None, **overrides: str) -> Settings:
@@ -52,9 +65,9 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def _serve(args: argparse.Namespace) -> int:
     settings = _settings(args.config)
-    from service.logs import configure_logging
-    from service.main import StartupError
-    from service.serving import serve
+    from service.server.logs import configure_logging
+    from service.server.root import StartupError
+    from service.server.serving import serve
 
     configure_logging(settings.logging)
     try:
@@ -121,8 +134,8 @@ def _add_token(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--ttl",
         type=float,
-        default=DEFAULT_TOKEN_TTL_S,
-        help=f"lifetime in seconds (default {DEFAULT_TOKEN_TTL_S:.0f}: 12 hours; at most "
+        default=DEFAULT_DEV_TOKEN_TTL_S,
+        help=f"lifetime in seconds (default {DEFAULT_DEV_TOKEN_TTL_S:.0f}: 12 hours; at most "
         "2592000: 30 days)",
     )
     parser.add_argument(
@@ -151,9 +164,7 @@ def _token(args: argparse.Namespace) -> int:
         mint_dev_token,
     )
 
-    data_dir = args.data_dir or Path(
-        os.environ.get("BALLET_PLANNER__DATA_DIR", "") or DEFAULT_DATA_DIR
-    )
+    data_dir = datadir.chosen(args.data_dir)
     if not args.user.strip():
         print("ballet-planner token: --user must name someone", file=sys.stderr)
         return 2
@@ -280,219 +291,39 @@ def _health(args: argparse.Namespace) -> int:
     return 1
 
 
-# --------------------------------------------------------------------------- dev
-
-
-def _add_dev(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = commands.add_parser(
-        "dev",
-        help="run the devstack and the planner together",
-        description="Run the devstack (tracker, skills, knowledge, LLM gateway) and the "
-        "planner in one process on loopback; print how to connect; run until Ctrl-C.",
-    )
-    parser.add_argument("--config", type=Path, help="planner TOML file ([planner] included)")
-    parser.add_argument(
-        "--data-dir",
-        type=Path,
-        help="state of both (default: $BALLET_PLANNER__DATA_DIR, the file's, or ./.ballet-dev)",
-    )
-    parser.add_argument(
-        "--database-url", help="postgresql+psycopg://... for both (default: SQLite files)"
-    )
-    parser.add_argument("--tracker", type=Path, help="a beads issues.jsonl to import")
-    parser.add_argument(
-        "--project", default="demo", help="id of the imported project (default demo)"
-    )
-    parser.add_argument("--knowledge", type=Path, help="a folder of ADR markdown files")
-    parser.add_argument("--skills", type=Path, help="a folder of <name>/SKILL.md")
-    parser.add_argument(
-        "--provider",
-        choices=("scripted", "openai"),
-        default="scripted",
-        help="the model: scripted (default) or openai (BALLET_OPENAI_BASE_URL, "
-        "BALLET_OPENAI_API_KEY, BALLET_OPENAI_MODEL)",
-    )
-    parser.add_argument(
-        "--scenario", type=Path, help="scripted scenario JSON (default: the built-in demo)"
-    )
-    parser.add_argument(
-        "--address", help=f"planner host:port (default: server.address, {DEFAULT_ADDRESS})"
-    )
-    parser.add_argument(
-        "--devstack-address",
-        default="127.0.0.1:50052",
-        help="devstack host:port (default 127.0.0.1:50052; port 0: any free port)",
-    )
-    parser.set_defaults(handler=_dev)
-
-
-def _dev(args: argparse.Namespace) -> int:
-    for name in ("config", "tracker", "knowledge", "skills", "scenario"):
-        path = getattr(args, name)
-        if path is not None and not path.exists():
-            print(f"ballet-planner dev: --{name} {path}: no such file or folder", file=sys.stderr)
-            return 2
-    if args.tracker is None and args.project != "demo":
-        print(
-            "ballet-planner dev: --project names an imported project: give --tracker too",
-            file=sys.stderr,
-        )
-        return 2
-    if args.provider == "openai" and args.scenario is not None:
-        print("ballet-planner dev: --scenario is for --provider scripted", file=sys.stderr)
-        return 2
-    try:
-        # The one import of the devstack in the planner's code (issue 10): lazy, so that
-        # an image without the devstack serves, and says so here.
-        from devstack.dev import DevError, DevOptions, dev_settings, run_dev
-    except ModuleNotFoundError as error:
-        if error.name is None or error.name.partition(".")[0] != "devstack":
-            raise
-        print(
-            "ballet-planner dev: the devstack is not installed here (a production image "
-            "leaves it out); install the full package to run dev",
-            file=sys.stderr,
-        )
-        return 2
-    from service.logs import configure_logging
-    from service.main import StartupError
-
-    options = DevOptions(
-        config_file=args.config,
-        data_dir=args.data_dir,
-        database_url=args.database_url,
-        tracker_file=args.tracker,
-        project_id=args.project,
-        knowledge_dir=args.knowledge,
-        skills_dir=args.skills,
-        provider=args.provider,
-        scenario=args.scenario,
-        address=args.address,
-        devstack_address=args.devstack_address,
-    )
-    settings = dev_settings(options)
-    try:
-        # Checked, not created: a start that fails later leaves no folder behind.
-        datadir.check_folder(settings.data_dir, datadir.WITH_OPTION)
-    except datadir.DataDirError as error:
-        print(f"ballet-planner dev: cannot start: {error}", file=sys.stderr)
-        return 1
-    configure_logging(settings.logging)
-    try:
-        return asyncio.run(run_dev(options, settings))
-    except (DevError, StartupError) as error:
-        print(f"ballet-planner dev: cannot start: {error}", file=sys.stderr)
-        return 1
-
-
-# --------------------------------------------------------------------------- chat
-
-
-def _add_chat(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = commands.add_parser(
-        "chat",
-        help="chat with the planner in the terminal",
-        description="The terminal client of the Chat RPC. Interactive by default (/cancel, "
-        "/new, /sessions, /open ID, /quit); with --message, send one message, print the "
-        "turn and exit 0 when it ended COMPLETED or MAX_ROUNDS (1 otherwise).",
-    )
-    parser.add_argument(
-        "--address",
-        help=f"planner host:port (default: $BALLET_PLANNER__SERVER__ADDRESS or {DEFAULT_ADDRESS})",
-    )
-    parser.add_argument("--project", default="demo", help="project of a new session (demo)")
-    parser.add_argument("--session", default="", help="resume this session instead")
-    parser.add_argument("--user", help="mint a dev token for this user from the data dir")
-    parser.add_argument(
-        "--data-dir",
-        type=Path,
-        help="where the dev secret is (default: $BALLET_PLANNER__DATA_DIR or ./.ballet-dev)",
-    )
-    parser.add_argument("--org", default="acme", help="organization of --user (default acme)")
-    parser.add_argument("--token", help="a bearer token (JWT) instead of --user")
-    parser.add_argument("--message", help="send this message, print the turn, exit")
-    parser.add_argument(
-        "--json", action="store_true", help="print each ChatResponse as one line of JSON"
-    )
-    parser.set_defaults(handler=_chat)
-
-
-def _chat(args: argparse.Namespace) -> int:
-    from ballet_common.tokens import DevSecretError, dev_secret, mint_dev_token
-    from service.chat_client import ChatError, ChatOptions, run_chat
-
-    address = args.address or os.environ.get("BALLET_PLANNER__SERVER__ADDRESS") or DEFAULT_ADDRESS
-    mint = None
-    if args.token:
-        token = args.token
-    elif args.user:
-        data_dir = args.data_dir or Path(
-            os.environ.get("BALLET_PLANNER__DATA_DIR", "") or DEFAULT_DATA_DIR
-        )
-        try:
-            # Never create a secret here: a new one would sign tokens nobody accepts.
-            secret = dev_secret(data_dir, create=False)
-        except FileNotFoundError:
-            print(
-                f"ballet-planner chat: no dev secret in {data_dir}: start `ballet-planner "
-                "dev` first, or give the data directory it uses (--data-dir), or --token",
-                file=sys.stderr,
-            )
-            return 2
-        except DevSecretError as error:
-            print(f"ballet-planner chat: {error}", file=sys.stderr)
-            return 2
-        except OSError as error:
-            problem = datadir.unusable(data_dir, error, "read the dev secret", datadir.WITH_OPTION)
-            print(f"ballet-planner chat: {problem}", file=sys.stderr)
-            return 2
-        user, org = args.user, args.org
-
-        def mint() -> str:
-            return mint_dev_token(secret, user, organization_id=org, ttl_s=DEFAULT_TOKEN_TTL_S)
-
-        token = mint()
-    else:
-        print("ballet-planner chat: give --user NAME (dev) or --token JWT", file=sys.stderr)
-        return 2
-    if args.message is not None and not args.message.strip():
-        print("ballet-planner chat: --message is empty", file=sys.stderr)
-        return 2
-    options = ChatOptions(
-        address=address,
-        token=token,
-        project_id=args.project,
-        session_id=args.session,
-        message=args.message,
-        as_json=args.json,
-        mint=mint,
-    )
-    try:
-        return asyncio.run(run_chat(options))
-    except ChatError as error:
-        print(f"ballet-planner chat: {error}", file=sys.stderr)
-        return 1
-    except BrokenPipeError:
-        # The reader went away (e.g. `| head`): stop quietly, without a traceback at exit.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
-
-
 # --------------------------------------------------------------------------- main
 
-#: Subcommands in help order.
+#: The server's own subcommands, in help order.
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None], ...] = (
     _add_serve,
     _add_migrate,
     _add_token,
     _add_health,
-    _add_dev,
-    _add_chat,
 )
 
 
+def _add_missing(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser],
+    name: str,
+    broken: tuple[ImportError, str] | None,
+) -> None:
+    summary, how = OPTIONAL_COMMANDS[name]
+    if broken is not None and not _missing_module(*broken):
+        how = f"it is installed but cannot be loaded ({broken[0]})"
+
+    def missing(_args: argparse.Namespace) -> int:
+        print(f"ballet-planner {name}: {how}", file=sys.stderr)
+        return 2
+
+    parser = commands.add_parser(name, help=summary, add_help=False)
+    parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    parser.set_defaults(handler=missing)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser with every subcommand."""
+    """The argument parser with every subcommand: the server's, then those the
+    installed programs register (``COMMANDS_GROUP``), then a stand-in for each optional
+    one that is not installed."""
     from service.version import version
 
     parser = argparse.ArgumentParser(
@@ -502,7 +333,28 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in SUBCOMMANDS:
         add(commands)
+    registered: set[str] = set()
+    broken: dict[str, tuple[ImportError, str]] = {}
+    for entry in sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
+        try:
+            add = entry.load()
+        except ImportError as error:
+            # A program whose metadata outlived its code (or that cannot import): the
+            # stand-in below says so when it is asked for; the rest still works.
+            broken[entry.name] = (error, entry.module)
+            continue
+        add(commands)
+        registered.add(entry.name)
+    for name in sorted(OPTIONAL_COMMANDS.keys() - registered):
+        _add_missing(commands, name, broken.get(name))
     return parser
+
+
+def _missing_module(error: ImportError, module: str) -> bool:
+    """Whether ``error``, raised loading ``module``, says its package is absent (not
+    broken)."""
+    missing = (error.name or "") if isinstance(error, ModuleNotFoundError) else ""
+    return missing.partition(".")[0] == module.partition(".")[0]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

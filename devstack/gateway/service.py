@@ -30,10 +30,8 @@ from dataclasses import dataclass, field
 
 import grpc
 from ballet.llm.v1 import gateway_pb2, gateway_pb2_grpc
-from google.protobuf import any_pb2, duration_pb2
-from google.rpc import error_details_pb2, status_pb2
-from grpc_status import rpc_status
 
+from ballet_common.grpc.status import RpcFailure
 from ballet_common.redact import scrub
 from ballet_common.tokens import GATEWAY_AUDIENCE, PLANNER_SERVICE_SUBJECT, Trust
 from devstack.auth import ServiceCredentialVerifier
@@ -80,25 +78,17 @@ _PURPOSE_NAMES = {
 }
 
 
-def rich_status(error: ProviderError) -> status_pb2.Status:
-    """The `google.rpc.Status` for a provider error: its code and message, one ErrorInfo
+def rich_status(error: ProviderError) -> RpcFailure:
+    """The status of a provider error: its code and scrubbed message, one ErrorInfo
     (domain `llm.ballet`, reason `error.error_reason`) and, when `retry_after_s` is set, a
     RetryInfo with that delay."""
-    info = error_details_pb2.ErrorInfo(reason=error.error_reason, domain=ERROR_DOMAIN)
-    details = [_packed(info)]
-    if error.retry_after_s is not None:
-        seconds = int(error.retry_after_s)
-        nanos = round((error.retry_after_s - seconds) * 1e9)
-        delay = duration_pb2.Duration(seconds=seconds, nanos=min(nanos, 999_999_999))
-        details.append(_packed(error_details_pb2.RetryInfo(retry_delay=delay)))
-    code: int = error.code.value[0]
-    return status_pb2.Status(code=code, message=scrub(error.message, 500), details=details)
-
-
-def _packed(message: error_details_pb2.ErrorInfo | error_details_pb2.RetryInfo) -> any_pb2.Any:
-    packed = any_pb2.Any()
-    packed.Pack(message)
-    return packed
+    return RpcFailure(
+        error.code,
+        scrub(error.message, 500),
+        error.error_reason,
+        ERROR_DOMAIN,
+        retry_after_s=error.retry_after_s,
+    )
 
 
 def _refusal(request: gateway_pb2.GenerateRequest) -> ProviderError | None:
@@ -279,7 +269,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             error.code.name,
             error.error_reason,
         )
-        await context.abort_with_status(rpc_status.to_status(rich_status(error)))
+        await context.abort_with_status(rich_status(error).to_grpc_status())
 
 
 @dataclass

@@ -15,9 +15,9 @@ Deadlines (SPEC section 5, Deadlines): every call has the deadline the caller pa
 seconds; it never comes from an inbound RPC, because a turn outlives the RPC that started
 it.
 
-Errors (STYLE rules 5 and 6): an upstream ``grpc.aio.AioRpcError`` is parsed once, in
-``upstream_error``, and translated by one of two tables: ``tool_failure`` for tool calls
-(the model gets an error result) and ``project_error``/``skill_error`` for the system
+Errors (docs/contributing.md): an upstream ``grpc.aio.AioRpcError`` is parsed once, by
+``ballet_common.grpc.status.parse``, and translated by one of two tables: ``tool_failure``
+for tool calls (the model gets an error result) and ``project_error``/``skill_error`` for the system
 prompt's reads (domain ``PlannerError``s the transport maps to status codes).
 """
 
@@ -25,15 +25,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 import grpc
 from ballet.knowledge.v1 import knowledge_pb2, knowledge_pb2_grpc
 from ballet.skills.v1 import skills_pb2, skills_pb2_grpc
 from ballet.tracker.v1 import tracker_pb2, tracker_pb2_grpc
-from google.rpc import error_details_pb2, status_pb2  # type: ignore[import-untyped, unused-ignore]
 
+from ballet_common.grpc.status import RpcFailure, parse
 from service.adapters import backend_messages as messages
 from service.core.backend_types import (
     Acting,
@@ -71,54 +70,6 @@ SERVICE_AUTHORIZATION_HEADER = "x-ballet-service-authorization"
 PLANNER_SKILL_SETTING = "planner.skill"
 MODEL_CREDENTIAL_SETTING = "planner.model_credential"
 
-_STATUS_DETAILS_KEY = "grpc-status-details-bin"
-#: The backend each tool calls, whose own credential goes with the call (issue 14).
-_TOOL_BACKENDS = {
-    "list_items": "tracker",
-    "get_item": "tracker",
-    "list_runnable": "tracker",
-    "search_project": "tracker",
-    "list_changesets": "tracker",
-    "propose_changeset": "tracker",
-    "list_skills": "skills",
-    "read_skill": "skills",
-    "search_knowledge": "knowledge",
-    "get_knowledge": "knowledge",
-    "create_knowledge": "knowledge",
-    "update_knowledge": "knowledge",
-}
-
-
-@dataclass(frozen=True)
-class UpstreamError:
-    """A failed backend RPC: its status code, message and ``ErrorInfo`` reason (AIP-193;
-    empty when the backend sent none)."""
-
-    code: grpc.StatusCode
-    message: str
-    reason: str = ""
-
-
-def upstream_error(error: grpc.aio.AioRpcError) -> UpstreamError:
-    """Parse a failed RPC once: code, details and the first ``ErrorInfo`` reason found in
-    the ``google.rpc.Status`` of the trailing metadata (``grpc-status-details-bin``)."""
-    reason = ""
-    for key, value in error.trailing_metadata() or ():
-        if key != _STATUS_DETAILS_KEY or not isinstance(value, bytes):
-            continue
-        try:
-            status = status_pb2.Status.FromString(value)
-        except Exception:  # a malformed detail must not hide the status code itself
-            break
-        for detail in status.details:
-            info = error_details_pb2.ErrorInfo()
-            if detail.Unpack(info):
-                reason = info.reason
-                break
-        break
-    return UpstreamError(code=error.code(), message=error.details() or "", reason=reason)
-
-
 # The one table from a backend's status to a tool call's error result (SPEC section 5
 # step 5: "any failure ... becomes an error result for the model"). INVALID_ARGUMENT and
 # FAILED_PRECONDITION keep the backend's message, since it tells the model what to fix.
@@ -134,7 +85,7 @@ _TOOL_REASONS: dict[grpc.StatusCode, str] = {
 }
 
 
-def tool_failure(error: UpstreamError) -> ToolFailure:
+def tool_failure(error: RpcFailure) -> ToolFailure:
     """Translate a backend's refusal into the ``ToolFailure`` the model sees.
 
     ``ABORTED`` is ``STALE_VERSION`` (a knowledge update sent an old version; SPEC section
@@ -163,7 +114,7 @@ def tool_failure(error: UpstreamError) -> ToolFailure:
     return ToolFailure(reason, error.message or reason.lower().replace("_", " "))
 
 
-def project_error(error: UpstreamError, project_id: str) -> PlannerError:
+def project_error(error: RpcFailure, project_id: str) -> PlannerError:
     # NOT_FOUND and PERMISSION_DENIED look the same, so existence does not leak (SPEC 4).
     if error.code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED):
         return NotFound(f"project {project_id!r} not found", reason="PROJECT_NOT_FOUND")
@@ -175,7 +126,7 @@ def project_error(error: UpstreamError, project_id: str) -> PlannerError:
     )
 
 
-def skill_error(error: UpstreamError, name: str) -> PlannerError:
+def skill_error(error: RpcFailure, name: str) -> PlannerError:
     if error.code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED):
         return NotFound(f"skill {name!r} not found", reason="SKILL_NOT_FOUND")
     if error.code == grpc.StatusCode.UNAUTHENTICATED:
@@ -191,7 +142,7 @@ def _tool_errors() -> Iterator[None]:
     try:
         yield
     except grpc.aio.AioRpcError as error:
-        raise tool_failure(upstream_error(error)) from None
+        raise tool_failure(parse(error)) from None
 
 
 #: A planner service credential: called for every RPC, so a rotated credential is used
@@ -203,7 +154,7 @@ class GrpcToolBackends:
     """``ToolBackends`` over gRPC (see the module docstring for authority and deadlines).
 
     ``tracker``, ``skills`` and ``knowledge`` are ``grpc.aio`` channels (made by
-    ``service.adapters.channels.make_channel``; the caller owns and closes them).
+    ``ballet_common.grpc.channels.make_channel``; the caller owns and closes them).
     ``tracker_credential``, ``skills_credential`` and ``knowledge_credential`` give the
     planner's service credential for that backend's audience (issue 14: a credential one
     dependency receives opens no other).
@@ -275,7 +226,7 @@ class GrpcToolBackends:
                 request, metadata=self._tracker_meta(acting), timeout=timeout_s
             )
         except grpc.aio.AioRpcError as error:
-            raise project_error(upstream_error(error), project_id) from None
+            raise project_error(parse(error), project_id) from None
         project = response.project
         return ProjectInfo(
             project_id=project.project_id,
@@ -303,7 +254,7 @@ class GrpcToolBackends:
                 request, metadata=self._skills_meta(acting), timeout=timeout_s
             )
         except grpc.aio.AioRpcError as error:
-            raise skill_error(upstream_error(error), name) from None
+            raise skill_error(parse(error), name) from None
         return SkillDocument(
             name=response.skill.name or name,
             version=response.skill.version,

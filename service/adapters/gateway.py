@@ -44,8 +44,8 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 from ballet.llm.v1 import gateway_pb2
-from google.rpc import error_details_pb2, status_pb2
 
+from ballet_common.grpc.status import parse
 from ballet_common.redact import scrub
 from service.core.errors import ModelFailure
 from service.core.model import Usage
@@ -450,7 +450,8 @@ def translate_error(
     not that the model was never reached). The message is scrubbed (``ballet_common``).
     """
     code = error.code()
-    reason, retry_after = _details(error)
+    failure = parse(error)
+    reason, retry_after = failure.reason, failure.retry_after_s
     details = scrub(error.details() or code.name, MESSAGE_MAX_CHARS)
     if code == grpc.StatusCode.UNAVAILABLE:
         message = (
@@ -488,25 +489,3 @@ def translate_error(
             "CREDENTIAL_EXPIRED", f"the provider refused the project's credential: {details}"
         )
     return ModelFailure("MODEL_ERROR", f"{code.name}: {details}")
-
-
-def _details(error: grpc.aio.AioRpcError) -> tuple[str, float | None]:
-    """The ``ErrorInfo`` reason and ``RetryInfo`` delay (seconds) of a rich status."""
-    raw = next(
-        (v for k, v in error.trailing_metadata() or () if k == "grpc-status-details-bin"), None
-    )
-    if not isinstance(raw, bytes):
-        return "", None
-    status = status_pb2.Status.FromString(raw)
-    reason = ""
-    retry_after: float | None = None
-    for detail in status.details:
-        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-            info = error_details_pb2.ErrorInfo()
-            detail.Unpack(info)
-            reason = info.reason
-        elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
-            retry = error_details_pb2.RetryInfo()
-            detail.Unpack(retry)
-            retry_after = retry.retry_delay.seconds + retry.retry_delay.nanos / 1e9
-    return reason, retry_after

@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any
 
 # ConfigError is this module's error too: every caller of load_settings catches it here.
-from service.config_loading import ConfigError as ConfigError
-from service.config_loading import apply_environment, build
+from service.config.loading import ConfigError as ConfigError
+from service.config.loading import apply_environment, build
 
 ENV_PREFIX = "BALLET_PLANNER__"
 KiB = 1024
@@ -75,7 +75,7 @@ def _key(
     factory: Any = dataclasses.MISSING,
 ) -> Any:
     """A settings field with its documentation and range; the range is checked when the
-    table is built (``service.config_loading``)."""
+    table is built (``service.config.loading``)."""
     metadata = {"doc": doc, "ge": ge, "gt": gt, "le": le, "choices": choices}
     if factory is not dataclasses.MISSING:
         return field(default_factory=factory, metadata=metadata)
@@ -498,7 +498,7 @@ def validate(settings: Settings) -> None:
         if not channel.address.strip():
             raise ConfigError(f"{key}.address: must not be empty")
         # Plaintext to a non-loopback target is refused where the channel is made
-        # (service.adapters.channels), which knows every gRPC target syntax.
+        # (ballet_common.grpc.channels), which knows every gRPC target syntax.
         _check_tls_pair(key, channel.tls_cert, channel.tls_key)
 
     auth = settings.auth

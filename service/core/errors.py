@@ -9,6 +9,10 @@ Three families (after Pydantic AI's split):
   the conversation goes on (seed: Authority, "A failing tool call ...").
 - ``ModelFailure``: a model call that failed after the gateway's retries; it ends the turn
   ``FAILED`` with its reason (SPEC section 5, Deadlines).
+
+The store raises ``StoreUnavailable`` (a ``PlannerError``: ``DATABASE_UNAVAILABLE``, the
+same status wherever it surfaces) and ``StoreConflict`` (a conditional write lost; the
+caller decides what that means).
 """
 
 from __future__ import annotations
@@ -93,22 +97,17 @@ class PermissionDenied(PlannerError):
     default_reason = "PERMISSION_DENIED"
 
 
+class HumanRequired(PermissionDenied):
+    """A service principal asked for what only the session's human may do (chat, send,
+    cancel, change or delete): service principals may only read."""
+
+    default_reason = "HUMAN_REQUIRED"
+
+
 class Unavailable(PlannerError):
     """The database or a dependency cannot be reached; the caller may retry."""
 
     default_reason = "UNAVAILABLE"
-
-
-class DeadlineExceeded(PlannerError):
-    """The caller's deadline passed; a turn it started goes on."""
-
-    default_reason = "DEADLINE_EXCEEDED"
-
-
-class Aborted(PlannerError):
-    """A concurrent change won a race, e.g. a deleted session."""
-
-    default_reason = "ABORTED"
 
 
 class Internal(PlannerError):
@@ -161,5 +160,22 @@ class StoreConflict(Exception):
     """A conditional store write found the state changed (e.g. the turn already ended)."""
 
 
-class StoreUnavailable(Exception):
-    """The database cannot be reached or failed mid-transaction; nothing was stored."""
+class StoreUnavailable(Unavailable):
+    """The database cannot be reached or failed mid-transaction; nothing was stored.
+
+    Every caller sees the same status: ``UNAVAILABLE``/``DATABASE_UNAVAILABLE`` with a
+    fixed message and a retry after 1 s (the database is usually back quickly). What
+    went wrong (the driver's first line) is ``detail`` and ``str(error)``, for logs and
+    operators, never sent to a client."""
+
+    default_reason = "DATABASE_UNAVAILABLE"
+    #: The message clients get, whatever the cause.
+    CLIENT_MESSAGE = "the database is unavailable; retry later"
+    RETRY_AFTER_S = 1.0
+
+    def __init__(self, detail: str = "") -> None:
+        super().__init__(self.CLIENT_MESSAGE, retry_after_s=self.RETRY_AFTER_S)
+        self.detail = detail or self.CLIENT_MESSAGE
+
+    def __str__(self) -> str:
+        return self.detail

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from service.core.errors import InvalidArgument, NotFound, PermissionDenied, echo
+from service.core.errors import HumanRequired, InvalidArgument, NotFound, PermissionDenied, echo
 from service.core.model import Message, Session, Turn
 from service.core.pages import PageTokens, bad_page_token
 from service.core.ports import (
@@ -284,10 +284,9 @@ def _missing_scope() -> PermissionDenied:
     return PermissionDenied(f"the token lacks the {READ_SCOPE} scope", reason="MISSING_SCOPE")
 
 
-def _human_required() -> PermissionDenied:
-    return PermissionDenied(
-        "only the session's owner may do this; service principals may only read",
-        reason="HUMAN_REQUIRED",
+def _human_required() -> HumanRequired:
+    return HumanRequired(
+        "only the session's owner may do this; service principals may only read"
     )
 
 

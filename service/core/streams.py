@@ -179,20 +179,15 @@ class StreamRegistry:
         if self._stopped:
             raise Unavailable("the planner is shutting down", reason="SHUTTING_DOWN")
         try:
-            try:
-                return await self._store.open_stream(
-                    stream, limit=self._per_human, now=stream.opened_at
-                )
-            except StoreConflict:
-                # This replica's row was swept after a lapse: register again, then retry.
-                await self._beat()
-                return await self._store.open_stream(
-                    stream, limit=self._per_human, now=stream.opened_at
-                )
-        except StoreUnavailable as error:
-            raise Unavailable(
-                "the database is unavailable", reason="DATABASE_UNAVAILABLE"
-            ) from error
+            return await self._store.open_stream(
+                stream, limit=self._per_human, now=stream.opened_at
+            )
+        except StoreConflict:
+            # This replica's row was swept after a lapse: register again, then retry.
+            await self._beat()
+            return await self._store.open_stream(
+                stream, limit=self._per_human, now=stream.opened_at
+            )
 
     def release(self, stream_id: str) -> None:
         """Forget a stream that ended, admitted or not; idempotent. Never waits and never

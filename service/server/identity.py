@@ -3,9 +3,9 @@ and the keys of its page tokens. Built once at start-up by the composition root.
 
 - ``token_verifier``: Core's human issuer and the service-token issuer, each with its own
   ``iss`` values and keys (SPEC section 4; docs/decisions/0150-service-principals.md).
-- ``service_credentials``: one credential per dependency audience (``service.credentials``;
+- ``service_credentials``: one credential per dependency audience (``service.server.credentials``;
   docs/decisions/0153-one-credential-per-audience.md).
-- ``page_token_keys``: the HMAC keys of page tokens (``service.page_keys``;
+- ``page_token_keys``: the HMAC keys of page tokens (``service.server.page_keys``;
   docs/decisions/0152-authenticated-page-tokens.md).
 
 Each raises ``ConfigError`` naming the key when what it names cannot be used.
@@ -25,8 +25,8 @@ from ballet_common.tokens import (
     dev_service_key,
 )
 from service.config import ConfigError, Settings, channels
-from service.credentials import ServiceCredentials
-from service.page_keys import PageTokenKeys
+from service.server.credentials import ServiceCredentials
+from service.server.page_keys import PageTokenKeys
 
 
 def token_verifier(settings: Settings) -> TokenVerifier:

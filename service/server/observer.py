@@ -8,7 +8,7 @@ stays free of metric libraries; labels never carry session, turn, human or proje
 from __future__ import annotations
 
 from service.core.model import TurnEndReason, Usage
-from service.metrics import Metrics
+from service.server.metrics import Metrics
 
 
 class PrometheusTurnObserver:

@@ -1,6 +1,6 @@
 """The composition root: settings in, a running planner out (STYLE rule 1).
 
-``start_planner(settings)`` wires everything and starts serving; ``service.serving.serve``
+``start_planner(settings)`` wires everything and starts serving; ``service.server.serving.serve``
 does that, then waits for SIGTERM or SIGINT and shuts down gracefully. Nothing else in
 the service builds engines, channels or servers, and nothing does I/O at import time.
 
@@ -10,7 +10,7 @@ dir, a WARNING, ``ballet_planner_dev_mode`` = 1); the service credentials (one p
 dependency audience) and the page-token keys; the database (SQLite: migrate here,
 with a WARNING, since SQLite means a single process; PostgreSQL: never migrate, and
 refuse to start while the schema is behind); the store; outbound channels and backend
-clients; the session rules; the turn side (``service.wiring.build_turns``); the gRPC
+clients; the session rules; the turn side (``service.server.wiring.build_turns``); the gRPC
 server with PlannerService, health and reflection; the health monitor; the metrics
 endpoint.
 
@@ -40,12 +40,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from ballet_common import datadir
 from ballet_common.files import DatabaseFileError, private_directory
+from ballet_common.grpc.channels import ChannelTls, make_channel
 from ballet_common.tokens import DevSecretError
 from ballet_common.tracing import Tracing, TracingConfigError, tracing_from_environment
-from service import datadir
 from service.adapters.backends import GrpcToolBackends
-from service.adapters.channels import ChannelTls, make_channel
 from service.adapters.store import migrate, schema_status
 from service.adapters.store.database import Database, open_database
 from service.adapters.store.engine import prepare_sqlite_file
@@ -67,14 +67,14 @@ from service.core.ports import (
 )
 from service.core.sessions import ProjectAccess, SessionLimits, SessionRules
 from service.core.tracing import NULL_TRACER
-from service.identity import page_token_keys, service_credentials, token_verifier
-from service.metrics import Metrics, MetricsInterceptor, MetricsServer, start_metrics_server
+from service.server.identity import page_token_keys, service_credentials, token_verifier
+from service.server.metrics import Metrics, MetricsInterceptor, MetricsServer, start_metrics_server
+from service.server.wiring import PlannerTurns, Wiring, build_turns
 from service.transport import convert
 from service.transport.auth import Authenticator
 from service.transport.decoding import add_planner_service
 from service.transport.sessions import PlannerServicer
 from service.version import version
-from service.wiring import PlannerTurns, Wiring, build_turns
 
 log = logging.getLogger(__name__)
 

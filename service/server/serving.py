@@ -9,7 +9,7 @@ import logging
 
 from ballet_common.signals import StopSignals, signal_name, stop_when_signalled
 from service.config import Settings
-from service.main import PlannerApp, planner_tracing, start_planner
+from service.server.root import PlannerApp, planner_tracing, start_planner
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The turn side of the planner as the composition root builds it (``service.main``):
+"""The turn side of the planner as the composition root builds it (``service.server.root``):
 the fan-out hub, the cross-replica notifier, the gateway client, the tool runner, the
 ``TurnService`` and the ``Chat``/``SendMessage``/``CancelTurn`` RPCs."""
 
@@ -26,9 +26,9 @@ from service.core.streams import StreamRegistry
 from service.core.tools import ToolRunner, declarations
 from service.core.tracing import NULL_TRACER
 from service.core.turn import TurnDependencies, TurnService, TurnSettings
-from service.credentials import ServiceCredentials
-from service.metrics import Metrics
-from service.observer import PrometheusTurnObserver
+from service.server.credentials import ServiceCredentials
+from service.server.metrics import Metrics
+from service.server.observer import PrometheusTurnObserver
 from service.transport.auth import Authenticator
 from service.transport.chat import ChatLimits, TurnRpcs
 from service.transport.sessions import TurnEndpoints
@@ -42,7 +42,7 @@ class Wiring:
     store: SessionStore
     backends: ToolBackends
     gateway_channel: Any
-    #: The planner's credential per dependency audience (``service.credentials``).
+    #: The planner's credential per dependency audience (``service.server.credentials``).
     service_credentials: ServiceCredentials
     authenticator: Authenticator
     rules: SessionRules

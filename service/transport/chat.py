@@ -38,6 +38,7 @@ from ballet.planner.v1 import chat_pb2, planner_service_pb2
 from ballet_common.tokens import Claims
 from service.core.errors import (
     FailedPrecondition,
+    HumanRequired,
     Internal,
     InvalidArgument,
     OutOfRange,
@@ -155,7 +156,7 @@ class TurnRpcs:
             await _refuse(
                 requests,
                 context,
-                FailedPrecondition("Chat needs a human's token", reason="HUMAN_REQUIRED"),
+                HumanRequired("Chat needs a human's token; service principals may only read"),
             )
         slot = await self._take_slot(caller, requests, context)
         queue = self._hub.new_queue(caller.subject)
@@ -323,12 +324,10 @@ class _Stream:
         else:
             try:
                 turn = await self._rpcs._store.get_turn(self.waiting_turn)
-            except StoreUnavailable:
+            except StoreUnavailable as error:
                 # Whether the turn ended is unknown: say so, and the client reopens with
                 # after_sequence (an escaping error would end the call UNKNOWN later).
-                self._queue.end(
-                    Unavailable("the database is unavailable", reason="DATABASE_UNAVAILABLE")
-                )
+                self._queue.end(error)
                 return
             if turn is None or turn.end_reason is not None:
                 self._queue.end(None)
@@ -342,8 +341,6 @@ class _Stream:
         """End the stream with ``error``'s status (after what is queued)."""
         if isinstance(error, PlannerError):
             ending = error
-        elif isinstance(error, StoreUnavailable):
-            ending = Unavailable("the database is unavailable", reason="DATABASE_UNAVAILABLE")
         else:
             # A bug: mapped to INTERNAL, and logged with this cause by the error table.
             ending = Internal("internal error", reason="INTERNAL")
@@ -492,7 +489,7 @@ async def _refuse(
 
 def _send_request(session: Session, caller: Caller, text: str, request_id: str) -> SendRequest:
     if caller.is_service:
-        raise FailedPrecondition("sending needs the session owner's token", reason="HUMAN_REQUIRED")
+        raise HumanRequired("sending needs the session owner's token")
     return SendRequest(
         session=session,
         human_id=caller.subject,

@@ -3,8 +3,8 @@
 Every refusal leaves the planner as a ``google.rpc.Status`` with exactly one
 ``google.rpc.ErrorInfo`` (domain ``planner.ballet``, the error's stable reason, its
 metadata) and, when the error sets ``retry_after_s``, a ``google.rpc.RetryInfo``. Unary
-calls carry it in the ``grpc-status-details-bin`` trailer (``abort``); the Chat stream
-sends it as its ``error`` event (``status_of``).
+calls carry it in their trailers (``abort``); the Chat stream sends it as its ``error``
+event (``status_of``). The status itself is built by ``ballet_common.grpc.status``.
 
 Nothing else in the service chooses a status code. An exception that is not a domain
 error is a bug: it becomes ``INTERNAL`` with reason ``INTERNAL`` and a fixed message, so
@@ -17,23 +17,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, NoReturn
 
 import grpc
-from google.protobuf import duration_pb2
-from google.rpc import error_details_pb2, status_pb2
+from google.rpc import status_pb2
 
+from ballet_common.grpc.status import RpcFailure
 from ballet_common.tokens import TokenError
 from service.core import errors
 
 log = logging.getLogger(__name__)
 
-#: Trailing metadata key of the binary ``google.rpc.Status`` (gRPC rich error model).
-STATUS_DETAILS_KEY = "grpc-status-details-bin"
-#: ``RetryInfo`` sent with DATABASE_UNAVAILABLE: the database is usually back quickly.
-DATABASE_RETRY_AFTER_S = 1.0
 INTERNAL_MESSAGE = "internal error"
 #: Bounds on what an error carries (UTF-8 bytes), whatever raised it: quoted identifiers
 #: are cut where they are quoted (``service.core.errors.echo``); these keep any other
@@ -57,39 +52,10 @@ STATUS_CODES: Mapping[type[BaseException], grpc.StatusCode] = {
     errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
-    errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
-    errors.Aborted: grpc.StatusCode.ABORTED,
     errors.Internal: grpc.StatusCode.INTERNAL,
     errors.PlannerError: grpc.StatusCode.INTERNAL,
-    errors.StoreUnavailable: grpc.StatusCode.UNAVAILABLE,
-    errors.StoreConflict: grpc.StatusCode.ABORTED,
     TokenError: grpc.StatusCode.UNAUTHENTICATED,
 }
-
-
-@dataclass(frozen=True)
-class RpcFailure:
-    """What a failure becomes on the wire: code, message, ErrorInfo reason and metadata,
-    and the retry delay in seconds (None: no ``RetryInfo``)."""
-
-    code: grpc.StatusCode
-    message: str
-    reason: str
-    metadata: Mapping[str, str]
-    retry_after_s: float | None = None
-
-    def to_status(self) -> status_pb2.Status:
-        """The ``google.rpc.Status``: one ``ErrorInfo``, then ``RetryInfo`` if any."""
-        info = error_details_pb2.ErrorInfo(
-            reason=self.reason, domain=errors.ERROR_DOMAIN, metadata=dict(self.metadata)
-        )
-        status = status_pb2.Status(code=self.code.value[0], message=self.message)
-        status.details.add().Pack(info)
-        if self.retry_after_s is not None:
-            delay = duration_pb2.Duration()
-            delay.FromNanoseconds(int(self.retry_after_s * 1e9))
-            status.details.add().Pack(error_details_pb2.RetryInfo(retry_delay=delay))
-        return status
 
 
 def _code_for(error: BaseException) -> grpc.StatusCode | None:
@@ -102,10 +68,9 @@ def _code_for(error: BaseException) -> grpc.StatusCode | None:
 def failure_of(error: Exception) -> RpcFailure:
     """Map an exception to its ``RpcFailure`` using ``STATUS_CODES``.
 
-    ``PlannerError``: its reason, message, metadata, ``retry_after_s``.
-    ``StoreUnavailable``: UNAVAILABLE/DATABASE_UNAVAILABLE, retry after 1 s.
-    ``StoreConflict``: ABORTED/CONCURRENT_CHANGE. ``TokenError``: UNAUTHENTICATED with its
-    reason. Anything else: INTERNAL/INTERNAL with a fixed message (logged here).
+    ``PlannerError`` (``StoreUnavailable`` included): its reason, message, metadata,
+    ``retry_after_s``. ``TokenError``: UNAUTHENTICATED with its reason. Anything else is
+    a bug: INTERNAL/INTERNAL with a fixed message (logged here).
     """
     if isinstance(error, errors.PlannerError):
         code = _code_for(error) or grpc.StatusCode.INTERNAL
@@ -119,30 +84,19 @@ def failure_of(error: Exception) -> RpcFailure:
             code,
             _cut(error.message, MESSAGE_MAX_BYTES),
             error.reason,
+            errors.ERROR_DOMAIN,
             metadata,
             error.retry_after_s,
-        )
-    if isinstance(error, errors.StoreUnavailable):
-        return RpcFailure(
-            grpc.StatusCode.UNAVAILABLE,
-            "the database is unavailable; retry later",
-            "DATABASE_UNAVAILABLE",
-            {},
-            DATABASE_RETRY_AFTER_S,
-        )
-    if isinstance(error, errors.StoreConflict):
-        return RpcFailure(
-            grpc.StatusCode.ABORTED, "a concurrent change won; retry", "CONCURRENT_CHANGE", {}
         )
     if isinstance(error, TokenError):
         return RpcFailure(
             grpc.StatusCode.UNAUTHENTICATED,
             _cut(error.message, MESSAGE_MAX_BYTES),
             error.reason,
-            {},
+            errors.ERROR_DOMAIN,
         )
     log.error("unexpected error", exc_info=error)
-    return RpcFailure(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE, "INTERNAL", {})
+    return RpcFailure(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE, "INTERNAL", errors.ERROR_DOMAIN)
 
 
 def _cut(text: str, max_bytes: int) -> str:
@@ -164,13 +118,8 @@ async def abort(context: Any, error: Exception) -> NoReturn:
     ``context`` is the call's ``grpc.aio.ServicerContext``. The code and message go in
     the status line; the packed ``google.rpc.Status`` in ``grpc-status-details-bin``.
     """
-    failure = failure_of(error)
-    await context.abort(
-        failure.code,
-        failure.message,
-        trailing_metadata=((STATUS_DETAILS_KEY, failure.to_status().SerializeToString()),),
-    )
-    raise AssertionError("context.abort returned")  # pragma: no cover
+    await context.abort_with_status(failure_of(error).to_grpc_status())
+    raise AssertionError("context.abort_with_status returned")  # pragma: no cover
 
 
 class rpc_errors:  # lower case: used like a function, ``async with rpc_errors(ctx):``
@@ -198,24 +147,3 @@ class rpc_errors:  # lower case: used like a function, ``async with rpc_errors(c
         if isinstance(exc, grpc.aio.AbortError):
             return
         await abort(self._context, exc)
-
-
-def status_from_trailers(metadata: Any) -> status_pb2.Status | None:
-    """The ``google.rpc.Status`` in a call's trailing metadata, or None.
-
-    ``metadata`` is e.g. ``AioRpcError.trailing_metadata()``: pairs of key and value.
-    """
-    for key, value in metadata or ():
-        if key == STATUS_DETAILS_KEY and isinstance(value, bytes):
-            return status_pb2.Status.FromString(value)
-    return None
-
-
-def error_info_of(status: status_pb2.Status) -> error_details_pb2.ErrorInfo | None:
-    """The (single) ``ErrorInfo`` packed in ``status``, or None."""
-    for detail in status.details:
-        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-            info = error_details_pb2.ErrorInfo()
-            detail.Unpack(info)
-            return info
-    return None

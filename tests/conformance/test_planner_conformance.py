@@ -30,7 +30,7 @@ from devstack.gateway import add_gateway_service
 from devstack.gateway.openai_provider import OpenAIProvider
 from devstack.server import DevStack, DevStackConfig
 from service.config import Settings
-from service.main import PlannerApp, start_planner
+from service.server.root import PlannerApp, start_planner
 from tests.conformance.cases import PLANTED_KEY, TWO_CALLS, UNAUTHORIZED, ok
 from tests.conformance.openai_double import (
     OpenAIDouble,

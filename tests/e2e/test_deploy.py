@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from service.config import load_settings
-from service.main import LIVENESS_SERVICE
+from service.server.root import LIVENESS_SERVICE
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = ROOT / "deploy" / "kubernetes"

@@ -41,21 +41,36 @@ class Stage:
     runs: list[str] = field(default_factory=list)
 
 
-def runtime_stage() -> Stage:
+def stages() -> dict[str, tuple[str, list[tuple[str, str]]]]:
+    """The Dockerfile's stages: name -> (what it is FROM, its instructions in order)."""
     text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
-    stage = Stage()
-    in_runtime = False
+    found: dict[str, tuple[str, list[tuple[str, str]]]] = {}
+    current: list[tuple[str, str]] = []
     for raw in text.splitlines():
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
         instruction, _, rest = line.partition(" ")
-        instruction = instruction.upper()
-        if instruction == "FROM":
-            in_runtime = rest.split()[-1] == "runtime"
-        elif not in_runtime:
-            continue
-        elif instruction == "ENV":
+        if instruction.upper() == "FROM":
+            words = rest.split()
+            current = []
+            found[words[-1]] = (words[0], current)
+        else:
+            current.append((instruction.upper(), rest))
+    return found
+
+
+def runtime_stage(name: str = "runtime") -> Stage:
+    """A stage as the image runs it: its own instructions after its parents'."""
+    every = stages()
+    chain: list[list[tuple[str, str]]] = []
+    while name in every:
+        parent, instructions = every[name]
+        chain.insert(0, instructions)
+        name = parent
+    stage = Stage()
+    for instruction, rest in (pair for instructions in chain for pair in instructions):
+        if instruction == "ENV":
             for pair in shlex.split(rest):
                 key, _, value = pair.partition("=")
                 stage.env[key] = value
@@ -179,8 +194,9 @@ def test_the_image_alone_refuses_dev_mode_on_every_interface(tmp_path: Path) -> 
 
 
 @pytest.mark.slow
-def test_the_build_context_holds_everything_the_wheel_needs(tmp_path: Path) -> None:
-    # .dockerignore is an allow-list: build the wheel from exactly what it lets in.
+def test_the_build_context_holds_everything_the_wheels_need(tmp_path: Path) -> None:
+    # .dockerignore is an allow-list: build both wheels from exactly what it lets in, as
+    # the builder stage does.
     context = tmp_path / "context"
     context.mkdir()
     allowed = [
@@ -197,21 +213,48 @@ def test_the_build_context_holds_everything_the_wheel_needs(tmp_path: Path) -> N
     built = subprocess.run(
         [
             *(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"),
-            *("--wheel-dir", str(tmp_path / "wheels"), str(context)),
+            *("--wheel-dir", str(tmp_path / "wheels"), str(context), str(context / "devstack")),
         ],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert built.returncode == 0, built.stdout + built.stderr
-    (wheel,) = (tmp_path / "wheels").glob("ballet_planner-*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
+    (planner,) = (tmp_path / "wheels").glob("ballet_planner-*.whl")
+    names = zipfile.ZipFile(planner).namelist()
     for expected in (
         "service/cli.py",
+        "service/server/root.py",
         "ballet_common/__init__.py",
-        "devstack/dev.py",
+        "ballet_chat/run.py",
         "ballet/planner/v1/chat_pb2.py",
-        "devstack/demo/scenario.json",
     ):
         assert expected in names, expected
     assert any(name.endswith(".dist-info/licenses/LICENSE") for name in names)
+    # The production wheel holds the planner alone, and pulls nothing the devstack needs.
+    assert not [name for name in names if name.startswith("devstack/")]
+    requires = [
+        line.partition(":")[2].strip().split(";")[0]
+        for line in zipfile.ZipFile(planner).read(_metadata(names)).decode().splitlines()
+        if line.startswith("Requires-Dist:") and "extra ==" not in line
+    ]
+    for devstack_only in ("openai", "httpx", "httpx2", "pyyaml"):
+        assert not [r for r in requires if r.lower().startswith(devstack_only)], requires
+    (devstack,) = (tmp_path / "wheels").glob("ballet_devstack-*.whl")
+    devstack_names = zipfile.ZipFile(devstack).namelist()
+    for expected in ("devstack/dev.py", "devstack/command.py", "devstack/demo/scenario.json"):
+        assert expected in devstack_names, expected
+    assert "devstack/pyproject.toml" not in devstack_names
+
+
+def _metadata(names: list[str]) -> str:
+    (found,) = [name for name in names if name.endswith(".dist-info/METADATA")]
+    return found
+
+
+def test_the_production_image_installs_the_planner_alone_and_the_demo_adds_the_devstack() -> None:
+    runtime, demo = runtime_stage(), runtime_stage("demo")
+    installs = [run for run in runtime.runs if "pip install" in run]
+    assert installs and all("ballet-planner" in run and "devstack" not in run for run in installs)
+    assert any("ballet-devstack" in run for run in demo.runs)
+    assert demo.cmd == ["dev"] and runtime.cmd == ["serve"]

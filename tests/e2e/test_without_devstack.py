@@ -79,5 +79,5 @@ def test_dev_says_the_devstack_is_missing(tmp_path: Path) -> None:
     assert dev.returncode == 2
     assert dev.stderr.strip().splitlines() == [
         "ballet-planner dev: the devstack is not installed here (a production image leaves "
-        "it out); install the full package to run dev"
+        "it out); from a checkout of the repository: pip install ./devstack"
     ]

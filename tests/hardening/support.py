@@ -36,7 +36,7 @@ from ballet_common.tokens import Trust, dev_secret
 from devstack.gateway import GatewayServicer, ScriptedProvider, add_gateway_service
 from devstack.server import DevStack, DevStackConfig
 from service.adapters.store import migrate
-from service.main import PlannerApp, start_planner
+from service.server.root import PlannerApp, start_planner
 from tests.service.planner_support import auth, planner_settings
 
 #: The longest any single wait may take before the test fails (seconds); passing tests

@@ -40,7 +40,7 @@ from ballet_common.tokens import (
 )
 from service.core.pages import PageTokens
 from service.core.sessions import READ_SCOPE
-from service.main import start_planner
+from service.server.root import start_planner
 from tests.hardening.support import (
     Chat,
     Metadata,

@@ -23,7 +23,7 @@ from ballet.planner.v1 import chat_pb2, planner_service_pb2_grpc, resources_pb2
 from ballet.planner.v1 import planner_service_pb2 as pb
 
 from service.config import load_settings
-from service.main import server_options
+from service.server.root import server_options
 from tests.hardening.support import (
     QUICK_RULES,
     Chat,

@@ -26,7 +26,7 @@ import pytest
 from ballet.planner.v1 import resources_pb2 as res
 from grpc_health.v1 import health_pb2
 
-from service.transport.errors import error_info_of
+from ballet_common.grpc.status import from_status
 from tests.pg import PgCluster
 from tests.replicas.support import END, ChatStream, Received, rig, sequences
 
@@ -90,7 +90,7 @@ async def test_a_database_outage_mid_turn_fails_the_turn_and_the_replicas_recove
         refused = await on_b.wait_kind("error")
         assert refused.response.request_id == "send-down"
         assert refused.response.error.code == grpc.StatusCode.UNAVAILABLE.value[0]
-        info = error_info_of(refused.response.error)
+        info = from_status(refused.response.error)
         assert info is not None and info.reason == "DATABASE_UNAVAILABLE"
         # The sender is done sending and half-closes: whether its turn ended cannot be
         # read now, so its stream ends UNAVAILABLE and it reopens later.

@@ -25,7 +25,7 @@ import pytest
 from ballet.planner.v1 import planner_service_pb2
 from ballet.planner.v1 import resources_pb2 as res
 
-from service.transport.errors import error_info_of
+from ballet_common.grpc.status import from_status
 from tests.pg import PgServer
 from tests.replicas.support import END, ChatStream, Received, Rig, rig, sequences
 
@@ -215,7 +215,7 @@ async def test_two_sends_racing_on_a_and_b_give_exactly_one_turn(
         )
         errors = [e for e in (*on_a.errors(), *on_b.errors()) if e.request_id in set(ids.values())]
         assert len(errors) == 1, errors
-        info = error_info_of(errors[0].error)
+        info = from_status(errors[0].error)
         assert errors[0].error.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
         assert info is not None and info.reason == "TURN_IN_PROGRESS"
         loser = "a" if errors[0].request_id == ids["a"] else "b"

@@ -24,7 +24,7 @@ import grpc
 import pytest
 from ballet.planner.v1 import chat_pb2, planner_service_pb2_grpc
 
-from service.transport.errors import error_info_of, status_from_trailers
+from ballet_common.grpc.status import parse
 from tests.replicas.support import END, SESSION_EVENTS, ChatStream, rig, sequences
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
@@ -125,14 +125,12 @@ async def test_a_stream_that_stops_reading_ends_slow_consumer_and_slows_nothing_
         await stalled.close()
         error = ended_slow.value
         assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        status = status_from_trailers(error.trailing_metadata())
-        assert status is not None
-        info = error_info_of(status)
-        assert info is not None and info.reason == "SLOW_CONSUMER"
+        failure = parse(error)
+        assert failure.reason == "SLOW_CONSUMER"
         got = [x.sequence for x in received if x.WhichOneof("event") in SESSION_EVENTS]
         last = got[-1] if got else TURN_EVENTS
         assert got == list(range(TURN_EVENTS + 1, last + 1))
-        assert info.metadata["last_sequence"] == str(last)
+        assert failure.metadata["last_sequence"] == str(last)
         assert last < 2 * TURN_EVENTS, "the slow stream got everything: it never backed up"
         record_property("slow_stream_last_sequence", last)
 

@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 from ballet.tracker.v1 import tracker_pb2, tracker_pb2_grpc
 
+from ballet_common.grpc.status import parse
 from ballet_common.tokens import (
     HUMAN_AUDIENCES,
     PLANNER_AUDIENCE,
@@ -23,7 +24,6 @@ from ballet_common.tokens import (
     mint_dev_token,
 )
 from service.config import SHUTDOWN_OVERHEAD_S, Settings, load_settings
-from service.transport.errors import error_info_of, status_from_trailers
 
 
 @dataclass
@@ -136,9 +136,6 @@ def auth(bearer: str) -> tuple[tuple[str, str], ...]:
 
 def reason_of(error: grpc.aio.AioRpcError) -> str:
     """The ErrorInfo reason of a failed call (domain planner.ballet), or ''."""
-    status = status_from_trailers(error.trailing_metadata())
-    if status is None:
-        return ""
-    info = error_info_of(status)
-    assert info is None or info.domain == "planner.ballet"
-    return info.reason if info else ""
+    failure = parse(error)
+    assert not failure.reason or failure.domain == "planner.ballet"
+    return failure.reason

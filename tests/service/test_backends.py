@@ -17,10 +17,10 @@ from typing import Any
 import grpc
 import pytest
 
+from ballet_common.grpc.channels import make_channel
 from ballet_common.tokens import KNOWLEDGE_AUDIENCE, SKILLS_AUDIENCE, TRACKER_AUDIENCE
 from devstack.server import DevStack, DevStackConfig
 from service.adapters.backends import GrpcToolBackends
-from service.adapters.channels import make_channel
 from service.core.errors import NotFound, Unauthenticated, Unavailable
 from service.core.ports import Acting, ToolCall
 from service.core.tools import TOOLS, Tool, ToolContext, ToolOutcome, ToolRunner

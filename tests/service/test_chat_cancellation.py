@@ -24,8 +24,8 @@ import pytest
 from ballet.planner.v1 import chat_pb2, planner_service_pb2_grpc
 
 from service.core.ports import OpenStream, StreamStore
-from service.main import PlannerApp, start_planner
-from service.wiring import PlannerTurns, Wiring, build_turns
+from service.server.root import PlannerApp, start_planner
+from service.server.wiring import PlannerTurns, Wiring, build_turns
 from tests.hardening.support import Stack, eventually, open_request, start_stack
 from tests.service.planner_support import auth, planner_settings
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from ballet.planner.v1 import chat_pb2, resources_pb2
 
+from ballet_chat.client import ChatClient, ChatOptions
+from ballet_common.grpc.channels import make_channel
 from devstack.dev import DevApp, DevOptions, start_dev
-from service.adapters.channels import make_channel
-from service.chat_client import ChatClient, ChatOptions
 
 SLOW = {"rules": [{"reply": {"text": "word " * 200, "chunk_chars": 5, "delay_ms": 50}}]}
 

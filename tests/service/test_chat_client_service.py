@@ -17,9 +17,9 @@ import pytest
 from ballet.planner.v1 import chat_pb2, resources_pb2
 from ballet.planner.v1 import planner_service_pb2 as pb
 
+from ballet_chat.client import ChatClient, ChatOptions
+from ballet_common.grpc.channels import make_channel
 from devstack.dev import DevApp, DevOptions, start_dev
-from service.adapters.channels import make_channel
-from service.chat_client import ChatClient, ChatOptions
 
 SCENARIO = {"rules": [{"reply": {"text": "Noted.", "chunk_chars": 2}}]}
 

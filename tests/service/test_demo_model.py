@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from ballet.planner.v1 import chat_pb2
 
+from ballet_chat.client import ChatClient, ChatOptions
+from ballet_common.grpc.channels import make_channel
 from devstack.dev import DevApp, DevOptions, start_dev
-from service.adapters.channels import make_channel
-from service.chat_client import ChatClient, ChatOptions
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {"BALLET_PLANNER__SERVER__METRICS_ADDRESS": "", "BALLET_PLANNER__SERVER__GRACE_S": "7"}

@@ -25,7 +25,7 @@ from service.core.ports import (
     ToolCallChunk,
     ToolDeclaration,
 )
-from service.credentials import ServiceCredential
+from service.server.credentials import ServiceCredential
 
 
 class Rig:

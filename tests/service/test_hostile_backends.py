@@ -37,7 +37,7 @@ from google.rpc import error_details_pb2, status_pb2
 
 from ballet_common.tokens import Trust, dev_secret
 from devstack.gateway import ScriptedProvider, add_gateway_service
-from service.main import PlannerApp, start_planner
+from service.server.root import PlannerApp, start_planner
 from tests.service.backend_double import BackendDouble, Park, Raw, Refuse
 from tests.service.planner_support import auth, planner_settings, token
 

@@ -16,7 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service.adapters.store import migrate
-from service.main import LIVENESS_SERVICE, StartupError, start_planner
+from service.server.root import LIVENESS_SERVICE, StartupError, start_planner
 from tests.pg import PgCluster
 from tests.service.planner_support import FakeTracker, planner_settings
 

@@ -26,7 +26,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from ballet_common.tokens import TRACKER_AUDIENCE, mint_dev_token
 from service.adapters.store import migrate
 from service.core.sessions import READ_SCOPE
-from service.main import PlannerApp, start_planner
+from service.server.root import PlannerApp, start_planner
 from service.version import version
 from tests.service.planner_support import (
     FakeTracker,

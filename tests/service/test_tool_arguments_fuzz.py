@@ -34,10 +34,10 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from ballet_common.grpc.channels import make_channel
 from ballet_common.tokens import KNOWLEDGE_AUDIENCE, SKILLS_AUDIENCE, TRACKER_AUDIENCE
 from devstack.server import DevStack, DevStackConfig
 from service.adapters.backends import GrpcToolBackends
-from service.adapters.channels import make_channel
 from service.core.ports import Acting, ToolCall
 from service.core.tools import (
     MAX_RESULT_BYTES,

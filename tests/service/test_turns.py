@@ -27,9 +27,9 @@ from ballet.llm.v1 import gateway_pb2
 from ballet.planner.v1 import planner_service_pb2 as pb
 from ballet.planner.v1 import resources_pb2
 
+from ballet_common.grpc.status import from_status
 from devstack.demo import project as demo
 from service.core import prompts
-from service.transport.errors import error_info_of
 from tests.pg import PgServer
 from tests.service.planner_support import reason_of
 from tests.service.turn_support import (
@@ -109,7 +109,7 @@ def call_then_answer(*calls: dict[str, Any], answer: str = "noted") -> list[dict
 
 def reason_in(response: Any) -> str:
     """The ErrorInfo reason of an ``error`` reply."""
-    info = error_info_of(response.error)
+    info = from_status(response.error)
     assert info is not None, response
     reason: str = info.reason
     return reason

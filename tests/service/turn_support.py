@@ -40,7 +40,7 @@ from ballet_common.tracing import Tracing
 from devstack.gateway import GatewayServicer, ScriptedProvider, add_gateway_service
 from devstack.server import DevStack, DevStackConfig
 from service.adapters.store import migrate
-from service.main import PlannerApp, start_planner
+from service.server.root import PlannerApp, start_planner
 from tests.service.planner_support import auth, planner_settings
 
 #: How long any single wait of a test may take before it fails (seconds). Generous: it

@@ -1,4 +1,4 @@
-"""The one translation of backend RPC failures (STYLE rules 5 and 6), pinned as tables.
+"""The one translation of backend RPC failures (docs/contributing.md), pinned as tables.
 
 ``tool_failure``: what the model sees for a failed tool call (SPEC section 5 step 5).
 ``get_project``/``read_skill``: which domain error ends session creation or a turn
@@ -12,13 +12,8 @@ import pytest
 from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2  # type: ignore[import-untyped, unused-ignore]
 
-from service.adapters.backends import (
-    UpstreamError,
-    project_error,
-    skill_error,
-    tool_failure,
-    upstream_error,
-)
+from ballet_common.grpc.status import parse
+from service.adapters.backends import project_error, skill_error, tool_failure
 from service.core.errors import NotFound, PlannerError, Unauthenticated, Unavailable
 
 Code = grpc.StatusCode
@@ -33,18 +28,6 @@ def rpc_error(code: grpc.StatusCode, message: str, reason: str = "") -> grpc.aio
         status = status_pb2.Status(code=code.value[0], message=message, details=[detail])
         trailing = grpc.aio.Metadata(("grpc-status-details-bin", status.SerializeToString()))
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, message)
-
-
-def test_the_error_info_reason_is_parsed() -> None:
-    parsed = upstream_error(rpc_error(Code.ABORTED, "version 3 is current", "STALE_VERSION"))
-    assert parsed == UpstreamError(Code.ABORTED, "version 3 is current", "STALE_VERSION")
-    assert upstream_error(rpc_error(Code.INTERNAL, "x")).reason == ""
-
-
-def test_a_malformed_status_detail_keeps_the_code() -> None:
-    trailing = grpc.aio.Metadata(("grpc-status-details-bin", b"\xff\x00garbage"))
-    error = grpc.aio.AioRpcError(Code.NOT_FOUND, grpc.aio.Metadata(), trailing, "gone")
-    assert upstream_error(error) == UpstreamError(Code.NOT_FOUND, "gone", "")
 
 
 @pytest.mark.parametrize(
@@ -72,7 +55,7 @@ def test_a_malformed_status_detail_keeps_the_code() -> None:
 def test_tool_failures(
     code: grpc.StatusCode, reason: str, expected: str, keeps_message: bool
 ) -> None:
-    failure = tool_failure(upstream_error(rpc_error(code, "the backend's words", reason)))
+    failure = tool_failure(parse(rpc_error(code, "the backend's words", reason)))
     assert failure.reason == expected
     assert failure.message
     # Refusals the model can act on keep the backend's explanation; internal failures do
@@ -95,7 +78,7 @@ def test_tool_failures(
 def test_get_project_errors(
     code: grpc.StatusCode, reason: str, kind: type[PlannerError], expected_reason: str
 ) -> None:
-    error = project_error(upstream_error(rpc_error(code, "x", reason)), "demo")
+    error = project_error(parse(rpc_error(code, "x", reason)), "demo")
     assert type(error) is kind
     assert error.reason == expected_reason
 
@@ -112,6 +95,6 @@ def test_get_project_errors(
 def test_read_skill_errors(
     code: grpc.StatusCode, kind: type[PlannerError], expected_reason: str
 ) -> None:
-    error = skill_error(upstream_error(rpc_error(code, "x")), "planning")
+    error = skill_error(parse(rpc_error(code, "x")), "planning")
     assert type(error) is kind
     assert error.reason == expected_reason

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from service.adapters.channels import ChannelTls, is_loopback, make_channel
+from ballet_common.grpc.channels import ChannelTls, is_loopback, make_channel
 
 
 @pytest.mark.parametrize(

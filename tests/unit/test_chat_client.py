@@ -1,4 +1,4 @@
-"""The terminal client's output rules (service/chat_render.py; SPEC sections 3 and 9):
+"""The terminal client's output rules (ballet_chat/render.py; SPEC sections 3 and 9):
 stitching text deltas by message id and offset, one line per tool call and result, the
 turn's end."""
 
@@ -12,7 +12,7 @@ import pytest
 from ballet.planner.v1 import chat_pb2, resources_pb2
 from google.rpc import error_details_pb2
 
-from service.chat_client import (
+from ballet_chat.client import (
     Renderer,
     TextStitcher,
     describe_turn_end,

@@ -10,12 +10,12 @@ from typing import Any
 
 from ballet.planner.v1 import chat_pb2
 
+from ballet_common.grpc.status import from_status
 from ballet_common.tokens import Claims
 from service.core.fanout import StreamEnd, StreamQueue
 from service.core.sessions import Caller
 from service.transport.chat import ChatLimits, _Stream
 from service.transport.decoding import lenient
-from service.transport.errors import error_info_of
 
 CLAIMS = Claims("alice", "acme", "iss", frozenset({"ballet-planner"}), expires_at=2**40)
 
@@ -45,7 +45,7 @@ async def test_an_undecodable_message_gets_a_reply_and_reading_goes_on() -> None
     stream.close()
     first, second, end = drained(queue)
     assert isinstance(first, chat_pb2.ChatResponse) and first.request_id == "r1"
-    info = error_info_of(first.error)
+    info = from_status(first.error)
     assert info is not None and (info.reason, info.metadata["field"]) == (
         "INVALID_UTF8",
         "cancel_turn.turn_id",

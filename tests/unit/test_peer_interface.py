@@ -3,7 +3,7 @@ this project stay importable: it runs LangGraph and the Agents SDK on the planne
 request shapes and tool results, so a rename here would break the comparison silently
 until the next benchmark run.
 
-Its token and credential imports (``service.tokens``, ``service.credentials``) are not
+Its token and credential imports (``service.tokens``, ``service.server.credentials``) are not
 kept: issue 14 moved the token code to ``ballet_common.tokens`` and gave the planner one
 credential per dependency, which each dependency alone accepts (decisions 0153, 0157), so
 the benchmark's single credential for the gateway and the tracker must change with it.
@@ -24,7 +24,7 @@ NAMES = {
         "SERVICE_AUTHORIZATION_HEADER",
         "_full_item",
     ),
-    "service.adapters.channels": ("make_channel",),
+    "ballet_common.grpc.channels": ("make_channel",),
     "service.core.context": ("build_system_prompt",),
     "service.core.ports": ("ProjectInfo", "SkillDocument"),
     "service.core.tools": ("TOOLS", "declarations"),

@@ -19,7 +19,7 @@ from ballet_common.tokens import (
     dev_service_key,
     mint_dev_service_token,
 )
-from service.credentials import ServiceCredential, ServiceCredentials
+from service.server.credentials import ServiceCredential, ServiceCredentials
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 

@@ -22,7 +22,7 @@ from service.adapters.tracing import OtelTracer
 from service.config import ConfigError, load_settings
 from service.core.tracing import NULL_TRACER
 from service.core.turn import TurnDependencies
-from service.main import planner_tracing
+from service.server.root import planner_tracing
 
 
 @pytest.mark.parametrize(

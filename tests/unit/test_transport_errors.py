@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import grpc
 import pytest
-from google.rpc import error_details_pb2
+from google.rpc import error_details_pb2, status_pb2
 
+from ballet_common.grpc.status import from_status
 from ballet_common.tokens import TokenError
 from service.core import errors
 from service.transport.errors import (
-    STATUS_DETAILS_KEY,
     abort,
-    error_info_of,
     failure_of,
     rpc_errors,
-    status_from_trailers,
     status_of,
 )
 
@@ -60,12 +57,12 @@ Code = grpc.StatusCode
             Code.UNAVAILABLE,
             "DEPENDENCY_UNAVAILABLE",
         ),
-        (errors.DeadlineExceeded("x"), Code.DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED"),
-        (errors.Aborted("x"), Code.ABORTED, "ABORTED"),
+        (errors.HumanRequired("x"), Code.PERMISSION_DENIED, "HUMAN_REQUIRED"),
         (errors.Internal("x"), Code.INTERNAL, "INTERNAL"),
         (errors.PlannerError("x"), Code.INTERNAL, "INTERNAL"),
         (errors.StoreUnavailable("connection refused"), Code.UNAVAILABLE, "DATABASE_UNAVAILABLE"),
-        (errors.StoreConflict("changed"), Code.ABORTED, "CONCURRENT_CHANGE"),
+        # A conflict is the core's to resolve; one that reaches the transport is a bug.
+        (errors.StoreConflict("changed"), Code.INTERNAL, "INTERNAL"),
         (TokenError("WRONG_AUDIENCE", "x"), Code.UNAUTHENTICATED, "WRONG_AUDIENCE"),
         (RuntimeError("secret detail"), Code.INTERNAL, "INTERNAL"),
         (KeyError("k"), Code.INTERNAL, "INTERNAL"),
@@ -76,7 +73,7 @@ def test_status_table(error: Exception, code: grpc.StatusCode, reason: str) -> N
     assert status.code == code.value[0]
     infos = [d for d in status.details if d.Is(error_details_pb2.ErrorInfo.DESCRIPTOR)]
     assert len(infos) == 1
-    info = error_info_of(status)
+    info = from_status(status)
     assert info is not None
     assert (info.domain, info.reason) == ("planner.ballet", reason)
 
@@ -99,7 +96,7 @@ def test_metadata_and_retry_info() -> None:
         "too many", reason="TOO_MANY_TURNS", retry_after_s=2.5, metadata={"limit": "4"}
     )
     status = status_of(error)
-    info = error_info_of(status)
+    info = from_status(status)
     assert info is not None and dict(info.metadata) == {"limit": "4"}
     retry = error_details_pb2.RetryInfo()
     assert status.details[1].Unpack(retry)
@@ -113,10 +110,10 @@ class RecordingContext:
     """Records what a servicer aborts with, like a grpc.aio context would."""
 
     def __init__(self) -> None:
-        self.aborted: tuple[Any, str, Any] | None = None
+        self.aborted: grpc.Status | None = None
 
-    async def abort(self, code: Any, details: str, trailing_metadata: Any = ()) -> None:
-        self.aborted = (code, details, trailing_metadata)
+    async def abort_with_status(self, status: grpc.Status) -> None:
+        self.aborted = status
         raise grpc.aio.AbortError()
 
 
@@ -125,11 +122,12 @@ async def test_abort_sends_the_status_in_the_trailers() -> None:
     with pytest.raises(grpc.aio.AbortError):
         await abort(context, errors.NotFound("gone", reason="SESSION_NOT_FOUND"))
     assert context.aborted is not None
-    code, details, trailers = context.aborted
-    assert (code, details) == (Code.NOT_FOUND, "gone")
-    status = status_from_trailers(trailers)
-    assert status is not None and status.code == Code.NOT_FOUND.value[0]
-    assert trailers[0][0] == STATUS_DETAILS_KEY
+    sent = context.aborted
+    assert (sent.code, sent.details) == (Code.NOT_FOUND, "gone")
+    ((key, packed),) = sent.trailing_metadata
+    status = status_pb2.Status.FromString(packed)
+    assert key == "grpc-status-details-bin" and status.code == Code.NOT_FOUND.value[0]
+    assert from_status(status).reason == "SESSION_NOT_FOUND"
 
 
 async def test_rpc_errors_maps_exceptions_and_never_swallows_cancellation() -> None:
@@ -137,7 +135,7 @@ async def test_rpc_errors_maps_exceptions_and_never_swallows_cancellation() -> N
     with pytest.raises(grpc.aio.AbortError):
         async with rpc_errors(context):
             raise errors.InvalidArgument("bad", reason="INVALID_PAGE_TOKEN")
-    assert context.aborted is not None and context.aborted[0] == Code.INVALID_ARGUMENT
+    assert context.aborted is not None and context.aborted.code == Code.INVALID_ARGUMENT
 
     quiet = RecordingContext()
     with pytest.raises(asyncio.CancelledError):
@@ -163,7 +161,7 @@ def test_whatever_raised_it_an_error_on_the_wire_is_bounded(char: str) -> None:
     status = status_of(error)
     percent_encoded = sum(1 if ch.isascii() else 3 * len(ch.encode()) for ch in status.message)
     assert percent_encoded + len(status.SerializeToString()) * 4 / 3 < 6 * 1024
-    info = error_info_of(status)
+    info = from_status(status)
     assert info is not None and info.reason == "THING_NOT_FOUND"
     assert status.message.endswith("...")
     assert errors.echo(huge) == huge[:61] + "..."

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TypeVar
@@ -237,16 +237,14 @@ class TurnService:
                 owner=self._deps.replica_id,
                 lease_expires_at=now + timedelta(seconds=settings.lease_s),
             )
-            outcome = await self._store_call(
-                self._deps.store.start_turn(
-                    TurnStart(
-                        turn=turn,
-                        project_id=session.project_id,
-                        message=accepted.message,
-                        events=[accepted, events.turn_started(settings.model, settings.max_rounds)],
-                        limits=settings.running_limits,
-                        now=now,
-                    )
+            outcome = await self._deps.store.start_turn(
+                TurnStart(
+                    turn=turn,
+                    project_id=session.project_id,
+                    message=accepted.message,
+                    events=[accepted, events.turn_started(settings.model, settings.max_rounds)],
+                    limits=settings.running_limits,
+                    now=now,
                 )
             )
             if outcome.kind is StartOutcomeKind.EXPIRED_TURN:
@@ -277,7 +275,7 @@ class TurnService:
             await handle.done.wait()
         delay = 0.05
         while True:
-            turn = await self._store_call(self._deps.store.get_turn(turn_id))
+            turn = await self._deps.store.get_turn(turn_id)
             if turn is None:
                 raise NotFound("the turn does not exist", reason="TURN_NOT_FOUND")
             if turn.state is TurnState.ENDED:
@@ -297,7 +295,7 @@ class TurnService:
             turn_id = session.running_turn_id
             if not turn_id:
                 raise NotFound("no turn is running", reason="TURN_NOT_FOUND")
-        turn = await self._store_call(store.get_turn(turn_id))
+        turn = await store.get_turn(turn_id)
         if turn is None or turn.session_id != session.session_id:
             raise NotFound("the turn does not exist", reason="TURN_NOT_FOUND")
         if turn.state is TurnState.ENDED:
@@ -313,16 +311,16 @@ class TurnService:
             if turn.lease_expires_at is not None and turn.lease_expires_at <= now:
                 await self._close(turn, endings.INTERRUPTED, lease_expired_before=now)
             else:
-                await self._store_call(store.request_cancel(turn_id))
+                await store.request_cancel(turn_id)
                 started = time.monotonic()
                 delay = 0.02
                 while time.monotonic() - started < deadline:
-                    current = await self._store_call(store.get_turn(turn_id))
+                    current = await store.get_turn(turn_id)
                     if current is None or current.state is TurnState.ENDED:
                         break
                     await asyncio.sleep(delay)
                     delay = min(0.2, delay * 2)
-        final = await self._store_call(store.get_turn(turn_id))
+        final = await store.get_turn(turn_id)
         if final is None:
             raise NotFound("the turn does not exist", reason="TURN_NOT_FOUND")
         return final
@@ -391,11 +389,3 @@ class TurnService:
             owner=owner,
             lease_expired_before=lease_expired_before,
         )
-
-    async def _store_call(self, operation: Awaitable[T]) -> T:
-        try:
-            return await operation
-        except StoreUnavailable as error:
-            raise Unavailable(
-                "the database is unavailable", reason="DATABASE_UNAVAILABLE"
-            ) from error

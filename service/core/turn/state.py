@@ -68,7 +68,7 @@ class TurnHandle:
         return self.session.session_id
 
     def log_fields(self) -> dict[str, str]:
-        """The context fields of ``service/logs.py``; never content (SPEC section 8)."""
+        """The context fields of ``service/server/logs.py``; never content (SPEC section 8)."""
         return {
             "session": self.session.session_id,
             "turn": self.turn.turn_id,

@@ -1,0 +1,115 @@
+"""``ballet-planner chat``: the command line of the terminal client (its options, the dev
+token it mints with ``--user``, its exit codes). Registered on the ``ballet-planner``
+command through the entry point group ``ballet_planner.commands``; cheap to import (what
+the chat needs is imported when it runs)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+from ballet_common import datadir
+
+#: Where the planner listens by default (its ``server.address``).
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+
+
+def add_chat(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``chat`` on ``ballet-planner``'s subcommands (the entry point of group
+    ``ballet_planner.commands``)."""
+    parser = commands.add_parser(
+        "chat",
+        help="chat with the planner in the terminal",
+        description="The terminal client of the Chat RPC. Interactive by default (/cancel, "
+        "/new, /sessions, /open ID, /quit); with --message, send one message, print the "
+        "turn and exit 0 when it ended COMPLETED or MAX_ROUNDS (1 otherwise).",
+    )
+    parser.add_argument(
+        "--address",
+        help=f"planner host:port (default: $BALLET_PLANNER__SERVER__ADDRESS or {DEFAULT_ADDRESS})",
+    )
+    parser.add_argument("--project", default="demo", help="project of a new session (demo)")
+    parser.add_argument("--session", default="", help="resume this session instead")
+    parser.add_argument("--user", help="mint a dev token for this user from the data dir")
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        help="where the dev secret is (default: $BALLET_PLANNER__DATA_DIR or ./.ballet-dev)",
+    )
+    parser.add_argument("--org", default="acme", help="organization of --user (default acme)")
+    parser.add_argument("--token", help="a bearer token (JWT) instead of --user")
+    parser.add_argument("--message", help="send this message, print the turn, exit")
+    parser.add_argument(
+        "--json", action="store_true", help="print each ChatResponse as one line of JSON"
+    )
+    parser.set_defaults(handler=chat)
+
+
+def chat(args: argparse.Namespace) -> int:
+    """Run ``ballet-planner chat``; returns the exit code (0 as ``run_chat`` says, 1 when
+    the planner cannot be reached or refuses, 2 for a usage problem)."""
+    from ballet_chat.client import ChatError, ChatOptions
+    from ballet_chat.run import run_chat
+    from ballet_common.tokens import (
+        DEFAULT_DEV_TOKEN_TTL_S,
+        DevSecretError,
+        dev_secret,
+        mint_dev_token,
+    )
+
+    address = args.address or os.environ.get("BALLET_PLANNER__SERVER__ADDRESS") or DEFAULT_ADDRESS
+    mint = None
+    if args.token:
+        token = args.token
+    elif args.user:
+        data_dir = datadir.chosen(args.data_dir)
+        try:
+            # Never create a secret here: a new one would sign tokens nobody accepts.
+            secret = dev_secret(data_dir, create=False)
+        except FileNotFoundError:
+            print(
+                f"ballet-planner chat: no dev secret in {data_dir}: start `ballet-planner "
+                "dev` first, or give the data directory it uses (--data-dir), or --token",
+                file=sys.stderr,
+            )
+            return 2
+        except DevSecretError as error:
+            print(f"ballet-planner chat: {error}", file=sys.stderr)
+            return 2
+        except OSError as error:
+            problem = datadir.unusable(data_dir, error, "read the dev secret", datadir.WITH_OPTION)
+            print(f"ballet-planner chat: {problem}", file=sys.stderr)
+            return 2
+        user, org = args.user, args.org
+
+        def mint() -> str:
+            return mint_dev_token(secret, user, organization_id=org, ttl_s=DEFAULT_DEV_TOKEN_TTL_S)
+
+        token = mint()
+    else:
+        print("ballet-planner chat: give --user NAME (dev) or --token JWT", file=sys.stderr)
+        return 2
+    if args.message is not None and not args.message.strip():
+        print("ballet-planner chat: --message is empty", file=sys.stderr)
+        return 2
+    options = ChatOptions(
+        address=address,
+        token=token,
+        project_id=args.project,
+        session_id=args.session,
+        message=args.message,
+        as_json=args.json,
+        mint=mint,
+    )
+    try:
+        return asyncio.run(run_chat(options))
+    except ChatError as error:
+        print(f"ballet-planner chat: {error}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        # The reader went away (e.g. `| head`): stop quietly, without a traceback at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
