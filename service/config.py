@@ -193,6 +193,12 @@ class LimitsSettings:
     page_max_bytes: int = _key(
         1 * MiB, ge=64 * KiB, doc="Largest ListMessages page, in bytes (at least one message)."
     )
+    client_message_max_bytes: int = _key(
+        3 * MiB,
+        ge=64 * KiB,
+        doc="Largest transcript message sent to a client whole (one Chat event, one "
+        "ListMessages or SendMessage entry), in bytes; a larger one is sent truncated.",
+    )
     open_timeout_s: float = _key(
         30.0, gt=0, doc="A Chat stream that sends no open within this is closed."
     )

@@ -65,6 +65,7 @@ def build_turns(wiring: Wiring) -> PlannerTurns:
         store.events_after,
         max_events=limits.stream_queue_events,
         max_bytes=limits.stream_queue_bytes,
+        client_message_max_bytes=limits.client_message_max_bytes,
     )
     # The gateway gets the credential for its audience alone (issue 14).
     gateway = GrpcModelGateway(
@@ -138,6 +139,7 @@ def build_turns(wiring: Wiring) -> PlannerTurns:
             open_timeout_s=limits.open_timeout_s,
             max_replay_events=planner.max_replay_events,
             streams_per_human=limits.streams_per_human,
+            client_message_max_bytes=limits.client_message_max_bytes,
         ),
         on_stream_change=metrics.open_streams.inc,
         streams=registry,
