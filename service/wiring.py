@@ -96,6 +96,8 @@ def build_turns(wiring: Wiring) -> PlannerTurns:
                 max_writes_per_turn=planner.max_writes_per_turn,
                 max_tool_calls_per_answer=planner.max_tool_calls_per_answer,
                 tool_concurrency=planner.tool_concurrency,
+                tool_arguments_max_bytes=planner.tool_arguments_max_bytes,
+                tool_arguments_cut_bytes=planner.tool_result_max_bytes,
                 dependency_timeout_s=deps.project_lookup_s,
                 model_first_delta_s=deps.model_first_delta_s,
                 model_idle_s=deps.model_idle_s,
