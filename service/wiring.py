@@ -72,6 +72,7 @@ def build_turns(wiring: Wiring) -> PlannerTurns:
         wiring.gateway_channel,
         metadata=wiring.service_credentials["gateway"].metadata,
         max_answer_bytes=deps.gateway.max_message_bytes,
+        max_request_bytes=deps.gateway.max_message_bytes,
     )
     tools = ToolRunner(
         wiring.backends,
