@@ -61,7 +61,7 @@ class StreamEnd:
     error: PlannerError | None
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Batch:
     """Items queued by one publish (or one reply, delta or progress), and their bytes."""
 
@@ -362,6 +362,7 @@ class Hub:
         """Deliver events committed by this process (call after the commit), or read
         from the store at once: one batch for each stream of their session."""
         sessions: dict[str, list[SessionEvent]] = {}
+        queues = self._queues
         for event in events:
             if event.kind in (EventKind.ASSISTANT_MESSAGE, EventKind.TURN_ENDED):
                 answer = self._answers.get(event.session_id)
@@ -373,11 +374,12 @@ class Hub:
                     )
                 ):
                     del self._answers[event.session_id]
-            sessions.setdefault(event.session_id, []).append(
-                event_for_client(event, self._client_max)
-            )
+            if event.session_id in queues:
+                sessions.setdefault(event.session_id, []).append(
+                    event_for_client(event, self._client_max)
+                )
         for session_id, batch in sessions.items():
-            for queue in tuple(self._queues.get(session_id, ())):
+            for queue in tuple(queues.get(session_id, ())):
                 if queue.offer_batch(batch):
                     self._schedule_fill(session_id)
 

@@ -359,3 +359,5 @@ async def test_a_nameless_call_among_fourteen_keeps_the_answer_and_gets_an_error
     sent_calls = next(m for m in follow_up if m.get("tool_calls"))["tool_calls"]
     tool_ids = [m["tool_call_id"] for m in follow_up if m["role"] == "tool"]
     assert sorted(c["id"] for c in sent_calls) == sorted(tool_ids) and len(set(tool_ids)) == 15
+    # Under a name the API takes: an empty one would have the next request refused.
+    assert sent_calls[14]["function"]["name"] == "invalid_tool_name"
