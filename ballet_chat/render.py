@@ -242,13 +242,16 @@ _FINISHES = {
 
 
 def cut_note(message: resources_pb2.Message) -> str:
-    """`` [cut: the output limit]``, `` [refused]``, `` [cut]`` or nothing."""
+    """`` [cut: the output limit]``, `` [refused]``, `` [cut]`` or nothing; then
+    `` [shortened: N bytes in all]`` for a copy the planner sent truncated (decision
+    0222)."""
+    shortened = f" [shortened: {message.original_bytes} bytes in all]" if message.truncated else ""
     if message.finish_reason == "refusal":
-        return " [refused]"
+        return " [refused]" + shortened
     if not message.cut:
-        return ""
+        return shortened
     why = _FINISHES.get(message.finish_reason, message.finish_reason)
-    return f" [cut: {why}]" if why else " [cut]"
+    return (f" [cut: {why}]" if why else " [cut]") + shortened
 
 
 def ended_ok(ended: chat_pb2.TurnEnded) -> bool:

@@ -90,6 +90,9 @@ class DevStackConfig:
       its return value is ignored.
     - ``interceptors``: server interceptors of every call, e.g. tracing's
       (``ballet_common.tracing.Tracing.server_interceptor``); none by default.
+    - ``max_receive_message_bytes``: the largest request message the server takes; by
+      default 32 MiB, what the planner's gateway channel sends by default
+      (``dependencies.gateway.max_message_bytes``), since the gateway joins this server.
     """
 
     data_dir: Path
@@ -105,6 +108,7 @@ class DevStackConfig:
     extra_service_names: tuple[str, ...] = ()
     token_leeway_s: float = 30.0
     interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()
+    max_receive_message_bytes: int = 32 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -218,7 +222,11 @@ class DevStack:
         faults = FaultInjector()
         # No SO_REUSEPORT (gRPC's default): a second devstack on the same port must fail.
         server = grpc.aio.server(
-            options=[("grpc.so_reuseport", 0)], interceptors=config.interceptors or None
+            options=[
+                ("grpc.so_reuseport", 0),
+                ("grpc.max_receive_message_length", config.max_receive_message_bytes),
+            ],
+            interceptors=config.interceptors or None,
         )
 
         def backend(service: str, domain: str, audience: str) -> Backend:

@@ -8,7 +8,9 @@ Request conversion (`ballet.llm.v1.GenerateRequest` to a Chat Completions body):
 - `system_prompt` -> a leading `{"role": "system"}` message (when not empty);
 - user -> `{"role": "user", "content": text}`;
 - assistant -> `{"role": "assistant", "content": text or null, "tool_calls": [{"id",
-  "type": "function", "function": {"name", "arguments"}}]}` (`tool_calls` only when any);
+  "type": "function", "function": {"name", "arguments"}}]}` (`tool_calls` only when any;
+  a call whose name is not a function name the API takes, empty above all, is sent back
+  as `invalid_tool_name`: the model made it so, and its error result says why);
 - tool -> `{"role": "tool", "tool_call_id", "content"}`; the result's `is_error` has no
   Chat Completions field: the planner's error results say so in their content;
 - tools -> `{"type": "function", "function": {"name", "description", "parameters"}}`
@@ -59,6 +61,7 @@ import email.utils
 import json
 import math
 import os
+import re
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
@@ -96,6 +99,10 @@ ENV_TIMEOUT_S = "BALLET_OPENAI_TIMEOUT_S"
 
 # Local OpenAI-compatible servers ignore the key, but the SDK insists on one.
 _PLACEHOLDER_API_KEY = "unused"
+#: The names the Chat Completions API takes for a function, and what a call with any
+#: other name (a model that sent none, or a made-up one) is sent back under.
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+INVALID_TOOL_NAME = "invalid_tool_name"
 
 REASON_CONTEXT_LENGTH_EXCEEDED = "CONTEXT_LENGTH_EXCEEDED"
 REASON_MODEL_REQUIRED = "MODEL_REQUIRED"
@@ -288,6 +295,10 @@ class OpenAIProvider:
             ) from exc
 
 
+def _sendable(name: str) -> str:
+    return name if _FUNCTION_NAME.fullmatch(name) else INVALID_TOOL_NAME
+
+
 def chat_messages(request: gateway_pb2.GenerateRequest) -> list[ChatCompletionMessageParam]:
     """The Chat Completions `messages` of a request (see the module docstring).
 
@@ -310,7 +321,7 @@ def chat_messages(request: gateway_pb2.GenerateRequest) -> list[ChatCompletionMe
                     {
                         "id": call.id,
                         "type": "function",
-                        "function": {"name": call.name, "arguments": call.arguments},
+                        "function": {"name": _sendable(call.name), "arguments": call.arguments},
                     }
                     for call in message.tool_calls
                 ]

@@ -18,7 +18,10 @@ What this module decides (docs/decisions/0142-openai-stream-reading.md):
   either. A fragment that names a tool again for a call whose arguments are already
   complete JSON starts a new call (servers that number every call ``call_0``). A call is
   started (``ToolCallStartChunk``) once its name is known and numbered in that order;
-  calls without an id get one made up.
+  calls without an id get one made up. A call that never got a name is started, with an
+  empty name, after the last fragment of an answer that ended whole: the model made it,
+  so the planner answers it with an error result, and the answer's other calls run
+  (decision 0223).
 - **The end.** ``finish_reason`` as given: ``stop`` (``tool_calls`` when the answer has
   calls), ``tool_calls``/``function_call``, ``length``, ``content_filter``; a ``refusal``
   delta makes the finish ``REFUSAL`` and its text comes as text. A body that ends with
@@ -230,11 +233,18 @@ class ToolCallAssembler:
         self.calls.append(call)
         return call
 
-    def check_named(self) -> None:
-        """Raise when a call never got a name (it could not be run or answered)."""
+    def start_unnamed(self) -> list[ProviderChunk]:
+        """Start, with an empty name, every call that never got one, and send its
+        arguments: the end of an answer that ended whole."""
+        out: list[ProviderChunk] = []
         for call in self.calls:
-            if not call.name:
-                raise _malformed("a tool call without a name")
+            if call.position is None:
+                call.position = self.started
+                self.started += 1
+                out.append(ToolCallStartChunk(call.position, call.call_id, ""))
+                out.extend(ToolCallDeltaChunk(call.position, piece) for piece in call.pending)
+                call.pending.clear()
+        return out
 
 
 # --------------------------------------------------------------------------- the stream
@@ -330,8 +340,6 @@ class ChunkReader:
         if reason is FinishReason.STOP and self.calls.calls:
             # Some local servers finish tool calls with "stop".
             reason = FinishReason.TOOL_CALLS
-        if reason.whole:
-            self.calls.check_named()
         return FinishChunk(reason, self.usage, provider_reason)
 
 
@@ -353,7 +361,11 @@ async def read_stream(
         for event in decoder.end():
             for chunk in reader.event(event):
                 yield chunk
-    yield reader.finish()
+    finish = reader.finish()
+    if finish.reason.whole:
+        for chunk in reader.calls.start_unnamed():
+            yield chunk
+    yield finish
 
 
 def _text(value: object) -> str:

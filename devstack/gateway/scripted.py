@@ -28,7 +28,9 @@ REPLY (all keys optional; ``{}`` is an empty answer that finishes with STOP):
   one delta with the whole text.
 - ``tool_calls``: a list of ``{"name": str, "arguments": OBJECT}`` (sent as compact JSON)
   or ``{"name": str, "raw_arguments": str}`` (sent verbatim, possibly invalid JSON);
-  neither means ``{}``. Each call gets a fresh id ``call_<24 hex>``.
+  neither means ``{}``. Each call gets a fresh id ``call_<24 hex>``, or ``"id": str``
+  (e.g. the same id for two calls, as some providers send). An empty ``name`` plays a
+  model that sent a call without one.
 - ``usage``: ``{"input_tokens": int, "output_tokens": int}``; absent means no usage is
   reported.
 - ``delay_ms``: milliseconds slept before each delta, before a scripted error, and before
@@ -139,7 +141,7 @@ _REPLY_KEYS = frozenset(
 _FINISH_NAMES: Mapping[str, FinishReason] = {
     reason.value: reason for reason in FinishReason if reason is not FinishReason.UNSPECIFIED
 }
-_TOOL_CALL_KEYS = frozenset({"name", "arguments", "raw_arguments"})
+_TOOL_CALL_KEYS = frozenset({"name", "arguments", "raw_arguments", "id"})
 _USAGE_KEYS = frozenset({"input_tokens", "output_tokens"})
 _ERROR_KEYS = frozenset({"code", "message", "reason", "retry_after_ms"})
 _PURPOSES: Mapping[str, int] = {
@@ -179,6 +181,7 @@ class ScriptedToolCall:
     name: str
     arguments: dict[str, JsonValue] | None = None
     raw_arguments: str | None = None
+    id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -560,20 +563,19 @@ class _Parser:
         if "name" not in data:
             raise self.fail(where, "missing key 'name'")
         name = self.string(f"{where}.name", data["name"])
-        if not name:
-            raise self.fail(f"{where}.name", "must not be empty")
+        call_id = self.string(f"{where}.id", data["id"]) if "id" in data else None
         if "arguments" in data and "raw_arguments" in data:
             raise self.fail(where, "give 'arguments' or 'raw_arguments', not both")
         if "raw_arguments" in data:
             raw_arguments = self.string(f"{where}.raw_arguments", data["raw_arguments"])
             self.placeholders(f"{where}.raw_arguments", raw_arguments, match)
-            return ScriptedToolCall(name=name, raw_arguments=raw_arguments)
+            return ScriptedToolCall(name=name, raw_arguments=raw_arguments, id=call_id)
         arguments = data.get("arguments", {})
         if not isinstance(arguments, dict):
             raise self.fail(f"{where}.arguments", "expected a JSON object")
         for text in _strings_in(arguments):
             self.placeholders(f"{where}.arguments", text, match)
-        return ScriptedToolCall(name=name, arguments=arguments)
+        return ScriptedToolCall(name=name, arguments=arguments, id=call_id)
 
     def error(self, where: str, raw: object) -> ScriptedError:
         data = self.obj(where, raw)
@@ -904,7 +906,8 @@ def _render_call(call: ScriptedToolCall, substitute: _Substitution) -> ToolCallC
     else:
         rendered = substitute.walk(call.arguments or {})
         arguments = json.dumps(rendered, separators=(",", ":"), ensure_ascii=False)
-    return ToolCallChunk(id=new_tool_call_id(), name=call.name, arguments=arguments)
+    call_id = call.id if call.id is not None else new_tool_call_id()
+    return ToolCallChunk(id=call_id, name=call.name, arguments=arguments)
 
 
 def demo_scenario_path() -> Path:

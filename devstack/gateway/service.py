@@ -316,8 +316,8 @@ class _Answer:
     def _start(self, index: int, call_id: str, name: str) -> gateway_pb2.GenerateResponse:
         if index != len(self.calls):
             raise _out_of_order(f"tool call {index} started after {len(self.calls)} calls")
-        if not name:
-            raise _out_of_order(f"tool call {index} has no name")
+        # A call without a name is relayed as the model made it: the planner answers it
+        # with an error result, and the answer's other calls still run.
         call = _Call(call_id or new_tool_call_id(), name)
         self.calls.append(call)
         start = gateway_pb2.ToolCallStart(index=index, id=call.id, name=call.name)

@@ -21,12 +21,22 @@ three model deadlines, the bounded retries, and the translation of upstream
   wait is exponential backoff with full jitter, never below a floor, and at least the
   ``google.rpc.RetryInfo`` delay. A delay beyond ``RetryPolicy.retry_after_max_s``, or
   beyond the total deadline, is not waited for: the failure is raised at once.
-- **Reasons**: a message over the channel's receive limit is ``MODEL_OUTPUT_TOO_LARGE``
+- **Requests that fit** (decision 0224): a request over ``max_request_bytes`` (the
+  channel's message limit) is cut to fit before it is sent (``request_fit``). A gateway
+  that refuses a request for its size names its own limit; the request is cut to that
+  limit and sent once more, and every later request too (with one WARNING saying which
+  setting to lower).
+- **Reasons**: a request the gateway refuses for its size is ``MODEL_REQUEST_TOO_LARGE``;
+  a message from the gateway over this side's receive limit is ``MODEL_OUTPUT_TOO_LARGE``
   (as is an answer larger than ``max_answer_bytes``); ``RESOURCE_EXHAUSTED`` otherwise is
   ``QUOTA_EXCEEDED``; a refused credential is ``CREDENTIAL_EXPIRED``; what stays
   unavailable is ``MODEL_UNAVAILABLE`` (or ``RATE_LIMITED``); the rest is
   ``MODEL_ERROR``. Every message is scrubbed of credentials and cut short
   (``ballet_common.redact``) before it is raised, whatever the gateway did.
+- **Malformed calls** (decision 0223): calls are numbered in the order they start,
+  whatever the gateway's indices; the n-th complete call completes the n-th start; a
+  call started but never sent whole in an answer that ended whole is yielded with a
+  ``problem``, so the model gets an error result for it. Empty names and ids pass on.
 
 Model output is stored as received, except that NUL characters (which PostgreSQL text
 cannot hold) become U+FFFD.
@@ -35,10 +45,10 @@ cannot hold) become U+FFFD.
 from __future__ import annotations
 
 import asyncio
-import functools
+import logging
 import random
+import re
 import time
-import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
@@ -47,6 +57,8 @@ from ballet.llm.v1 import gateway_pb2
 
 from ballet_common.grpc.status import parse
 from ballet_common.redact import scrub
+from service.adapters import request_fit
+from service.adapters.gateway_wire import MessageEncodings, to_wire
 from service.core.errors import ModelFailure
 from service.core.model import Usage
 from service.core.ports import (
@@ -56,27 +68,22 @@ from service.core.ports import (
     ModelDeadlines,
     ModelMessage,
     ModelRequest,
-    Purpose,
-    Role,
     TextChunk,
     ToolCall,
     ToolCallChunk,
     ToolCallStartChunk,
-    ToolDeclaration,
 )
 
 #: How many characters of gateway text a ``ModelFailure`` message quotes.
 MESSAGE_MAX_CHARS = 300
 
-_ROLES = {
-    Role.USER: gateway_pb2.ROLE_USER,
-    Role.ASSISTANT: gateway_pb2.ROLE_ASSISTANT,
-    Role.TOOL: gateway_pb2.ROLE_TOOL,
-}
-_PURPOSES = {
-    Purpose.TURN: gateway_pb2.PURPOSE_TURN,
-    Purpose.COMPACTION: gateway_pb2.PURPOSE_COMPACTION,
-}
+log = logging.getLogger(__name__)
+
+#: gRPC's own refusal of a message over a receive limit: "(<message bytes> vs. <limit>)";
+#: its details start with "SERVER:" when the gateway refused the request, "CLIENT:" (or
+#: nothing, with older gRPC) when this side refused what the gateway sent.
+_TOO_LARGE = re.compile(r"(SERVER: )?Received message larger than max \((\d+) vs\. (\d+)\)")
+
 _FINISH = {
     gateway_pb2.FINISH_REASON_STOP: FinishReason.STOP,
     gateway_pb2.FINISH_REASON_TOOL_CALLS: FinishReason.TOOL_CALLS,
@@ -105,12 +112,20 @@ class RetryPolicy:
 
 @dataclass
 class _Attempt:
-    """What one attempt did so far: whether it yielded to the core, and its calls."""
+    """What one attempt did so far: whether it yielded to the core, and its calls.
+
+    ``positions`` maps the gateway's start index of each call to the call's position in
+    the answer (0, 1, ... in the order calls started, whatever the gateway's numbering);
+    ``started`` holds the provider id and name of each position; ``calls`` the complete
+    calls, the n-th completing position n (decision 0223)."""
 
     yielded: bool = False
     progressed: bool = False
     answer_bytes: int = 0
-    started: set[int] = field(default_factory=set)
+    #: The receive limit the gateway named when it refused the request for its size.
+    gateway_limit: int | None = None
+    positions: dict[int, int] = field(default_factory=dict)
+    started: list[tuple[str, str]] = field(default_factory=list)
     calls: list[ToolCall] = field(default_factory=list)
 
 
@@ -120,8 +135,9 @@ class GrpcModelGateway:
     ``metadata`` supplies per-call metadata (the planner's service credential).
     ``max_answer_bytes`` caps one answer's text and tool-call arguments (UTF-8 bytes; None:
     no cap), e.g. the gateway channel's message limit, which the answer must fit again
-    when it is sent back in the next request. ``sleep`` and ``jitter`` are injectable so
-    tests need no wall-clock waits.
+    when it is sent back in the next request. ``max_request_bytes`` is the largest
+    request sent (bytes; None: no limit but the one a gateway names when it refuses one).
+    ``sleep`` and ``jitter`` are injectable so tests need no wall-clock waits.
     """
 
     def __init__(
@@ -133,6 +149,7 @@ class GrpcModelGateway:
         jitter: Callable[[], float] = random.random,
         retry: RetryPolicy | None = None,
         max_answer_bytes: int | None = None,
+        max_request_bytes: int | None = None,
     ) -> None:
         # The request is serialized here (``to_wire``: the tool declarations once, not on
         # every call), so the call takes bytes.
@@ -146,14 +163,16 @@ class GrpcModelGateway:
         self._jitter = jitter
         self._retry = retry or RetryPolicy()
         self._max_answer_bytes = max_answer_bytes
+        self._max_request_bytes = max_request_bytes
         self._encodings = MessageEncodings()
 
     async def stream(self, request: ModelRequest) -> AsyncIterator[ModelChunk]:
         """Stream one answer; raises ``ModelFailure`` (see the module docstring)."""
-        wire = to_wire(request, self._encodings)
+        wire = self._wire(request)
         deadline = time.monotonic() + request.deadlines.total_s
         policy = self._retry
         attempt = 0
+        refitted = False
         while True:
             attempt += 1
             state = _Attempt()
@@ -162,6 +181,15 @@ class GrpcModelGateway:
                     yield chunk
                 return
             except ModelFailure as failure:
+                limit = state.gateway_limit
+                if limit is not None and not refitted and limit < len(wire):
+                    # Not a retry of the model: the same request, cut to what the gateway
+                    # said it takes, from now on.
+                    self._learn_limit(limit, len(wire))
+                    wire = self._wire(request)
+                    refitted = True
+                    attempt -= 1
+                    continue
                 if state.yielded or not failure.retryable:
                     raise
                 if attempt >= policy.max_attempts:
@@ -182,6 +210,47 @@ class GrpcModelGateway:
                         f"{request.deadlines.total_s:g} s deadline of the model call",
                     ) from failure
                 await self._await(self._sleep(wait))
+
+    def _wire(self, request: ModelRequest) -> bytes:
+        """The request's bytes, cut to fit the request limit when over it."""
+        wire = to_wire(request, self._encodings)
+        limit = self._max_request_bytes
+        if limit is None or len(wire) <= limit:
+            return wire
+
+        def size(messages: list[ModelMessage]) -> int:
+            return len(to_wire(replace(request, messages=messages), self._encodings))
+
+        fitted = request_fit.fit(request.messages, limit, size)
+        if fitted is None:
+            raise ModelFailure(
+                "MODEL_REQUEST_TOO_LARGE",
+                f"the model request is {len(wire)} bytes and cannot be cut to the gateway's "
+                f"limit of {limit} (dependencies.gateway.max_message_bytes): the system "
+                "prompt and the tool declarations alone are too large",
+            )
+        messages, cut = fitted
+        log.warning(
+            "a model request of %d bytes was cut to fit the gateway's limit of %d bytes: "
+            "%d of its %d messages cut",
+            len(wire),
+            limit,
+            cut,
+            len(messages),
+        )
+        return to_wire(replace(request, messages=messages), self._encodings)
+
+    def _learn_limit(self, limit: int, sent: int) -> None:
+        if self._max_request_bytes is None or limit < self._max_request_bytes:
+            log.warning(
+                "the gateway refused a model request of %d bytes: it takes at most %d; "
+                "requests are cut to fit that from now on (set "
+                "dependencies.gateway.max_message_bytes to %d)",
+                sent,
+                limit,
+                limit,
+            )
+            self._max_request_bytes = limit
 
     def _backoff(self, attempt: int) -> float:
         policy = self._retry
@@ -221,7 +290,12 @@ class GrpcModelGateway:
                 if response.WhichOneof("chunk") == "finish":
                     return
         except grpc.aio.AioRpcError as error:
-            raise translate_error(error, deadlines, mid_answer=state.yielded) from error
+            failure = translate_error(
+                error, deadlines, mid_answer=state.yielded, request_bytes=len(wire)
+            )
+            if failure.reason == "MODEL_REQUEST_TOO_LARGE":
+                state.gateway_limit = refused_limit(error)
+            raise failure from error
         finally:
             call.cancel()
 
@@ -267,25 +341,27 @@ class GrpcModelGateway:
             return [TextChunk(_storable(text))] if text else []
         if kind == "tool_call_start":
             start = response.tool_call_start
-            if start.index in state.started:
-                return []
-            state.started.add(start.index)
-            return [ToolCallStartChunk(start.index, _storable(start.name))]
+            if start.index in state.positions:
+                return []  # the same call started again
+            position = len(state.started)
+            state.positions[start.index] = position
+            state.started.append((_storable(start.id), _storable(start.name)))
+            return [ToolCallStartChunk(position, _storable(start.name))]
         if kind == "tool_call_delta":
             self._count(state, response.tool_call_delta.arguments)
             return []
         if kind == "tool_call":
             # Held until the finish says the answer ended whole.
             tc = response.tool_call
-            index = len(state.calls)
+            position = len(state.calls)
             state.calls.append(
                 ToolCall(_storable(tc.id), _storable(tc.name), _storable(tc.arguments))
             )
-            if index in state.started:
+            if position < len(state.started):
                 return []
             # An older gateway sends no starts: the complete call is its start.
-            state.started.add(index)
-            return [ToolCallStartChunk(index, _storable(tc.name))]
+            state.started.append((_storable(tc.id), _storable(tc.name)))
+            return [ToolCallStartChunk(position, _storable(tc.name))]
         if kind == "finish":
             return _finish(response.finish, state)
         # Reasoning activity, or a kind a newer gateway added: progress only.
@@ -319,8 +395,20 @@ def _finish(finish: gateway_pb2.Finish, state: _Attempt) -> list[ModelChunk]:
     chunks: list[ModelChunk] = []
     if reason in _WHOLE:
         chunks = [ToolCallChunk(call, index) for index, call in enumerate(state.calls)]
+        # A call the gateway started but never sent whole, in an answer that ended whole:
+        # the model made it, so it gets an error result rather than vanishing.
+        for position in range(len(state.calls), len(state.started)):
+            call_id, name = state.started[position]
+            chunks.append(
+                ToolCallChunk(ToolCall(call_id, name, ""), position, problem=_NEVER_SENT_WHOLE)
+            )
     chunks.append(FinishChunk(reason, usage))
     return chunks
+
+
+_NEVER_SENT_WHOLE = (
+    "the gateway sent the start of this tool call but never the call with its arguments"
+)
 
 
 def _out_of_time(deadlines: ModelDeadlines) -> ModelFailure:
@@ -353,101 +441,20 @@ def _as_bytes(wire: bytes) -> bytes:
     return wire
 
 
-def to_wire(request: ModelRequest, encoded: MessageEncodings | None = None) -> bytes:
-    """``to_proto(request)`` serialized, with the tool declarations serialized once per
-    set of declarations (they are the same on every call of a replica; concatenated
-    protobuf messages merge, and a repeated field's entries append), and, with
-    ``encoded``, each message encoded once for as long as its object is reused."""
-    if encoded is None:
-        head = to_proto(request, with_tools=False).SerializeToString()
-        messages = b""
-    else:
-        head = to_proto(replace(request, messages=()), with_tools=False).SerializeToString()
-        messages = b"".join([encoded.field(message) for message in request.messages])
-    return head + messages + _tools_wire(tuple(request.tools))
-
-
-class MessageEncodings:
-    """Each ``ModelMessage``'s encoding as one entry of ``GenerateRequest.messages``,
-    kept by object identity for as long as the object lives (the core keeps a session's
-    earlier turns as the same objects: ``service.core.conversation``; a weak reference
-    drops the encoding with its message, so this holds no more than the core does).
-    Used from one event loop."""
-
-    def __init__(self) -> None:
-        self._kept: dict[int, tuple[weakref.ref[ModelMessage], bytes]] = {}
-
-    def __len__(self) -> int:
-        return len(self._kept)
-
-    def field(self, message: ModelMessage) -> bytes:
-        """The bytes of ``messages: [message]`` in a ``GenerateRequest``."""
-        key = id(message)
-        kept = self._kept.get(key)
-        if kept is not None and kept[0]() is message:
-            return kept[1]
-        holder = gateway_pb2.GenerateRequest()
-        _add_message(holder, message)
-        encoded = holder.SerializeToString()
-        # The callback runs when the message is freed, before its id can be reused.
-        self._kept[key] = (weakref.ref(message, lambda _: self._kept.pop(key, None)), encoded)
-        return encoded
-
-
-@functools.lru_cache(maxsize=8)
-def _tools_wire(tools: tuple[ToolDeclaration, ...]) -> bytes:
-    return gateway_pb2.GenerateRequest(tools=[_tool(tool) for tool in tools]).SerializeToString()
-
-
-def _tool(tool: ToolDeclaration) -> gateway_pb2.ToolDeclaration:
-    return gateway_pb2.ToolDeclaration(
-        name=tool.name,
-        description=tool.description,
-        parameters_json_schema=tool.parameters_json_schema,
-    )
-
-
-def to_proto(request: ModelRequest, *, with_tools: bool = True) -> gateway_pb2.GenerateRequest:
-    """Convert a ``ModelRequest`` to ``ballet.llm.v1.GenerateRequest``."""
-    proto = gateway_pb2.GenerateRequest(
-        project_id=request.project_id,
-        credential_ref=request.credential_ref,
-        model=request.model,
-        purpose=_PURPOSES[request.purpose],
-        system_prompt=request.system_prompt,
-        request_id=request.request_id,
-    )
-    for message in request.messages:
-        _add_message(proto, message)
-    if with_tools:
-        proto.tools.extend(_tool(tool) for tool in request.tools)
-    return proto
-
-
-def _add_message(proto: gateway_pb2.GenerateRequest, message: ModelMessage) -> None:
-    item = proto.messages.add(role=_ROLES[message.role])
-    if message.role is Role.TOOL:
-        item.tool_result.tool_call_id = message.tool_call_id
-        item.tool_result.name = message.tool_name
-        item.tool_result.content = message.text
-        item.tool_result.is_error = message.is_error
-    else:
-        item.text = message.text
-        for call in message.tool_calls:
-            item.tool_calls.add(id=call.call_id, name=call.name, arguments=call.arguments)
-
-
 def translate_error(
     error: grpc.aio.AioRpcError,
     deadlines: ModelDeadlines | None = None,
     *,
     mid_answer: bool = False,
+    request_bytes: int | None = None,
 ) -> ModelFailure:
     """The one place an upstream gateway error becomes a ``ModelFailure``.
 
     ``deadlines`` names the total deadline in a ``DEADLINE_EXCEEDED`` message;
     ``mid_answer`` says output was already yielded (the message says the stream broke off,
-    not that the model was never reached). The message is scrubbed (``ballet_common``).
+    not that the model was never reached); ``request_bytes`` is the size of the request
+    sent, which tells gRPC's refusal of the request from its refusal of an answer. The
+    message is scrubbed (``ballet_common``).
     """
     code = error.code()
     failure = parse(error)
@@ -467,6 +474,17 @@ def translate_error(
                 f"the model's rate limit was reached: {details}",
                 retryable=True,
                 retry_after_s=retry_after,
+            )
+        refused = _TOO_LARGE.search(error.details() or "") if not reason else None
+        if refused is not None and (
+            refused.group(1) is not None or int(refused.group(2)) == request_bytes
+        ):
+            # gRPC's own refusal, on the gateway's side, of the planner's request.
+            return ModelFailure(
+                "MODEL_REQUEST_TOO_LARGE",
+                f"the gateway refused the planner's request of {refused.group(2)} bytes: it "
+                f"takes at most {refused.group(3)} (dependencies.gateway.max_message_bytes "
+                "must not exceed the gateway's receive limit)",
             )
         if not reason and "larger than max" in details:
             # gRPC's own refusal of a message over the channel's receive limit: the
@@ -489,3 +507,10 @@ def translate_error(
             "CREDENTIAL_EXPIRED", f"the provider refused the project's credential: {details}"
         )
     return ModelFailure("MODEL_ERROR", f"{code.name}: {details}")
+
+
+def refused_limit(error: grpc.aio.AioRpcError) -> int | None:
+    """The receive limit in bytes a gateway named when it refused a request for its
+    size (gRPC's "Received message larger than max (N vs. LIMIT)"), or None."""
+    refused = _TOO_LARGE.search(error.details() or "")
+    return int(refused.group(3)) if refused is not None else None

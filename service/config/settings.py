@@ -119,6 +119,13 @@ class PlannerSettings:
     tool_result_max_bytes: int = _key(
         16 * KiB, ge=1 * KiB, doc="Largest tool result given to the model; longer ones are cut."
     )
+    tool_arguments_max_bytes: int = _key(
+        2 * MiB,
+        ge=16 * KiB,
+        doc="Largest tool-call arguments run and stored whole, in UTF-8 bytes; a call with "
+        "more is not run (an error result) and its arguments are stored cut to "
+        "tool_result_max_bytes.",
+    )
     lease_s: float = _key(15.0, gt=0, doc="Lease of a running turn, renewed by its replica.")
     sweep_interval_s: float = _key(
         5.0, gt=0, doc="How often each replica looks for turns whose lease expired."
@@ -192,6 +199,12 @@ class LimitsSettings:
     )
     page_max_bytes: int = _key(
         1 * MiB, ge=64 * KiB, doc="Largest ListMessages page, in bytes (at least one message)."
+    )
+    client_message_max_bytes: int = _key(
+        3 * MiB,
+        ge=64 * KiB,
+        doc="Largest transcript message sent to a client whole (one Chat event, one "
+        "ListMessages or SendMessage entry), in bytes; a larger one is sent truncated.",
     )
     open_timeout_s: float = _key(
         30.0, gt=0, doc="A Chat stream that sends no open within this is closed."

@@ -5,11 +5,17 @@ cross-replica notifier calls ``on_remote_events`` when another replica committed
 and the hub reads them from the store once for all of the session's streams here. An
 idle stream is a queue in a dict: no database connection, timer or poll of its own.
 
-Each stream has a bounded ``StreamQueue`` (default 1,000 events or 1 MiB). Text deltas
-that back up are merged into the queued delta; session events that overflow end the
-stream with ``RESOURCE_EXHAUSTED``/``SLOW_CONSUMER``, and the client reopens with
+Each stream has a bounded ``StreamQueue``: at most 1,000 items queued, and at most
+1 MiB queued beyond the batch it is delivering (decision 0220). A batch is what one
+publish brings: the events of one commit (a round's answer, calls and results may be
+several MiB), or what one read of the store returned. A client is behind by the batches
+it has not begun to take, not by the size of the one it is taking, so a large event
+never ends a stream that keeps up. Text deltas that back up are merged into the queued
+delta; session events that overflow end the stream with
+``RESOURCE_EXHAUSTED``/``SLOW_CONSUMER``, and the client reopens with
 ``after_sequence``. Publishing never waits for a consumer, so a slow stream never slows
-the turn or other streams.
+the turn or other streams. Every event, delta and catch-up text is cut to what a client
+is sent (``service.core.outbound``, decision 0222) once, before it is queued.
 
 Events reach each queue in sequence order without gaps or duplicates: an event that
 arrives early (two commits of one session published out of order) waits in the
@@ -21,11 +27,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from service.core.errors import NotFound, PlannerError, ResourceExhausted
 from service.core.model import EventKind, SessionEvent, TextDelta, ToolCallProgress
+from service.core.outbound import CLIENT_MESSAGE_MAX_BYTES, delta_for_client, event_for_client
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +45,8 @@ _REPLAY_BATCH = 500
 
 
 def event_size(item: SessionEvent | TextDelta | object) -> int:
-    """Approximate bytes an item holds in a queue (for the 1 MiB bound)."""
+    """Approximate bytes an item holds in a queue (for the 1 MiB bound); a message's size
+    is computed once per message, however many queues hold it."""
     if isinstance(item, SessionEvent):
         return _EVENT_OVERHEAD_BYTES + (item.message.size_bytes() if item.message else 0)
     if isinstance(item, TextDelta):
@@ -53,6 +61,14 @@ class StreamEnd:
     error: PlannerError | None
 
 
+@dataclass(eq=False, slots=True)
+class _Batch:
+    """Items queued by one publish (or one reply, delta or progress), and their bytes."""
+
+    items: int = 0
+    bytes: int = 0
+
+
 @dataclass(eq=False)
 class StreamQueue:
     """The bounded outbound queue of one Chat stream attached to one session.
@@ -61,6 +77,13 @@ class StreamQueue:
     replies (any other object, passed through). ``last_sequence`` is the newest session
     event accepted into the queue; ``delivered_sequence`` the newest one taken out by
     ``get`` (the stream has it, or is sending it), which an overflow reports.
+
+    Bounds (decision 0220): at most ``max_events`` items queued, and at most
+    ``max_bytes`` bytes queued beyond the oldest batch, the one the stream is delivering.
+    Items join the queue in batches: ``offer_batch`` queues one commit's events as one,
+    each reply, delta and progress item is one of its own. A batch that arrives at an
+    empty queue is taken whatever its size; one that arrives behind others counts, and
+    a session event that does not fit ends the stream ``SLOW_CONSUMER``.
     """
 
     session_id: str
@@ -68,7 +91,8 @@ class StreamQueue:
     last_sequence: int
     max_events: int = 1000
     max_bytes: int = 1 << 20
-    _items: deque[object] = field(default_factory=deque)
+    _items: deque[tuple[object, int, _Batch]] = field(default_factory=deque)
+    _batches: deque[_Batch] = field(default_factory=deque)
     _bytes: int = 0
     _pending: dict[int, SessionEvent] = field(default_factory=dict)
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
@@ -80,21 +104,33 @@ class StreamQueue:
         if self.delivered_sequence < 0:
             self.delivered_sequence = self.last_sequence
 
+    @property
+    def behind_bytes(self) -> int:
+        """Bytes queued beyond the batch the stream is delivering (the oldest queued)."""
+        return self._bytes - self._batches[0].bytes if self._batches else 0
+
     def put_reply(self, reply: object) -> None:
         """Queue a reply for this stream only (not counted against the bounds)."""
         if not self.closed:
-            self._items.append(reply)
-            self._ready.set()
+            self._append(reply, 0, self._new_batch())
 
     def offer(self, event: SessionEvent) -> bool:
-        """Accept a session event; returns True when a gap is left to fill from the store."""
-        if self.closed or event.sequence <= self.last_sequence:
+        """Accept one session event as a batch of its own; see ``offer_batch``."""
+        return self.offer_batch((event,))
+
+    def offer_batch(self, events: Sequence[SessionEvent]) -> bool:
+        """Accept session events published together (one commit, or one read of the
+        store) as one batch; returns True when a gap is left to fill from the store."""
+        if self.closed:
             return False
-        self._pending[event.sequence] = event
+        for event in events:
+            if event.sequence > self.last_sequence:
+                self._pending[event.sequence] = event
+        batch: _Batch | None = None
         while self.last_sequence + 1 in self._pending:
             ready = self._pending.pop(self.last_sequence + 1)
             self.last_sequence = ready.sequence
-            self._push(ready)
+            batch = self._push(ready, batch)
             if self.closed:
                 return False
         return bool(self._pending)
@@ -102,23 +138,29 @@ class StreamQueue:
     def offer_transient(self, item: object) -> None:
         """Accept an item that is neither stored nor replayed (tool-call progress); it is
         dropped when the queue is at its bounds, never ending the stream."""
-        if self.closed or len(self._items) >= self.max_events:
-            return
-        self._items.append(item)
-        self._bytes += event_size(item)
-        self._ready.set()
-
-    def offer_delta(self, delta: TextDelta) -> None:
-        """Accept a text delta, merging it into a queued delta of the same answer."""
         if self.closed:
             return
+        size = event_size(item)
+        if self._fits(size):
+            self._append(item, size, self._new_batch())
+
+    def offer_delta(self, delta: TextDelta) -> None:
+        """Accept a text delta, merging it into a queued delta of the same answer while
+        the merged one stays within ``max_bytes``."""
+        if self.closed:
+            return
+        added = len(delta.text.encode())
         if self._items:
-            tail = self._items[-1]
+            tail, size, batch = self._items[-1]
             if (
                 isinstance(tail, TextDelta)
                 and tail.message_id == delta.message_id
                 and tail.offset + len(tail.text) == delta.offset
             ):
+                if size + added > self.max_bytes:
+                    # Deltas are not stored: a backed-up stream may lose some, and the
+                    # assistant_message event still carries the whole text.
+                    return
                 merged = TextDelta(
                     tail.session_id,
                     tail.turn_id,
@@ -126,33 +168,50 @@ class StreamQueue:
                     tail.offset,
                     tail.text + delta.text,
                 )
-                self._items[-1] = merged
-                self._bytes += len(delta.text.encode())
+                self._items[-1] = (merged, size + added, batch)
+                batch.bytes += added
+                self._bytes += added
                 return
-        if len(self._items) >= self.max_events or self._bytes >= self.max_bytes:
-            # Deltas are not stored: a backed-up stream may lose some, and the
-            # assistant_message event still carries the whole text.
-            return
-        self._items.append(delta)
-        self._bytes += event_size(delta)
-        self._ready.set()
+        size = _EVENT_OVERHEAD_BYTES + added
+        if self._fits(size):
+            self._append(delta, size, self._new_batch())
 
     def end(self, error: PlannerError | None) -> None:
         """End the stream after what is queued (or at once for an overflow)."""
         if self.closed:
             return
         self.closed = True
-        self._items.append(StreamEnd(error))
-        self._ready.set()
+        self._append(StreamEnd(error), 0, self._new_batch())
         self._taken.set()  # a replay waiting for room stops
 
-    def _push(self, event: SessionEvent) -> None:
+    def _fits(self, size: int) -> bool:
+        """Whether an item of ``size`` bytes fits as a batch of its own."""
+        if len(self._items) >= self.max_events:
+            return False
+        return not self._items or self.behind_bytes + size <= self.max_bytes
+
+    def _new_batch(self) -> _Batch:
+        batch = _Batch()
+        self._batches.append(batch)
+        return batch
+
+    def _append(self, item: object, size: int, batch: _Batch) -> None:
+        self._items.append((item, size, batch))
+        batch.items += 1
+        batch.bytes += size
+        self._bytes += size
+        self._ready.set()
+
+    def _push(self, event: SessionEvent, batch: _Batch | None) -> _Batch | None:
         size = event_size(event)
-        # An event larger than the byte bound still goes to a stream that has nothing
-        # queued: refusing it would end every stream of the session, replays included.
-        over_bytes = self._bytes > 0 and self._bytes + size > self.max_bytes
-        if len(self._items) >= self.max_events or over_bytes:
+        if batch is None:
+            batch = self._new_batch()
+        delivering = self._batches[0] is batch
+        if len(self._items) >= self.max_events or (
+            not delivering and self.behind_bytes + size > self.max_bytes
+        ):
             self._items.clear()
+            self._batches.clear()
             self._bytes = 0
             self.end(
                 ResourceExhausted(
@@ -162,28 +221,31 @@ class StreamQueue:
                     metadata={"last_sequence": str(self.delivered_sequence)},
                 )
             )
-            return
-        self._items.append(event)
-        self._bytes += size
-        self._ready.set()
+            return None
+        self._append(event, size, batch)
+        return batch
 
     async def get(self) -> object:
         """Wait for and return the next item."""
         while not self._items:
             self._ready.clear()
             await self._ready.wait()
-        item = self._items.popleft()
-        self._bytes = max(0, self._bytes - event_size(item))
+        item, size, batch = self._items.popleft()
+        batch.items -= 1
+        batch.bytes -= size
+        self._bytes -= size
+        if batch.items == 0:
+            # Items leave in the order they came, so the emptied batch is the oldest.
+            self._batches.popleft()
         if isinstance(item, SessionEvent):
             self.delivered_sequence = item.sequence
         self._taken.set()
         return item
 
     def has_room(self, event: SessionEvent) -> bool:
-        """Whether ``event`` fits the bounds now (the overflow test of ``_push``)."""
-        size = event_size(event)
-        over_bytes = self._bytes > 0 and self._bytes + size > self.max_bytes
-        return len(self._items) < self.max_events and not over_bytes
+        """Whether ``event`` fits the bounds now as a batch of its own (the overflow
+        test of ``offer``)."""
+        return self._fits(event_size(event))
 
     async def wait_for_room(self, event: SessionEvent) -> None:
         """Wait until ``event`` fits, or the queue is closed: a replay waits for its own
@@ -202,11 +264,17 @@ class Hub:
     """Routes a process's session events and text deltas to the attached streams."""
 
     def __init__(
-        self, read_events: EventReader, *, max_events: int = 1000, max_bytes: int = 1 << 20
+        self,
+        read_events: EventReader,
+        *,
+        max_events: int = 1000,
+        max_bytes: int = 1 << 20,
+        client_message_max_bytes: int = CLIENT_MESSAGE_MAX_BYTES,
     ) -> None:
         self._read = read_events
         self._max_events = max_events
         self._max_bytes = max_bytes
+        self._client_max = client_message_max_bytes
         self._queues: dict[str, set[StreamQueue]] = {}
         self._streams: set[StreamQueue] = set()
         # The answer streaming in each session: its first delta and the pieces so far
@@ -273,16 +341,16 @@ class Hub:
             for event in batch:
                 # A replay is as large as the client asked (up to max_replay_events), not
                 # a sign of a slow stream: it waits for room instead of overflowing.
-                await queue.wait_for_room(event)
-                queue.offer(event)
+                sent = event_for_client(event, self._client_max)
+                await queue.wait_for_room(sent)
+                queue.offer(sent)
             if len(batch) < limit:
                 break
         answer = self._answers.get(queue.session_id)
         if answer is not None:
             first, parts = answer
-            queue.offer_delta(
-                TextDelta(first.session_id, first.turn_id, first.message_id, 0, "".join(parts))
-            )
+            so_far = TextDelta(first.session_id, first.turn_id, first.message_id, 0, "".join(parts))
+            queue.offer_delta(delta_for_client(so_far, self._client_max))
 
     def stream_count(self, human_id: str | None = None) -> int:
         """Open streams in this process, of one human when given."""
@@ -291,7 +359,10 @@ class Hub:
     # --------------------------------------------------------------- publishing
 
     def publish(self, events: list[SessionEvent]) -> None:
-        """Deliver events committed by this process (call after the commit)."""
+        """Deliver events committed by this process (call after the commit), or read
+        from the store at once: one batch for each stream of their session."""
+        sessions: dict[str, list[SessionEvent]] = {}
+        queues = self._queues
         for event in events:
             if event.kind in (EventKind.ASSISTANT_MESSAGE, EventKind.TURN_ENDED):
                 answer = self._answers.get(event.session_id)
@@ -303,9 +374,14 @@ class Hub:
                     )
                 ):
                     del self._answers[event.session_id]
-            for queue in tuple(self._queues.get(event.session_id, ())):
-                if queue.offer(event):
-                    self._schedule_fill(event.session_id)
+            if event.session_id in queues:
+                sessions.setdefault(event.session_id, []).append(
+                    event_for_client(event, self._client_max)
+                )
+        for session_id, batch in sessions.items():
+            for queue in tuple(queues.get(session_id, ())):
+                if queue.offer_batch(batch):
+                    self._schedule_fill(session_id)
 
     def publish_delta(self, delta: TextDelta) -> None:
         """Deliver a text delta to this process's streams of the session."""
@@ -314,8 +390,11 @@ class Hub:
             current[1].append(delta.text)
         else:
             self._answers[delta.session_id] = (delta, [delta.text])
-        for queue in tuple(self._queues.get(delta.session_id, ())):
-            queue.offer_delta(delta)
+        queues = self._queues.get(delta.session_id)
+        if queues:
+            sent = delta_for_client(delta, self._client_max)
+            for queue in tuple(queues):
+                queue.offer_delta(sent)
 
     def publish_progress(self, progress: ToolCallProgress) -> None:
         """Deliver a tool call's progress to this process's streams of the session; a
@@ -393,8 +472,8 @@ class Hub:
             batch = await self._read(session_id, start, 500)
             if not batch:
                 return
-            for event in batch:
-                self.publish([event])
+            # One batch, as the commits it holds were: a stream is not behind by them.
+            self.publish(batch)
             start = batch[-1].sequence
             if len(batch) < 500:
                 return

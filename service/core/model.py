@@ -143,9 +143,15 @@ class Message:
     carry ``tool_call_id``, ``tool_name``, ``tool_result`` (JSON text) and
     ``tool_error``. Assistant answers carry ``cut`` (a partial answer) and
     ``finish_reason`` (``length``, ``content_filter``, ``refusal`` or ``truncated`` when
-    the answer did not end normally; empty otherwise). ``human_id`` is the human the message
-    came from or the planner acted for. Compaction markers carry ``up_to`` and
-    ``estimated_tokens``.
+    the answer did not end normally; empty otherwise). A tool call's ``cut`` says its
+    arguments were over the bound a call may have: they are stored cut (valid JSON,
+    ``service.core.tools.cut.cut_text``) and the call was not run (decision 0221).
+    ``human_id`` is the human the message came from or the planner acted for. Compaction
+    markers carry ``up_to`` and ``estimated_tokens``.
+
+    ``truncated`` and ``original_bytes`` are never stored: they mark a copy made for a
+    client, whose longest field was cut to fit what a client is sent
+    (``service.core.outbound``; ``original_bytes`` is that field's full UTF-8 size).
     """
 
     session_id: str
@@ -167,15 +173,24 @@ class Message:
     usage: Usage | None = None
     up_to: int = 0
     estimated_tokens: int = 0
+    truncated: bool = False
+    original_bytes: int = 0
 
     def size_bytes(self) -> int:
-        """The UTF-8 size of what the model sees of this message, for the estimate."""
-        return (
-            len(self.text.encode())
-            + len(self.tool_name.encode())
-            + len(self.tool_arguments.encode())
-            + len(self.tool_result.encode())
-        )
+        """The UTF-8 size of what the model sees of this message, for the estimate and
+        the bounds of what is queued and sent; computed once per message object (a
+        numbered copy keeps it: its fields are the same)."""
+        size = self.__dict__.get("_size_bytes")
+        if size is None:
+            size = (
+                len(self.text.encode())
+                + len(self.tool_name.encode())
+                + len(self.tool_arguments.encode())
+                + len(self.tool_result.encode())
+            )
+            # Not a field: equality, repr and the store never see it.
+            object.__setattr__(self, "_size_bytes", size)
+        return size
 
 
 @dataclass(frozen=True)

@@ -483,11 +483,13 @@ class ToolCallStartChunk:
 @dataclass(frozen=True)
 class ToolCallChunk:
     """A complete tool call; ``call.call_id`` is the provider's id (may be empty or
-    repeated: the planner gives every call its own id). ``index`` as in
-    ``ToolCallStartChunk``."""
+    repeated: the planner gives every call its own id; its name may be empty too).
+    ``index`` as in ``ToolCallStartChunk``. ``problem`` is set when the gateway sent the
+    call malformed (started but never sent whole): why it cannot run, for the model."""
 
     call: ToolCall
     index: int = 0
+    problem: str = ""
 
 
 @dataclass(frozen=True)

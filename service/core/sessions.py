@@ -42,6 +42,7 @@ from typing import Any
 
 from service.core.errors import HumanRequired, InvalidArgument, NotFound, PermissionDenied, echo
 from service.core.model import Message, Session, Turn
+from service.core.outbound import CLIENT_MESSAGE_MAX_BYTES, message_for_client
 from service.core.pages import PageTokens, bad_page_token
 from service.core.ports import (
     Acting,
@@ -121,11 +122,14 @@ class SessionLimits:
     """What the session rules take from the settings.
 
     ``page_max_bytes``: most bytes of one ListMessages page (``limits.page_max_bytes``);
+    ``client_message_max_bytes``: a message larger than this is listed truncated
+    (``limits.client_message_max_bytes``; ``service.core.outbound``);
     ``project_cache_s``: reuse of a project check (``auth.project_check_cache_s``);
     ``project_lookup_s``: deadline of one check (``dependencies.project_lookup_s``).
     """
 
     page_max_bytes: int = 1024 * 1024
+    client_message_max_bytes: int = CLIENT_MESSAGE_MAX_BYTES
     project_cache_s: float = 60.0
     project_lookup_s: float = 5.0
 
@@ -500,7 +504,9 @@ class SessionRules:
         """``ListMessages``: the transcript in sequence order after ``after_sequence``.
 
         A page holds at most ``page_size`` messages (0: 100, at most 1,000) and at most
-        ``limits.page_max_bytes`` bytes, but always at least one message. A human's
+        ``limits.page_max_bytes`` bytes, but always at least one message; a message larger
+        than ``limits.client_message_max_bytes`` is listed truncated, so a page of one
+        still fits a client's 4 MiB receive limit (decision 0222). A human's
         access to the project is re-checked (cached). Raises ``InvalidArgument``
         (``INVALID_AFTER_SEQUENCE``, ``INVALID_PAGE_SIZE``, ``INVALID_PAGE_TOKEN``),
         ``NotFound``, ``PermissionDenied``.
@@ -526,7 +532,8 @@ class SessionRules:
         fetched = await self._store.list_messages(session_id, start, size + 1)
         page: list[Message] = []
         used = 0
-        for message in fetched[:size]:
+        for stored in fetched[:size]:
+            message = message_for_client(stored, self._limits.client_message_max_bytes)
             cost = self._message_size(message)
             if page and used + cost > self._limits.page_max_bytes:
                 break

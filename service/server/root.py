@@ -507,7 +507,10 @@ async def _start_planner(
             store,
             projects,
             clock,
-            SessionLimits(page_max_bytes=settings.limits.page_max_bytes),
+            SessionLimits(
+                page_max_bytes=settings.limits.page_max_bytes,
+                client_message_max_bytes=settings.limits.client_message_max_bytes,
+            ),
             page_tokens=page_tokens,
             message_size=convert.encoded_message_bytes,
         )

@@ -65,12 +65,14 @@ def build_turns(wiring: Wiring) -> PlannerTurns:
         store.events_after,
         max_events=limits.stream_queue_events,
         max_bytes=limits.stream_queue_bytes,
+        client_message_max_bytes=limits.client_message_max_bytes,
     )
     # The gateway gets the credential for its audience alone (issue 14).
     gateway = GrpcModelGateway(
         wiring.gateway_channel,
         metadata=wiring.service_credentials["gateway"].metadata,
         max_answer_bytes=deps.gateway.max_message_bytes,
+        max_request_bytes=deps.gateway.max_message_bytes,
     )
     tools = ToolRunner(
         wiring.backends,
@@ -95,6 +97,8 @@ def build_turns(wiring: Wiring) -> PlannerTurns:
                 max_writes_per_turn=planner.max_writes_per_turn,
                 max_tool_calls_per_answer=planner.max_tool_calls_per_answer,
                 tool_concurrency=planner.tool_concurrency,
+                tool_arguments_max_bytes=planner.tool_arguments_max_bytes,
+                tool_arguments_cut_bytes=planner.tool_result_max_bytes,
                 dependency_timeout_s=deps.project_lookup_s,
                 model_first_delta_s=deps.model_first_delta_s,
                 model_idle_s=deps.model_idle_s,
@@ -138,6 +142,7 @@ def build_turns(wiring: Wiring) -> PlannerTurns:
             open_timeout_s=limits.open_timeout_s,
             max_replay_events=planner.max_replay_events,
             streams_per_human=limits.streams_per_human,
+            client_message_max_bytes=limits.client_message_max_bytes,
         ),
         on_stream_change=metrics.open_streams.inc,
         streams=registry,

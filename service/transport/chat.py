@@ -50,6 +50,7 @@ from service.core.errors import (
 )
 from service.core.fanout import Hub, StreamEnd, StreamQueue
 from service.core.model import EventKind, Session, SessionEvent, TextDelta, ToolCallProgress
+from service.core.outbound import CLIENT_MESSAGE_MAX_BYTES, messages_for_client
 from service.core.ports import SessionStore
 from service.core.sessions import Caller, SessionRules, check_request_id
 from service.core.streams import StreamRegistry, StreamSlot
@@ -69,6 +70,8 @@ class ChatLimits:
     open_timeout_s: float = 30.0
     max_replay_events: int = 1000
     streams_per_human: int = 16
+    #: The most bytes of messages a response carries (decision 0222).
+    client_message_max_bytes: int = CLIENT_MESSAGE_MAX_BYTES
 
 
 class TurnRpcs:
@@ -116,7 +119,8 @@ class TurnRpcs:
                 _send_request(session, caller, request.text, request.request_id)
             )
             turn = await self._turns.wait_for_end(accepted.turn.turn_id)
-            messages = await self._store.turn_messages(turn.turn_id)
+            stored = await self._store.turn_messages(turn.turn_id)
+            messages = messages_for_client(stored, self._limits.client_message_max_bytes)
             return planner_service_pb2.SendMessageResponse(
                 turn=convert.turn_to_proto(turn),
                 messages=[convert.message_to_proto(m) for m in messages],

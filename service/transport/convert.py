@@ -113,6 +113,8 @@ def message_to_proto(message: Message) -> resources_pb2.Message:
         estimated_tokens=message.estimated_tokens,
         finish_reason=message.finish_reason,
         provider_tool_call_id=message.provider_call_id,
+        truncated=message.truncated,
+        original_bytes=message.original_bytes,
     )
     if message.usage is not None:
         result.usage.CopyFrom(usage_to_proto(message.usage))

@@ -328,3 +328,36 @@ async def test_a_planted_key_reaches_no_client_log_line_or_database(
     for secret in (PLANTED_KEY, "Zq8dX3vL0pR7"):
         assert not any(secret.encode() in blob for blob in seen)
         assert secret not in caplog.text
+
+
+# --------------------------------------------------------------------------- malformed calls
+
+
+async def test_a_nameless_call_among_fourteen_keeps_the_answer_and_gets_an_error_result(
+    planner: Planner,
+) -> None:
+    """What an OpenAI-compatible server sent in the trial: fourteen calls and one without
+    a name. The fourteen run, the nameless one gets an error result the model reads, and
+    the turn completes; before, the gateway refused the whole answer, three times
+    (decision 0223)."""
+    fragments = [call_fragment(i, f"call_{i}", "list_items", '{"kind":"epic"}') for i in range(14)]
+    fragments.append(call_fragment(14, "call_14", None, '{"kind":"epic"}'))
+    reply = ok(chunk(calls_delta(*fragments)), chunk({}, "tool_calls"), usage_chunk(), "[DONE]")
+    turn = await planner.turn([reply, answer("Here they are.")])
+    assert turn.ended.reason == M.TURN_END_REASON_COMPLETED, turn.ended.error_message
+    assert len(planner.double.received) == 2  # one answer, one follow-up: no retries
+    messages = await turn.transcript()
+    calls = [m for m in messages if m.kind == M.MESSAGE_KIND_TOOL_CALL]
+    results = {m.tool_call_id: m for m in messages if m.kind == M.MESSAGE_KIND_TOOL_RESULT}
+    assert [c.tool_name for c in calls] == ["list_items"] * 14 + [""]
+    assert all(not results[c.tool_call_id].tool_error for c in calls[:14])
+    nameless = results[calls[14].tool_call_id]
+    assert nameless.tool_error and '"UNKNOWN_TOOL"' in nameless.tool_result
+    assert len(planner.stack.call_log.for_method("ListItems")) == 14
+    # The follow-up answers all fifteen calls, each under its own id.
+    follow_up = planner.double.received[1].body["messages"]
+    sent_calls = next(m for m in follow_up if m.get("tool_calls"))["tool_calls"]
+    tool_ids = [m["tool_call_id"] for m in follow_up if m["role"] == "tool"]
+    assert sorted(c["id"] for c in sent_calls) == sorted(tool_ids) and len(set(tool_ids)) == 15
+    # Under a name the API takes: an empty one would have the next request refused.
+    assert sent_calls[14]["function"]["name"] == "invalid_tool_name"

@@ -27,7 +27,7 @@ def reader() -> tuple[_Stream, StreamQueue]:
 
 
 def drained(queue: StreamQueue) -> list[object]:
-    items = list(queue._items)
+    items = [item for item, _size, _batch in queue._items]
     queue._items.clear()
     return items
 

@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 
 from ballet.llm.v1 import gateway_pb2
 
-from service.adapters.gateway import MessageEncodings, to_proto, to_wire
+from service.adapters.gateway_wire import MessageEncodings, to_proto, to_wire
 from service.core.context import to_model_messages
 from service.core.conversation import Conversations
 from service.core.model import Message, MessageKind

@@ -1,5 +1,9 @@
 """The 16 KiB cut of tool results (SPEC section 5 step 5): a result over the limit is
-cut and stays valid JSON, ``{"truncated": true, "original_bytes": N, "content": ...}``."""
+cut and stays valid JSON, ``{"truncated": true, "original_bytes": N, "content": ...}``.
+
+Tool-call arguments over their own bound are cut the same way (``cut_text``), and so is
+any JSON field of a message sent to a client cut (decision 0221).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,10 @@ from typing import Any
 
 #: The largest tool result given to the model, in UTF-8 bytes (SPEC section 5 step 5).
 MAX_RESULT_BYTES = 16 * 1024
+#: The largest tool-call arguments run and stored whole, in UTF-8 bytes (decision 0221):
+#: about the largest JSON the tools' schemas accept (``propose_changeset``: 50 operations
+#: of some 40,000 characters), so no call a schema would take is refused for its size.
+MAX_ARGUMENT_BYTES = 2 * 1024 * 1024
 
 
 def dumps(value: Any) -> str:
@@ -151,3 +159,33 @@ def _prefix_fitting(value: str, budget: int) -> str:
 def _cut_text(text: str, max_bytes: int, wrapped: Callable[[Any], str]) -> str:
     base = _size(wrapped(""))
     return wrapped(_prefix_fitting(text, max(0, max_bytes - base)))
+
+
+def utf8_size(text: str, limit: int) -> int | None:
+    """``text``'s size in UTF-8 bytes when it is over ``limit``, else None; a text of at
+    most ``limit // 4`` characters is known to fit without being encoded."""
+    if len(text) <= limit // 4:
+        return None
+    size = len(text.encode())
+    return size if size > limit else None
+
+
+def cut_text(text: str, max_bytes: int, original_bytes: int | None = None) -> str:
+    """``text`` (any text: JSON, possibly invalid, or prose) as the valid JSON
+    ``{"truncated": true, "original_bytes": N, "content": "<its first characters>"}`` of
+    at most ``max_bytes`` UTF-8 bytes (for a ``max_bytes`` of at least 64), where ``N`` is
+    the text's full size in UTF-8 bytes (given as ``original_bytes`` when known).
+
+    The content is the start of the text as a JSON string, not a parse of it: the text
+    may not be JSON, and its start is what a reader (the model, a client) needs to see
+    what it was.
+    """
+    original = len(text.encode()) if original_bytes is None else original_bytes
+
+    def wrapped(content: str) -> str:
+        return dumps({"truncated": True, "original_bytes": original, "content": content})
+
+    # Every character takes at least one byte: only the first ``budget`` can fit, so the
+    # search looks at that window of the text, however long the text is.
+    budget = max(0, max_bytes - _size(wrapped("")))
+    return wrapped(_prefix_fitting(text[:budget], budget))

@@ -5,6 +5,8 @@ and the conversation continues"); SPEC section 4 (policy refusal, write cap, req
 and section 5 step 5 (validation, error results, the 16 KiB cut). ``ToolRunner.run``
 checks, in this order:
 
+0. the call names a tool at all (``UNKNOWN_TOOL``: a model may send a call without a
+   name; decision 0223);
 1. the arguments are a JSON object of well-formed Unicode, nested at most
    ``MAX_ARGUMENT_DEPTH`` deep (``INVALID_ARGUMENTS``; an integral number such as
    ``10.0`` is the integer 10, decision 0131);
@@ -159,6 +161,12 @@ class ToolRunner:
             return error_result("BACKEND_ERROR", "the tool failed unexpectedly")
 
     async def _run(self, call: ToolCall, context: ToolContext) -> ToolOutcome:
+        if not call.name:
+            raise ToolFailure(
+                "UNKNOWN_TOOL",
+                "the tool call has no name, so it was not run; the tools are: "
+                + ", ".join(TOOLS_BY_NAME),
+            )
         arguments = parse_arguments(call.arguments)
         tool = TOOLS_BY_NAME.get(call.name)
         if tool is None:

@@ -86,10 +86,17 @@ class EventBuilder:
         )
 
     def tool_call(
-        self, call_id: str, name: str, arguments: str, *, provider_call_id: str = ""
+        self,
+        call_id: str,
+        name: str,
+        arguments: str,
+        *,
+        provider_call_id: str = "",
+        cut: bool = False,
     ) -> SessionEvent:
         """``tool_call_started`` storing a call under the planner's id ``call_id`` (unique
-        in the session); ``provider_call_id`` is the id the provider gave it."""
+        in the session); ``provider_call_id`` is the id the provider gave it; ``cut``
+        marks arguments stored cut, over the bound a call may have (decision 0221)."""
         return self._stored(
             EventKind.TOOL_CALL_STARTED,
             MessageKind.TOOL_CALL,
@@ -97,6 +104,7 @@ class EventBuilder:
             provider_call_id=provider_call_id,
             tool_name=name,
             tool_arguments=arguments,
+            cut=cut,
         )
 
     def tool_result(self, call_id: str, name: str, outcome: ToolOutcome) -> list[SessionEvent]:

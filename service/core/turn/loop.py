@@ -43,7 +43,8 @@ from service.core.errors import PlannerError, StoreConflict, StoreUnavailable
 from service.core.estimate import messages_tokens
 from service.core.model import ContextEstimate, EventKind, SessionEvent, TurnEndReason
 from service.core.ports import FinishReason, Purpose, SummaryUpdate, TurnCommit, TurnPatch
-from service.core.tools import WRITE_TOOLS, error_result
+from service.core.tools import WRITE_TOOLS, ToolOutcome, error_result
+from service.core.tools.cut import cut_text, utf8_size
 from service.core.tracing import NULL_SPAN, Span, SpanRef
 from service.core.turn import ending as endings
 from service.core.turn.compact import Compactor
@@ -310,30 +311,53 @@ class TurnLoop:
         return Compact()
 
     async def _store_round(self, answer: Answer, calls: list[PendingCall]) -> RunTools:
-        """The round of ``answer``: its text and calls (calls beyond
-        ``max_tool_calls_per_answer`` with their refusal), committed now when a call
-        writes (or none is to run), else with the first result (decision 0114)."""
+        """The round of ``answer``: its text and calls, committed now when a call
+        writes (or none is to run), else with the first result (decision 0114). Calls
+        that are not run get their error result in the same commit: those beyond
+        ``max_tool_calls_per_answer``, those the gateway sent malformed, and those whose
+        arguments are over ``tool_arguments_max_bytes`` (stored cut; decision 0221)."""
         state, settings = self._state, self._deps.settings
         events: list[SessionEvent] = []
         if answer.length:
             events.append(
                 state.events.assistant_message(answer.message_id, answer.text, usage=answer.usage)
             )
-        for call in calls:
+        limit = settings.max_tool_calls_per_answer
+        allowed: list[PendingCall] = []
+        refusals: list[tuple[PendingCall, ToolOutcome]] = []
+        for position, call in enumerate(calls):
+            arguments, refusal = call.arguments, None
+            oversize = utf8_size(arguments, settings.tool_arguments_max_bytes)
+            if oversize is not None:
+                arguments = cut_text(arguments, settings.tool_arguments_cut_bytes, oversize)
+            if position >= limit:
+                refusal = error_result(
+                    "TOO_MANY_CALLS", f"at most {limit} tool calls per answer; this one was not run"
+                )
+            elif call.problem:
+                refusal = error_result("MALFORMED_TOOL_CALL", f"{call.problem}; it was not run")
+            elif oversize is not None:
+                refusal = error_result(
+                    "ARGUMENTS_TOO_LARGE",
+                    f"the arguments were {oversize} bytes, more than the "
+                    f"{settings.tool_arguments_max_bytes} a tool call may have; the call was "
+                    "not run and its arguments are kept cut. Call again with smaller "
+                    "arguments, or split the work into several calls.",
+                )
             events.append(
                 state.events.tool_call(
                     call.call_id,
                     call.name,
-                    call.arguments,
+                    arguments,
                     provider_call_id=call.provider_call_id,
+                    cut=oversize is not None,
                 )
             )
-        limit = settings.max_tool_calls_per_answer
-        allowed, refused = calls[:limit], calls[limit:]
-        for call in refused:
-            outcome = error_result(
-                "TOO_MANY_CALLS", f"at most {limit} tool calls per answer; this one was not run"
-            )
+            if refusal is None:
+                allowed.append(call)
+            else:
+                refusals.append((call, refusal))
+        for call, outcome in refusals:
             events.extend(state.events.tool_result(call.call_id, call.name, outcome))
         state.rounds += 1
         # The answer's usage covers everything up to and including it (SPEC 6).

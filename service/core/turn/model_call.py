@@ -5,6 +5,11 @@ only), under the id the stored answer will have. Every tool call of the answer g
 planner's own id as soon as it appears (its start, or the complete call), unique in the
 session: the provider's id is kept beside it, only to speak to the provider again.
 Stopping the turn stops the stream at once.
+
+What the model writes into a call's name and id is kept short (decision 0223): a name
+longer than any tool's is cut (it names no tool, and its call gets ``UNKNOWN_TOOL``), and
+a provider id longer than ``MAX_PROVIDER_ID_CHARS`` is dropped (the call is then spoken
+of to the provider by the planner's id).
 """
 
 from __future__ import annotations
@@ -34,6 +39,11 @@ from service.core.turn.settings import TurnDependencies
 from service.core.turn.state import Answer, PendingCall, TurnState
 
 log = logging.getLogger(__name__)
+
+#: The longest tool name kept from the model (the tools' names are far shorter).
+MAX_TOOL_NAME_CHARS = 200
+#: The longest provider call id kept (providers use ten to a few dozen characters).
+MAX_PROVIDER_ID_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -159,9 +169,13 @@ async def _stream_answer(
                     )
             elif isinstance(chunk, ToolCallChunk):
                 call = _call_at(answer, chunk.index, chunk.call.name, completing=True)
-                call.name = chunk.call.name
-                call.provider_call_id = chunk.call.call_id
+                call.name = _short_name(chunk.call.name)
+                provider_id = chunk.call.call_id
+                call.provider_call_id = (
+                    provider_id if len(provider_id) <= MAX_PROVIDER_ID_CHARS else ""
+                )
                 call.arguments = chunk.call.arguments
+                call.problem = chunk.problem
                 call.complete = True
             elif isinstance(chunk, FinishChunk):
                 answer.finish = chunk.reason
@@ -219,6 +233,10 @@ def _call_at(answer: Answer, index: int, name: str, *, completing: bool = False)
         return call
     if call is not None:
         index = max(answer.calls) + 1
-    call = PendingCall(call_id=new_id("call"), name=name)
+    call = PendingCall(call_id=new_id("call"), name=_short_name(name))
     answer.calls[index] = call
     return call
+
+
+def _short_name(name: str) -> str:
+    return name if len(name) <= MAX_TOOL_NAME_CHARS else name[:MAX_TOOL_NAME_CHARS]

@@ -20,6 +20,7 @@ from service.core.ports import (
     Tracer,
 )
 from service.core.tools import ToolRunner
+from service.core.tools.cut import MAX_ARGUMENT_BYTES, MAX_RESULT_BYTES
 from service.core.tracing import NULL_TRACER
 
 
@@ -41,6 +42,10 @@ class TurnSettings:
     max_writes_per_turn: int = 5
     max_tool_calls_per_answer: int = 16
     tool_concurrency: int = 4
+    #: Arguments over this many UTF-8 bytes are not run, and stored cut to
+    #: ``tool_arguments_cut_bytes`` (decision 0221).
+    tool_arguments_max_bytes: int = MAX_ARGUMENT_BYTES
+    tool_arguments_cut_bytes: int = MAX_RESULT_BYTES
     dependency_timeout_s: float = 10.0
     model_first_delta_s: float = 60.0
     model_idle_s: float = 60.0

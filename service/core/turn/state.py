@@ -84,13 +84,15 @@ def _nothing() -> None:
 @dataclass
 class PendingCall:
     """A tool call of the answer streaming now, under the planner's id ``call_id``;
-    ``arguments`` is empty until the call is complete."""
+    ``arguments`` is empty until the call is complete. ``problem`` says why a call the
+    gateway sent malformed cannot run (it gets an error result instead)."""
 
     call_id: str
     name: str
     provider_call_id: str = ""
     arguments: str = ""
     complete: bool = False
+    problem: str = ""
 
 
 @dataclass

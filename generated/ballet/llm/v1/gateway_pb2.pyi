@@ -168,7 +168,9 @@ class ToolCall(_message.Message):
     answer that message carries.
     """
     name: _builtins.str
-    """The tool's name."""
+    """The tool's name; in a response, empty when the model gave the call none (the call
+    is still sent, so that the client can answer it with an error result).
+    """
     arguments: _builtins.str
     """The arguments as the model produced them: JSON text, possibly invalid."""
     def __init__(
@@ -427,7 +429,7 @@ class ToolCallStart(_message.Message):
     repeat an id of an earlier answer, so it is only good for speaking to the provider.
     """
     name: _builtins.str
-    """The tool's name."""
+    """The tool's name; empty when the model gave the call none."""
     def __init__(
         self,
         *,

@@ -317,7 +317,9 @@ class ListMessagesResponse(_message.Message):
     """The token of the next page, empty on the last page."""
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[_resources_pb2.Message]:
-        """The messages in sequence order; a page holds at most 1 MiB."""
+        """The messages in sequence order; a page holds at most 1 MiB, or one larger message
+        (truncated when it is larger than the planner sends whole; see Message.truncated).
+        """
 
     def __init__(
         self,

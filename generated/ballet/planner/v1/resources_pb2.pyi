@@ -232,6 +232,8 @@ class Message(_message.Message):
     ESTIMATED_TOKENS_FIELD_NUMBER: _builtins.int
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     PROVIDER_TOOL_CALL_ID_FIELD_NUMBER: _builtins.int
+    TRUNCATED_FIELD_NUMBER: _builtins.int
+    ORIGINAL_BYTES_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The session the message belongs to."""
     sequence: _builtins.int
@@ -244,7 +246,10 @@ class Message(_message.Message):
     """What kind of message this is."""
     cut: _builtins.bool
     """True when the text is a partial answer: cut by the provider (finish_reason says
-    why), or by a cancel or a failure (the turn's end says which).
+    why), or by a cancel or a failure (the turn's end says which). For a tool call, true
+    when its arguments were larger than a tool call may have: the call was not run (its
+    result says so), and tool_arguments holds them cut, as the JSON object
+    {"truncated": true, "original_bytes": N, "content": "<their start>"}.
     """
     text: _builtins.str
     """The text of a human or assistant message."""
@@ -272,6 +277,18 @@ class Message(_message.Message):
     provider_tool_call_id: _builtins.str
     """For a tool call, the identifier the model's provider gave it; tool_call_id is the
     planner's own, unique in the session (providers reuse theirs).
+    """
+    truncated: _builtins.bool
+    """True when this copy of the message is shorter than the stored message, because the
+    stored one is larger than the planner sends in one Chat event or one list entry:
+    its longest fields were cut, text to its first characters, tool_arguments and
+    tool_result to the JSON object {"truncated": true, "original_bytes": N, "content":
+    "<their start>"}. The stored message is whole; unlike cut, this says nothing about
+    the answer itself.
+    """
+    original_bytes: _builtins.int
+    """For a truncated copy, the size in UTF-8 bytes of its longest field in the stored
+    message; 0 otherwise.
     """
     @_builtins.property
     def usage(self) -> Global___Usage:
@@ -303,10 +320,12 @@ class Message(_message.Message):
         estimated_tokens: _builtins.int = ...,
         finish_reason: _builtins.str = ...,
         provider_tool_call_id: _builtins.str = ...,
+        truncated: _builtins.bool = ...,
+        original_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "cut", b"cut", "estimated_tokens", b"estimated_tokens", "finish_reason", b"finish_reason", "human_id", b"human_id", "kind", b"kind", "message_id", b"message_id", "provider_tool_call_id", b"provider_tool_call_id", "sequence", b"sequence", "session_id", b"session_id", "text", b"text", "tool_arguments", b"tool_arguments", "tool_call_id", b"tool_call_id", "tool_error", b"tool_error", "tool_name", b"tool_name", "tool_result", b"tool_result", "turn_id", b"turn_id", "up_to", b"up_to", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "cut", b"cut", "estimated_tokens", b"estimated_tokens", "finish_reason", b"finish_reason", "human_id", b"human_id", "kind", b"kind", "message_id", b"message_id", "original_bytes", b"original_bytes", "provider_tool_call_id", b"provider_tool_call_id", "sequence", b"sequence", "session_id", b"session_id", "text", b"text", "tool_arguments", b"tool_arguments", "tool_call_id", b"tool_call_id", "tool_error", b"tool_error", "tool_name", b"tool_name", "tool_result", b"tool_result", "truncated", b"truncated", "turn_id", b"turn_id", "up_to", b"up_to", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
