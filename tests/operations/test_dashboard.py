@@ -1,7 +1,7 @@
 """The Grafana dashboard (deploy/grafana/; decision 0243): every query is valid PromQL,
 and every metric it and the alerting rules name is one a running planner exports (after
-a turn or two) or one the rules record. A metric renamed in service/metrics.py fails here
-instead of leaving an empty panel or an alert that can never fire."""
+a turn or two) or one the rules record. A metric renamed in service/server/metrics.py
+fails here instead of leaving an empty panel or an alert that can never fire."""
 
 from __future__ import annotations
 

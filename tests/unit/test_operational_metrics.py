@@ -20,8 +20,8 @@ from service.core.errors import (
 )
 from service.core.model import TurnEndReason
 from service.core.ports import ModelRequest, Purpose, Role
-from service.metrics import DATABASE_ERROR_KINDS, Metrics, bounded_reason
-from service.observer import PrometheusTurnObserver
+from service.server.metrics import DATABASE_ERROR_KINDS, Metrics, bounded_reason
+from service.server.observer import PrometheusTurnObserver
 from tests.unit.fakes import last_role
 from tests.unit.test_turn import make_rig
 

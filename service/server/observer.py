@@ -8,7 +8,7 @@ stays free of metric libraries; labels never carry session, turn, human or proje
 from __future__ import annotations
 
 from service.core.model import TurnEndReason, Usage
-from service.metrics import Metrics, bounded_reason
+from service.server.metrics import Metrics, bounded_reason
 
 
 class PrometheusTurnObserver:
