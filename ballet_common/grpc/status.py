@@ -9,7 +9,8 @@ reason, with metadata) and, when the caller should wait before retrying, one
 - servers build one and send it (``RpcFailure.to_grpc_status`` for
   ``context.abort_with_status``; ``RpcFailure.to_status`` for a status carried in a
   message, such as the Chat stream's ``error`` event);
-- clients read one from a failed call (``parse``) or from a message (``from_status``).
+- clients read one from a failed call (``parse``) or from a message (``from_status``);
+  a server's interceptor reads what its handler sent (``from_trailers``).
 
 Reading goes through ``grpc_status.rpc_status`` (the gRPC project's own parser of the
 trailer). A peer is not trusted to be well-formed: details that do not decode, or whose
@@ -30,7 +31,7 @@ from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-__all__ = ["RpcFailure", "code_name", "from_status", "parse"]
+__all__ = ["RpcFailure", "code_name", "from_status", "from_trailers", "parse"]
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,19 @@ def from_status(status: status_pb2.Status) -> RpcFailure:
     """The failure a ``google.rpc.Status`` carried in a message says (e.g. the Chat
     stream's ``error`` event)."""
     return _with_details(RpcFailure(_code_of(status.code), status.message), status)
+
+
+def from_trailers(metadata: Any) -> RpcFailure | None:
+    """The failure packed in trailing metadata (pairs of key and value), e.g. what a
+    server's handler aborted with as its interceptor sees it (``context.trailing_metadata
+    ()``); None without a decodable rich status."""
+    for key, value in metadata or ():
+        if key == DETAILS_KEY and isinstance(value, bytes):
+            try:
+                return from_status(status_pb2.Status.FromString(value))
+            except DecodeError:
+                return None
+    return None
 
 
 def code_name(code: int) -> str:

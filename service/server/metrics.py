@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import platform
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -33,7 +34,9 @@ from prometheus_client import (
     start_http_server,
 )
 
+from ballet_common.grpc.status import from_trailers
 from service.config import split_address
+from service.core.model import TurnEndReason
 from service.version import version
 
 #: Latency buckets in seconds, from a fast tool call to a long model answer.
@@ -43,6 +46,15 @@ _CANCELLED: tuple[type[BaseException], ...] = (asyncio.CancelledError, Generator
 #: Estimate / reported tokens: 1 is exact; the estimator aims within 0.85 to 1.15.
 ESTIMATE_RATIO_BUCKETS = (0.5, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0, 1.05, 1.1, 1.15, 1.2, 1.3, 1.5, 2)
 RPC_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 60)
+#: A turn's time to first delta in seconds: fine around the objective (2.5 s,
+#: docs/operations.md), whose bound must be a bucket for the SLO's ratio to be exact.
+FIRST_DELTA_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 2.5, 3, 4, 5, 7.5, 10, 20, 30, 60)
+#: What ``ballet_planner_database_errors_total{kind}`` counts
+#: (``service.adapters.store.work.FAILURE_KINDS``).
+DATABASE_ERROR_KINDS = ("unavailable", "pool_timeout", "unexpected")
+#: An ErrorInfo reason as the planner spells them; anything else is counted as ``OTHER``,
+#: so a label never takes an unbounded value.
+_REASON = re.compile(r"[A-Z][A-Z0-9_]{0,63}")
 
 
 class Metrics:
@@ -53,15 +65,28 @@ class Metrics:
     - ``ballet_planner_compactions_total``: compactions stored (seed: Context compaction);
       ``ballet_planner_compaction_failures_total{reason}``: failed ones (logged, nothing
       stored but the turn's compaction usage), by ``service.core.summaries`` reason.
-    - ``ballet_planner_turns_total{reason}``: turns ended, by ``TurnEndReason`` value.
+    - ``ballet_planner_turns_total{reason}``: turns ended, by ``TurnEndReason`` value
+      (every value exported from the start, at 0);
+      ``ballet_planner_turn_failures_total{reason}``: the ``failed`` ones by ErrorInfo
+      reason (``MODEL_UNAVAILABLE``, ``QUOTA_EXCEEDED``, ``TURN_TIMEOUT``, ...).
     - ``ballet_planner_rounds_total``: tool rounds run.
     - ``ballet_planner_tool_calls_total{tool,outcome}``: ``ok`` or an error reason.
     - ``ballet_planner_tokens_total{kind,purpose}``: ``input``/``output`` x
       ``turn``/``compaction``.
     - ``ballet_planner_grpc_server_started_total{grpc_method}`` and
-      ``ballet_planner_grpc_server_handled_total{grpc_method,grpc_code}``.
+      ``ballet_planner_grpc_server_handled_total{grpc_method,grpc_code}``;
+      ``ballet_planner_grpc_server_errors_total{grpc_method,grpc_code,reason}``: RPCs
+      that ended with a status other than OK or CANCELLED, by the ErrorInfo reason of
+      that status (``NONE`` without one), e.g. Chat streams refused
+      ``TOO_MANY_STREAMS`` or ended ``SLOW_CONSUMER``.
+    - ``ballet_planner_database_errors_total{kind}``: units of work of the store that
+      failed (``DATABASE_ERROR_KINDS``: ``unavailable``, ``pool_timeout``,
+      ``unexpected``), the health monitor's pings included.
 
-    Histograms (seconds): ``ballet_planner_model_first_delta_seconds{purpose}``,
+    Histograms (seconds): ``ballet_planner_turn_first_delta_seconds`` (from a turn's
+    start, its message accepted, to the first delta its clients are sent: text or a tool
+    call's start; once per turn that streams one),
+    ``ballet_planner_model_first_delta_seconds{purpose}``,
     ``ballet_planner_model_call_seconds{purpose,outcome}``,
     ``ballet_planner_tool_call_seconds{tool}``, ``ballet_planner_turn_seconds{reason}``,
     ``ballet_planner_grpc_server_handling_seconds{grpc_method}``; and
@@ -80,7 +105,10 @@ class Metrics:
     Gauges: ``ballet_planner_open_streams``, ``ballet_planner_running_turns`` (on this
     replica), ``ballet_planner_dev_mode`` (1 in dev mode), ``ballet_planner_database_up``
     (1 while the health monitor's ping answers), ``ballet_planner_database_connections_in_use``
-    (connections checked out of the pool; the notifier's LISTEN connection is not pooled).
+    (connections checked out of the pool; the notifier's LISTEN connection is not pooled),
+    ``ballet_planner_database_connections_limit`` (the most the pools may check out),
+    ``ballet_planner_ready`` (1 while health checking reports SERVING: readiness), and
+    ``ballet_planner_grpc_server_max_concurrent_rpcs`` (``server.maximum_concurrent_rpcs``).
     """
 
     def __init__(self) -> None:
@@ -118,6 +146,22 @@ class Metrics:
         )
         self.turns = Counter(
             "ballet_planner_turns", "Turns ended, by end reason.", ["reason"], registry=registry
+        )
+        for reason in TurnEndReason:
+            self.turns.labels(reason=reason.value)
+        self.turn_failures = Counter(
+            "ballet_planner_turn_failures",
+            "Turns ended failed, by ErrorInfo reason (MODEL_UNAVAILABLE, QUOTA_EXCEEDED, "
+            "TURN_TIMEOUT, DEPENDENCY_UNAVAILABLE, DATABASE_UNAVAILABLE, ...).",
+            ["reason"],
+            registry=registry,
+        )
+        self.turn_first_delta_seconds = Histogram(
+            "ballet_planner_turn_first_delta_seconds",
+            "Seconds from a turn's start (its message accepted) to the first delta its "
+            "clients are sent: text, or a tool call's start.",
+            buckets=FIRST_DELTA_BUCKETS,
+            registry=registry,
         )
         self.rounds = Counter("ballet_planner_rounds", "Tool rounds run.", registry=registry)
         self.turn_rounds = Histogram(
@@ -188,6 +232,28 @@ class Metrics:
             "finished turns hold none).",
             registry=registry,
         )
+        self.database_connections_limit = Gauge(
+            "ballet_planner_database_connections_limit",
+            "The most database connections the pools may check out (database.pool_size + "
+            "max_overflow, plus hot_pool_size on PostgreSQL).",
+            registry=registry,
+        )
+        self.database_errors = Counter(
+            "ballet_planner_database_errors",
+            "Units of work of the store that failed, by kind: unavailable (unreachable, "
+            "broken connection, deadlock), pool_timeout (no connection free in time), "
+            "unexpected (an error the store does not translate).",
+            ["kind"],
+            registry=registry,
+        )
+        for kind in DATABASE_ERROR_KINDS:
+            self.database_errors.labels(kind=kind)
+        self.ready = Gauge(
+            "ballet_planner_ready",
+            "1 while health checking reports SERVING (readiness): the database answers and "
+            "the planner is not shutting down.",
+            registry=registry,
+        )
         self.grpc_started = Counter(
             "ballet_planner_grpc_server_started",
             "RPCs started, by method.",
@@ -207,6 +273,39 @@ class Metrics:
             buckets=RPC_BUCKETS,
             registry=registry,
         )
+        self.grpc_errors = Counter(
+            "ballet_planner_grpc_server_errors",
+            "RPCs that ended with a status other than OK or CANCELLED, by method, code and "
+            "the status's ErrorInfo reason (NONE without one).",
+            ["grpc_method", "grpc_code", "reason"],
+            registry=registry,
+        )
+        self.grpc_max_concurrent_rpcs = Gauge(
+            "ballet_planner_grpc_server_max_concurrent_rpcs",
+            "RPCs the server serves at once (server.maximum_concurrent_rpcs); gRPC refuses "
+            "more with RESOURCE_EXHAUSTED before any handler runs.",
+            registry=registry,
+        )
+
+    def watch_database(
+        self,
+        checked_out: Callable[[], int],
+        limit: int,
+        on_failure: Callable[[Callable[[str], object]], None],
+    ) -> None:
+        """Measure the database: ``checked_out()`` connections in use against the pools'
+        ``limit``, and every failed unit of work by kind, reported through
+        ``on_failure(callback)`` (``UnitsOfWork.on_failure`` of the store)."""
+        self.database_connections_in_use.set_function(checked_out)
+        self.database_connections_limit.set(limit)
+        on_failure(lambda kind: self.database_errors.labels(kind=kind).inc())
+
+
+def bounded_reason(reason: str) -> str:
+    """``reason`` when it is spelt as an ErrorInfo reason (UPPER_SNAKE, at most 64
+    characters), else ``OTHER``: a label value from a bounded set whatever the caller
+    passes."""
+    return reason if _REASON.fullmatch(reason) else "OTHER"
 
 
 def _code_name(context: Any, default: grpc.StatusCode) -> str:
@@ -223,8 +322,18 @@ def _code_name(context: Any, default: grpc.StatusCode) -> str:
     return str(default.name)
 
 
+def _reason(context: Any) -> str:
+    """The ErrorInfo reason of the status a handler aborted with (``NONE`` without one)."""
+    try:
+        failure = from_trailers(context.trailing_metadata())
+    except Exception:  # the context may be gone with the call
+        return "NONE"
+    return bounded_reason(failure.reason) if failure is not None and failure.reason else "NONE"
+
+
 class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Counts and times every RPC: ``grpc_server_started``/``handled``/``handling``.
+    """Counts and times every RPC: ``grpc_server_started``/``handled``/``handling``, and
+    ``grpc_server_errors`` by ErrorInfo reason.
 
     The status is ``OK`` when the handler returns, the code it aborted with, ``CANCELLED``
     when the call was cancelled, ``UNKNOWN`` for an exception that escaped.
@@ -268,28 +377,30 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             )
         return handler  # pragma: no cover - every handler has one behaviour
 
-    def _done(self, method: str, started: float, code: str) -> None:
+    def _done(self, method: str, started: float, code: str, reason: str = "NONE") -> None:
         self._metrics.grpc_handled.labels(method, code).inc()
         self._metrics.grpc_seconds.labels(method).observe(time.perf_counter() - started)
+        if code not in ("OK", "CANCELLED"):
+            self._metrics.grpc_errors.labels(method, code, reason).inc()
 
     def _unary(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
         async def wrapper(request: Any, context: Any) -> Any:
             self._metrics.grpc_started.labels(method).inc()
             started = time.perf_counter()
-            code = "UNKNOWN"
+            code, reason = "UNKNOWN", "NONE"
             try:
                 response = await behavior(request, context)
                 code = _code_name(context, grpc.StatusCode.OK)
                 return response
             except grpc.aio.AbortError:
-                code = _code_name(context, grpc.StatusCode.UNKNOWN)
+                code, reason = _code_name(context, grpc.StatusCode.UNKNOWN), _reason(context)
                 raise
             except BaseException as error:
                 if isinstance(error, _CANCELLED):
                     code = "CANCELLED"
                 raise
             finally:
-                self._done(method, started, code)
+                self._done(method, started, code, reason)
 
         return wrapper
 
@@ -301,20 +412,20 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         async def wrapper(request: Any, context: Any) -> AsyncIterator[Any]:
             self._metrics.grpc_started.labels(method).inc()
             started = time.perf_counter()
-            code = "UNKNOWN"
+            code, reason = "UNKNOWN", "NONE"
             try:
                 async for response in behavior(request, context):
                     yield response
                 code = _code_name(context, grpc.StatusCode.OK)
             except grpc.aio.AbortError:
-                code = _code_name(context, grpc.StatusCode.UNKNOWN)
+                code, reason = _code_name(context, grpc.StatusCode.UNKNOWN), _reason(context)
                 raise
             except BaseException as error:
                 if isinstance(error, _CANCELLED):
                     code = "CANCELLED"
                 raise
             finally:
-                self._done(method, started, code)
+                self._done(method, started, code, reason)
 
         return wrapper
 

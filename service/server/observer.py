@@ -8,11 +8,12 @@ stays free of metric libraries; labels never carry session, turn, human or proje
 from __future__ import annotations
 
 from service.core.model import TurnEndReason, Usage
-from service.server.metrics import Metrics
+from service.server.metrics import Metrics, bounded_reason
 
 
 class PrometheusTurnObserver:
-    """Records turns, rounds, tool calls, model calls, tokens and compactions."""
+    """Records turns (failed ones by ErrorInfo reason, and their time to first delta),
+    rounds, tool calls, model calls, tokens and compactions."""
 
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
@@ -28,11 +29,16 @@ class PrometheusTurnObserver:
         rounds: int = 0,
         seconds: float | None = None,
     ) -> None:
-        del error_reason  # the reason label is enough; error reasons live in logs
         self._metrics.turns.labels(reason=reason.value).inc()
+        if reason is TurnEndReason.FAILED:
+            # ErrorInfo reasons are the planner's own constants; bounded all the same.
+            self._metrics.turn_failures.labels(reason=bounded_reason(error_reason)).inc()
         self._metrics.turn_rounds.observe(rounds)
         if seconds is not None:
             self._metrics.turn_seconds.labels(reason=reason.value).observe(seconds)
+
+    def first_delta(self, seconds: float) -> None:
+        self._metrics.turn_first_delta_seconds.observe(seconds)
 
     def round_completed(self) -> None:
         self._metrics.rounds.inc()

@@ -188,6 +188,7 @@ class PlannerApp:
     async def _shutdown(self) -> None:
         grace = self._remaining()
         await self.health.enter_graceful_shutdown()
+        self.metrics.ready.set(0)
         log.info("shutting down: health NOT_SERVING")
         self._stopping.set()
         if self._monitor is not None:
@@ -281,6 +282,7 @@ class PlannerApp:
         )
         for service in ("", SERVICE_NAME):
             await self.health.set(service, status)
+        self.metrics.ready.set(1 if serving else 0)
 
 
 def server_options(settings: Settings) -> list[tuple[str, int]]:
@@ -481,7 +483,9 @@ async def _start_planner(
     metrics.dev_mode.set(1 if verifier.dev_mode else 0)
     clock = clock or SystemClock()
     database = await _open_database(settings, tracing)
-    metrics.database_connections_in_use.set_function(database.checked_out)
+    pools, hot = settings.database, database.pool is not None
+    limit = pools.pool_size + pools.max_overflow + (pools.hot_pool_size if hot else 0)
+    metrics.watch_database(database.checked_out, limit, database.units_of_work.on_failure)
     opened: list[Any] = []
     try:
         store = database.sessions
@@ -538,6 +542,7 @@ async def _start_planner(
             options=server_options(settings),
             maximum_concurrent_rpcs=settings.server.maximum_concurrent_rpcs,
         )
+        metrics.grpc_max_concurrent_rpcs.set(settings.server.maximum_concurrent_rpcs)
         # Undecodable requests: INVALID_ARGUMENT, not UNKNOWN (service.transport.decoding).
         add_planner_service(
             PlannerServicer(rules, authenticator, turns.endpoints), server

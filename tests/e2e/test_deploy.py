@@ -1,8 +1,9 @@
 """``deploy/kubernetes/`` (issue 16, Deployment): valid against the Kubernetes schemas
 (the CI check), and consistent with the planner and its image: the ConfigMap is a
 configuration the planner accepts, the probes ask the health service, the pod's grace
-period outlasts the planner's, the pods run as the image's non-root user, and names,
-keys, paths and versions agree across the files."""
+period outlasts the planner's (preStop included), the autoscaler owns the replicas within
+the disruption budget and the database's connections, the pods run as the image's
+non-root user, and names, keys, paths and versions agree across the files."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
-from service.config import load_settings
+from service.config import SHUTDOWN_OVERHEAD_S, load_settings
 from service.server.root import LIVENESS_SERVICE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,9 +79,80 @@ def test_the_configmap_is_a_configuration_the_planner_accepts() -> None:
     assert mounts["data"] == "/var/lib/ballet-planner"
 
 
-def test_the_pod_outlasts_the_planners_shutdown_grace() -> None:
-    grace_s = load_settings(None, configured_environment()).server.grace_s
-    assert pod_spec("deployment.yaml")["terminationGracePeriodSeconds"] > grace_s
+#: What the pod's grace period must leave after the planner's own (seconds): the process
+#: exits within ``server.grace_s`` (decision 0181), and the kubelet's SIGTERM reaching it
+#: and the runtime reaping it take a little more.
+KILL_MARGIN_S = 5.0
+
+
+def pre_stop_s(container: dict[str, Any]) -> float:
+    """How long the container's preStop hook may take (0 without one). Kubernetes counts
+    it in the grace period and sends SIGTERM only after it; a hook whose length cannot be
+    read from the manifest (an HTTP call, a script) fails the test."""
+    hook = container.get("lifecycle", {}).get("preStop")
+    if hook is None:
+        return 0.0
+    if "sleep" in hook:
+        return float(hook["sleep"]["seconds"])
+    command = hook.get("exec", {}).get("command", [])
+    if len(command) == 2 and command[0] in ("sleep", "/bin/sleep"):
+        return float(command[1])
+    raise AssertionError(f"a preStop hook of unknown length: {hook}")
+
+
+@pytest.mark.parametrize("source", ["configmap", "defaults"])
+def test_kubernetes_never_kills_a_graceful_stop(source: str) -> None:
+    # The ConfigMap's server.grace_s, and the default a ConfigMap without it would get.
+    environ = configured_environment()
+    if source == "defaults":
+        environ.pop("BALLET_PLANNER__SERVER__GRACE_S")
+    settings = load_settings(None, environ)
+    spec = pod_spec("deployment.yaml")
+    (container,) = spec["containers"]
+    needed = pre_stop_s(container) + settings.server.grace_s + KILL_MARGIN_S
+    assert spec["terminationGracePeriodSeconds"] >= needed
+    # The grace period itself holds the planner's own shutdown (load_settings checks it).
+    assert settings.server.grace_s >= settings.planner.cancel_grace + SHUTDOWN_OVERHEAD_S
+
+
+def test_a_pre_stop_hook_counts_against_the_grace_period() -> None:
+    assert pre_stop_s({}) == 0
+    assert pre_stop_s({"lifecycle": {"preStop": {"sleep": {"seconds": 5}}}}) == 5
+    assert pre_stop_s({"lifecycle": {"preStop": {"exec": {"command": ["sleep", "3"]}}}}) == 3
+    with pytest.raises(AssertionError):
+        pre_stop_s({"lifecycle": {"preStop": {"httpGet": {"path": "/drain", "port": 9464}}}})
+
+
+def test_the_autoscaler_scales_the_deployment_on_cpu_within_the_budget() -> None:
+    hpa = load("hpa.yaml")["spec"]
+    deployment = load("deployment.yaml")
+    target = hpa["scaleTargetRef"]
+    assert (target["kind"], target["name"]) == ("Deployment", deployment["metadata"]["name"])
+    # The autoscaler owns the count: a replicas field would reset it on every apply.
+    assert "replicas" not in deployment["spec"]
+    (metric,) = hpa["metrics"]
+    assert metric["resource"]["name"] == "cpu"
+    assert metric["resource"]["target"]["type"] == "Utilization"
+    assert 0 < metric["resource"]["target"]["averageUtilization"] <= 80
+    # Utilization is a share of the request, so the container must have one.
+    (container,) = pod_spec("deployment.yaml")["containers"]
+    assert container["resources"]["requests"]["cpu"]
+    assert "cpu" not in container["resources"].get("limits", {})
+    # A drain (pdb.yaml) always leaves a replica serving; scaling down is one at a time.
+    budget = load("pdb.yaml")["spec"]
+    assert hpa["minReplicas"] > budget["maxUnavailable"]
+    assert hpa["maxReplicas"] > hpa["minReplicas"]
+    assert [p["value"] for p in hpa["behavior"]["scaleDown"]["policies"]] == [1]
+
+
+def test_the_autoscalers_replicas_fit_the_database_connections() -> None:
+    # Each replica may hold pool_size + max_overflow + hot_pool_size + 1 connections
+    # (docs/configuration.md); the most replicas must fit a PostgreSQL with
+    # max_connections = 500 (its default of 100 holds two replicas), leaving 50 for the
+    # migration Job, operators and the reserved superuser slots.
+    database = load_settings(None, configured_environment()).database
+    per_replica = database.pool_size + database.max_overflow + database.hot_pool_size + 1
+    assert load("hpa.yaml")["spec"]["maxReplicas"] * per_replica <= 450
 
 
 def test_probes_are_native_grpc_on_the_health_service() -> None:
@@ -133,4 +206,3 @@ def test_the_service_and_the_budget_select_the_deployments_pods() -> None:
     assert {port["targetPort"] for port in service["ports"]} == {"grpc", "metrics"}
     budget = load("pdb.yaml")["spec"]
     assert budget["selector"]["matchLabels"].items() <= labels.items()
-    assert load("deployment.yaml")["spec"]["replicas"] > budget["maxUnavailable"]

@@ -9,7 +9,7 @@ import pytest
 from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 
-from ballet_common.grpc.status import RpcFailure, code_name, from_status, parse
+from ballet_common.grpc.status import RpcFailure, code_name, from_status, from_trailers, parse
 
 Code = grpc.StatusCode
 DETAILS_KEY = "grpc-status-details-bin"
@@ -82,3 +82,10 @@ def test_the_first_error_info_counts_and_other_details_are_skipped() -> None:
 def test_code_names() -> None:
     assert code_name(5) == "NOT_FOUND" and code_name(99) == "99"
     assert from_status(status_pb2.Status(code=99)).code == Code.UNKNOWN
+
+
+def test_a_servers_interceptor_reads_what_its_handler_sent() -> None:
+    sent = RpcFailure(Code.NOT_FOUND, "gone", "SESSION_NOT_FOUND", "planner.ballet")
+    assert from_trailers(sent.to_grpc_status().trailing_metadata) == sent
+    assert from_trailers(((DETAILS_KEY, b"\xff\x00"),)) is None
+    assert from_trailers(()) is None

@@ -30,8 +30,10 @@ from service.core.model import (
 from service.core.ports import ModelRequest, Purpose, Role, SkillDocument
 from service.core.tools import ToolRunner, declarations
 from service.core.turn import (
+    NullObserver,
     SendRequest,
     TurnDependencies,
+    TurnObserver,
     TurnService,
     TurnSettings,
 )
@@ -79,7 +81,8 @@ class Rig:
         return [e.kind for e in self.store.events[self.session.session_id]]
 
 
-def make_rig(script: Any, **settings: Any) -> Rig:
+def make_rig(script: Any, *, observer: TurnObserver | None = None, **settings: Any) -> Rig:
+    """The turn service over the fakes; ``observer`` records its metrics hooks."""
     store = FakeStore()
     clock = FakeClock()
     session = store.add_session(
@@ -109,6 +112,7 @@ def make_rig(script: Any, **settings: Any) -> Rig:
             replica_id="r1",
             tools=ToolRunner(backends),
             declarations=declarations(),
+            observer=observer or NullObserver(),
         )
     )
     return Rig(service, store, gateway, backends, hub, clock, session)

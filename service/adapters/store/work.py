@@ -36,6 +36,9 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
+from psycopg_pool import PoolTimeout
+from sqlalchemy import exc as sa_exc
+
 from service.core import tracing
 from service.core.errors import PlannerError, StoreConflict, StoreUnavailable
 from service.core.ports import Tracer
@@ -51,6 +54,23 @@ MARK = "__unit_of_work__"
 
 #: Failures of a unit of work that are the store's answers, not bugs.
 _EXPECTED = (StoreUnavailable, StoreConflict, PlannerError)
+#: The kinds of failed unit of work ``UnitsOfWork.on_failure`` reports (``failure_kind``).
+FAILURE_KINDS = ("unavailable", "pool_timeout", "unexpected")
+
+
+def failure_kind(error: BaseException) -> str | None:
+    """What a unit of work that raised ``error`` says of the database: ``pool_timeout``
+    (no pooled connection was free in time), ``unavailable`` (any other
+    ``StoreUnavailable``: unreachable, a broken connection, a deadlock), None for the
+    store's answers (a conflict, a domain error such as ``TURN_IN_PROGRESS``), and
+    ``unexpected`` for anything else (an error the store does not translate: a bug, or a
+    schema that does not fit)."""
+    if isinstance(error, StoreUnavailable):
+        pool_timeout = isinstance(error.__cause__, PoolTimeout | sa_exc.TimeoutError)
+        return "pool_timeout" if pool_timeout else "unavailable"
+    if isinstance(error, StoreConflict | PlannerError):
+        return None
+    return "unexpected"
 
 
 class UnitsOfWork:
@@ -65,6 +85,12 @@ class UnitsOfWork:
     def __init__(self, tracer: Tracer = tracing.NULL_TRACER) -> None:
         self._running: set[asyncio.Task[Any]] = set()
         self._tracer = tracer
+        self._on_failure: Callable[[str], object] | None = None
+
+    def on_failure(self, callback: Callable[[str], object]) -> None:
+        """Call ``callback(kind)`` (``FAILURE_KINDS``) for every unit of work that fails
+        from now on, whether or not its caller still waits (the database error metric)."""
+        self._on_failure = callback
 
     @property
     def in_flight(self) -> int:
@@ -82,6 +108,8 @@ class UnitsOfWork:
         task = asyncio.get_running_loop().create_task(work)
         self._running.add(task)
         task.add_done_callback(self._running.discard)
+        if self._on_failure is not None:
+            task.add_done_callback(self._report_failure)
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -89,6 +117,14 @@ class UnitsOfWork:
             # the rest, so nothing is logged as "never retrieved".
             task.add_done_callback(_report_abandoned)
             raise
+
+    def _report_failure(self, task: asyncio.Task[Any]) -> None:
+        if task.cancelled() or self._on_failure is None:
+            return
+        error = task.exception()
+        kind = failure_kind(error) if error is not None else None
+        if kind is not None:
+            self._on_failure(kind)
 
     async def drain(self, timeout_s: float) -> None:
         """Wait up to ``timeout_s`` seconds for the units in flight; then cancel the rest

@@ -146,6 +146,7 @@ async def _stream_answer(
             if isinstance(chunk, TextChunk):
                 offset = answer.add_text(chunk.text)
                 if relay and chunk.text:
+                    _first_delta(deps, state)
                     deps.hub.publish_delta(
                         TextDelta(
                             handle.session_id,
@@ -158,6 +159,7 @@ async def _stream_answer(
             elif isinstance(chunk, ToolCallStartChunk):
                 call = _call_at(answer, chunk.index, chunk.name)
                 if relay:
+                    _first_delta(deps, state)
                     deps.hub.publish_progress(
                         ToolCallProgress(
                             handle.session_id,
@@ -220,6 +222,15 @@ async def _stream_answer(
     if request.purpose is Purpose.TURN and answer.usage is not None:
         state.usage = state.usage + answer.usage
     return Streamed(answer, failure, stopped)
+
+
+def _first_delta(deps: TurnDependencies, state: TurnState) -> None:
+    """Report the turn's time to first delta, from its start (its message accepted) to
+    the first delta its streams are sent; once per turn."""
+    if not state.delta_sent:
+        state.delta_sent = True
+        elapsed = (deps.clock.now() - state.handle.turn.start_time).total_seconds()
+        deps.observer.first_delta(max(0.0, elapsed))
 
 
 def _call_at(answer: Answer, index: int, name: str, *, completing: bool = False) -> PendingCall:

@@ -71,6 +71,11 @@ class TurnObserver(Protocol):
         seconds: float | None = None,
     ) -> None: ...
 
+    def first_delta(self, seconds: float) -> None:
+        """The turn's first delta (text, or a tool call's start) went to its streams
+        ``seconds`` after the turn started; once per turn."""
+        ...
+
     def compaction_failed(self, reason: str) -> None:
         """A compaction failed; ``reason`` is a bounded label (``service.core.summaries``:
         ``model``, ``refusal``, ``error``, ``too_short``, ``empty``, ``finish_<reason>``)."""
@@ -110,6 +115,9 @@ class NullObserver:
         rounds: int = 0,
         seconds: float | None = None,
     ) -> None:
+        pass
+
+    def first_delta(self, seconds: float) -> None:
         pass
 
     def compaction_failed(self, reason: str) -> None:

@@ -156,6 +156,8 @@ class TurnState:
     request_estimate: int | None = None
     credential_expired: bool = False
     versions: TurnPatch = field(default_factory=TurnPatch)
+    #: Whether the turn's streams were sent a delta yet (its time to first delta).
+    delta_sent: bool = False
 
     @property
     def totals(self) -> Totals:
