@@ -5,7 +5,8 @@ to this release), ``token`` (a dev JWT from the data directory's secret) and ``h
 (readiness and liveness probe), ``dev`` (the devstack and the planner together,
 ``devstack.dev``) and ``chat`` (the terminal client, ``service.chat_client``). Each
 subcommand is one ``_add_<name>`` function registering its parser and handler, so adding
-one touches nothing else.
+one touches nothing else. ``purge`` runs one retention pass, or erases one human
+(docs/retention.md).
 
 Exit codes: 0 success; 1 a failed check or command (``health`` not SERVING); 2 a usage or
 configuration error, with a message on stderr naming the problem; for ``serve`` and
@@ -478,6 +479,91 @@ def _chat(args: argparse.Namespace) -> int:
         return 1
 
 
+# --------------------------------------------------------------------------- purge
+
+
+def _add_purge(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser(
+        "purge",
+        help="delete idle sessions, or everything of one human",
+        description="Delete the sessions idle for retention.session_idle_days days, "
+        "with everything in them (one pass of serve's retention job, for a CronJob), or "
+        "with --human ID every session of that human (an erasure request). Exit 0 when "
+        "done (also when another planner is running a pass), 1 when the database cannot "
+        "be used or an erasure is incomplete, 2 for a usage or configuration error. "
+        "docs/retention.md says what is deleted and what is kept.",
+    )
+    parser.add_argument("--config", type=Path, help="TOML configuration file (as for serve)")
+    parser.add_argument("--database-url", help="SQLAlchemy URL (overrides database.url)")
+    parser.add_argument(
+        "--human",
+        metavar="ID",
+        help="erase this human (the token's sub): their sessions with everything in "
+        "them and their stream slots, after cancelling their running turns",
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="count what would be deleted; delete nothing"
+    )
+    parser.add_argument("--json", action="store_true", help="print the outcome as one JSON line")
+    parser.add_argument(
+        "--pushgateway",
+        metavar="URL",
+        help="push what was deleted to this Prometheus Pushgateway (job ballet-planner-purge)",
+    )
+    parser.set_defaults(handler=_purge)
+
+
+def _purge(args: argparse.Namespace) -> int:
+    import json
+    from datetime import UTC, datetime
+
+    from service.retention import (
+        PurgeError,
+        PurgeRequest,
+        push_purge_metrics,
+        report_complete,
+        report_json,
+        report_lines,
+        run_purge,
+    )
+
+    overrides = {"DATABASE__URL": args.database_url} if args.database_url else {}
+    settings = _settings(args.config, **overrides)
+    human = args.human
+    if human is not None and not human.strip():
+        print("ballet-planner purge: --human must name someone", file=sys.stderr)
+        return 2
+    if human is None and not settings.retention.session_idle_days:
+        print(
+            "ballet-planner purge: retention is off (retention.session_idle_days is 0): set "
+            "it, e.g. BALLET_PLANNER__RETENTION__SESSION_IDLE_DAYS=90, to delete idle "
+            "sessions, or give --human ID for an erasure",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        report = asyncio.run(run_purge(settings, PurgeRequest(human, args.dry_run)))
+    except PurgeError as error:
+        print(f"ballet-planner purge: {error}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(report_json(report)))
+    else:
+        print("\n".join(report_lines(report, settings.retention.session_idle_days)))
+    if not report_complete(report):
+        return 1
+    if args.pushgateway and not args.dry_run and not getattr(report, "skipped", False):
+        try:
+            push_purge_metrics(args.pushgateway, report, datetime.now(UTC))
+        except OSError as error:
+            print(
+                f"ballet-planner purge: done, but the push to {args.pushgateway} failed: {error}",
+                file=sys.stderr,
+            )
+            return 1
+    return 0
+
+
 # --------------------------------------------------------------------------- main
 
 #: Subcommands in help order.
@@ -488,6 +574,7 @@ SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]
     _add_health,
     _add_dev,
     _add_chat,
+    _add_purge,
 )
 
 

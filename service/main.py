@@ -12,10 +12,11 @@ with a WARNING, since SQLite means a single process; PostgreSQL: never migrate, 
 refuse to start while the schema is behind); the store; outbound channels and backend
 clients; the session rules; the turn side (``service.wiring.build_turns``); the gRPC
 server with PlannerService, health and reflection; the health monitor; the metrics
-endpoint.
+endpoint; the retention job, when ``[retention]`` asks for it (``service.retention``).
 
-Shutdown (SPEC section 8; decision 0181): health NOT_SERVING first, then the server stops
-accepting calls; running turns end within the grace period (or are stopped and closed
+Shutdown (SPEC section 8; decision 0181): health NOT_SERVING first, and the retention job
+stops (a pass in progress ends after its current batch); then the server stops accepting
+calls; running turns end within the grace period (or are stopped and closed
 ``INTERRUPTED`` by the turn machinery), then every Chat stream ends
 ``UNAVAILABLE``/``SHUTTING_DOWN``; then the metrics endpoint, channels and the database
 close, and the spans still queued are exported (at most 2 s; decision 0190). The whole
@@ -65,10 +66,12 @@ from service.core.ports import (
     SessionStore,
     ToolBackends,
 )
+from service.core.retention import RetentionJob
 from service.core.sessions import ProjectAccess, SessionLimits, SessionRules
 from service.core.tracing import NULL_TRACER
 from service.identity import page_token_keys, service_credentials, token_verifier
 from service.metrics import Metrics, MetricsInterceptor, MetricsServer, start_metrics_server
+from service.retention import retention_job
 from service.transport import convert
 from service.transport.auth import Authenticator
 from service.transport.decoding import add_planner_service
@@ -135,6 +138,7 @@ class PlannerApp:
     _metrics_server: MetricsServer | None
     _turns: PlannerTurns
     _tracing: Tracing | None = None
+    _retention: RetentionJob | None = None
     _stopping: asyncio.Event = field(default_factory=asyncio.Event)
     _monitor: asyncio.Task[None] | None = None
     _stopped: asyncio.Future[None] | None = None
@@ -193,6 +197,9 @@ class PlannerApp:
         if self._monitor is not None:
             self._monitor.cancel()
             await asyncio.wait({self._monitor})
+        if self._retention is not None:
+            # A batch in progress is a unit of work: the database's close waits for it.
+            await self._retention.stop()
         # The server stops accepting calls now and cancels those still running at the
         # end of the budget; the turns, and then the streams, end before that; the rest
         # of the grace period closes channels and pools (decision 0181).
@@ -568,6 +575,20 @@ async def _start_planner(
         _turns=turns,
         _tracing=tracing,
     )
+
+    def sessions_deleted(session_ids: Sequence[str]) -> None:
+        database.sessions.forget_sessions(session_ids)
+        turns.sessions_deleted(session_ids)
+
+    app._retention = retention_job(
+        settings,
+        database.engine,
+        store,
+        clock,
+        metrics,
+        on_deleted=sessions_deleted,
+        units_of_work=database.units_of_work,
+    )
     try:
         await turns.start()
         await server.start()
@@ -586,6 +607,8 @@ async def _start_planner(
                     f"{error.strerror}"
                 ) from error
             app.metrics_address = app._metrics_server.address
+        if app._retention is not None:
+            app._retention.start()
     except BaseException:
         await app.stop(0)
         raise
