@@ -486,24 +486,16 @@ def _add_purge(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser = commands.add_parser(
         "purge",
         help="delete idle sessions, or everything of one human",
-        description="Delete the sessions idle for retention.session_idle_days days, "
-        "with everything in them (one pass of serve's retention job, for a CronJob), or "
-        "with --human ID every session of that human (an erasure request). Exit 0 when "
-        "done (also when another planner is running a pass), 1 when the database cannot "
-        "be used or an erasure is incomplete, 2 for a usage or configuration error. "
-        "docs/retention.md says what is deleted and what is kept.",
+        description="Delete the sessions idle for retention.session_idle_days days with "
+        "everything in them (one pass of serve's retention job, e.g. in a CronJob), or with "
+        "--human ID all of one human's (an erasure request); see docs/retention.md. Exit 0: "
+        "done (or a pass runs elsewhere); 1: the database is unusable, or an erasure is "
+        "incomplete; 2: a usage or configuration error.",
     )
     parser.add_argument("--config", type=Path, help="TOML configuration file (as for serve)")
     parser.add_argument("--database-url", help="SQLAlchemy URL (overrides database.url)")
-    parser.add_argument(
-        "--human",
-        metavar="ID",
-        help="erase this human (the token's sub): their sessions with everything in "
-        "them and their stream slots, after cancelling their running turns",
-    )
-    parser.add_argument(
-        "--dry-run", action="store_true", help="count what would be deleted; delete nothing"
-    )
+    parser.add_argument("--human", metavar="ID", help="erase this human (their tokens' sub)")
+    parser.add_argument("--dry-run", action="store_true", help="count only; delete nothing")
     parser.add_argument("--json", action="store_true", help="print the outcome as one JSON line")
     parser.add_argument(
         "--pushgateway",
@@ -517,23 +509,14 @@ def _purge(args: argparse.Namespace) -> int:
     import json
     from datetime import UTC, datetime
 
-    from service.retention import (
-        PurgeError,
-        PurgeRequest,
-        push_purge_metrics,
-        report_complete,
-        report_json,
-        report_lines,
-        run_purge,
-    )
+    from service import retention
 
     overrides = {"DATABASE__URL": args.database_url} if args.database_url else {}
     settings = _settings(args.config, **overrides)
-    human = args.human
-    if human is not None and not human.strip():
+    if args.human is not None and not args.human.strip():
         print("ballet-planner purge: --human must name someone", file=sys.stderr)
         return 2
-    if human is None and not settings.retention.session_idle_days:
+    if args.human is None and not settings.retention.session_idle_days:
         print(
             "ballet-planner purge: retention is off (retention.session_idle_days is 0): set "
             "it, e.g. BALLET_PLANNER__RETENTION__SESSION_IDLE_DAYS=90, to delete idle "
@@ -541,26 +524,28 @@ def _purge(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    request = retention.PurgeRequest(args.human, args.dry_run)
     try:
-        report = asyncio.run(run_purge(settings, PurgeRequest(human, args.dry_run)))
-    except PurgeError as error:
+        report = asyncio.run(retention.run_purge(settings, request))
+    except retention.PurgeError as error:
         print(f"ballet-planner purge: {error}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps(report_json(report)))
+        print(json.dumps(retention.report_json(report)))
     else:
-        print("\n".join(report_lines(report, settings.retention.session_idle_days)))
-    if not report_complete(report):
+        print("\n".join(retention.report_lines(report, settings.retention.session_idle_days)))
+    if not retention.report_complete(report):
         return 1
-    if args.pushgateway and not args.dry_run and not getattr(report, "skipped", False):
-        try:
-            push_purge_metrics(args.pushgateway, report, datetime.now(UTC))
-        except OSError as error:
-            print(
-                f"ballet-planner purge: done, but the push to {args.pushgateway} failed: {error}",
-                file=sys.stderr,
-            )
-            return 1
+    try:
+        if args.pushgateway:
+            retention.push_purge_metrics(args.pushgateway, report, datetime.now(UTC))
+    except OSError as error:
+        gateway = args.pushgateway
+        print(
+            f"ballet-planner purge: done, but the push to {gateway} failed: {error}",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

@@ -354,12 +354,8 @@ class RetentionSettings:
         doc="With session_idle_days set, serve runs the deletion pass itself (one replica "
         "at a time); false: only `ballet-planner purge` does (e.g. a Kubernetes CronJob).",
     )
-    interval_s: float = _key(
-        3600.0, ge=1, doc="Seconds between two passes of serve's background job."
-    )
-    batch_sessions: int = _key(
-        100, ge=1, le=10_000, doc="Most sessions deleted in one transaction."
-    )
+    interval_s: float = _key(3600.0, ge=1, doc="Seconds between two passes of serve's job.")
+    batch_sessions: int = _key(100, ge=1, le=10_000, doc="Most sessions one transaction deletes.")
     batch_events: int = _key(
         10_000,
         ge=1,

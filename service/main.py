@@ -14,9 +14,8 @@ clients; the session rules; the turn side (``service.wiring.build_turns``); the 
 server with PlannerService, health and reflection; the health monitor; the metrics
 endpoint; the retention job, when ``[retention]`` asks for it (``service.retention``).
 
-Shutdown (SPEC section 8; decision 0181): health NOT_SERVING first, and the retention job
-stops (a pass in progress ends after its current batch); then the server stops accepting
-calls; running turns end within the grace period (or are stopped and closed
+Shutdown (SPEC section 8; decision 0181): health NOT_SERVING first, then the server stops
+accepting calls; running turns end within the grace period (or are stopped and closed
 ``INTERRUPTED`` by the turn machinery), then every Chat stream ends
 ``UNAVAILABLE``/``SHUTTING_DOWN``; then the metrics endpoint, channels and the database
 close, and the spans still queued are exported (at most 2 s; decision 0190). The whole
@@ -197,8 +196,7 @@ class PlannerApp:
         if self._monitor is not None:
             self._monitor.cancel()
             await asyncio.wait({self._monitor})
-        if self._retention is not None:
-            # A batch in progress is a unit of work: the database's close waits for it.
+        if self._retention is not None:  # its batch in progress ends, then the pass
             await self._retention.stop()
         # The server stops accepting calls now and cancels those still running at the
         # end of the budget; the turns, and then the streams, end before that; the rest
@@ -543,9 +541,7 @@ async def _start_planner(
             maximum_concurrent_rpcs=settings.server.maximum_concurrent_rpcs,
         )
         # Undecodable requests: INVALID_ARGUMENT, not UNKNOWN (service.transport.decoding).
-        add_planner_service(
-            PlannerServicer(rules, authenticator, turns.endpoints), server
-        )
+        add_planner_service(PlannerServicer(rules, authenticator, turns.endpoints), server)
         health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
@@ -575,20 +571,7 @@ async def _start_planner(
         _turns=turns,
         _tracing=tracing,
     )
-
-    def sessions_deleted(session_ids: Sequence[str]) -> None:
-        database.sessions.forget_sessions(session_ids)
-        turns.sessions_deleted(session_ids)
-
-    app._retention = retention_job(
-        settings,
-        database.engine,
-        store,
-        clock,
-        metrics,
-        on_deleted=sessions_deleted,
-        units_of_work=database.units_of_work,
-    )
+    app._retention = retention_job(settings, database, turns, clock, metrics)
     try:
         await turns.start()
         await server.start()

@@ -10,21 +10,21 @@ the command line.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
 from prometheus_client import push_to_gateway
 from sqlalchemy.engine import make_url
-from sqlalchemy.ext.asyncio import AsyncEngine
 
 from service.adapters.store import SqlSessionStore, make_engine, schema_status
+from service.adapters.store.database import Database
 from service.adapters.store.retention import SqlRetentionStore
 from service.adapters.store.work import UnitsOfWork
 from service.config import RetentionSettings, Settings
 from service.core.errors import StoreUnavailable
-from service.core.ports import Clock, SessionStore
+from service.core.ports import Clock
 from service.core.retention import (
     ErasureReport,
     PassOutcome,
@@ -35,6 +35,7 @@ from service.core.retention import (
     RetentionJob,
 )
 from service.metrics import Metrics, PurgeRunMetrics
+from service.wiring import PlannerTurns
 
 #: Seconds an erasure's cancelled turns get to end beyond the configured
 #: ``planner.cancel_grace + planner.lease_s + planner.sweep_interval_s``: the cancel's
@@ -80,28 +81,34 @@ def erasure_wait_s(settings: Settings) -> float:
 
 def retention_job(
     settings: Settings,
-    engine: AsyncEngine,
-    sessions: SessionStore,
+    database: Database,
+    turns: PlannerTurns,
     clock: Clock,
     metrics: Metrics,
-    *,
-    on_deleted: Callable[[Sequence[str]], None],
-    units_of_work: UnitsOfWork | None = None,
 ) -> RetentionJob | None:
-    """``serve``'s background job, or None when ``retention.session_idle_days`` is 0 or
-    ``retention.background`` is false. ``on_deleted`` ends this replica's streams of the
-    deleted sessions; ``units_of_work`` are the database's (its close waits for them)."""
+    """``serve``'s background job on ``database``, or None when
+    ``retention.session_idle_days`` is 0 or ``retention.background`` is false. Deleted
+    sessions end this replica's streams and leave its context cache (``turns``,
+    ``database.sessions``); its units of work are the database's, whose close waits for
+    them."""
     retention = settings.retention
     if not retention.session_idle_days or not retention.background:
         return None
-    store = SqlRetentionStore(engine, settings.server.replica_id, units_of_work=units_of_work)
+    store = SqlRetentionStore(
+        database.engine, settings.server.replica_id, units_of_work=database.units_of_work
+    )
+
+    def deleted(session_ids: Sequence[str]) -> None:
+        database.sessions.forget_sessions(session_ids)
+        turns.sessions_deleted(session_ids)
+
     observer = PrometheusPurgeObserver(metrics)
     purger = Purger(
         store,
-        sessions,
+        database.sessions,
         clock,
         purge_bounds(retention),
-        on_deleted=on_deleted,
+        on_deleted=deleted,
         observer=observer,
     )
     return RetentionJob(purger, retention.session_idle_days, retention.interval_s, clock, observer)
@@ -181,7 +188,11 @@ def _check_sqlite_file(url: str) -> None:
 def push_purge_metrics(gateway: str, report: PassReport | ErasureReport, at: datetime) -> None:
     """Push what ``report`` deleted to the Prometheus Pushgateway at ``gateway`` (a URL
     or host:port), as ``PurgeRunMetrics`` under job ``ballet-planner-purge`` and the
-    run's ``reason``. Raises ``OSError`` when the push fails."""
+    run's ``reason``; a dry run, or a pass skipped because another held the lock,
+    pushes nothing (so a stale ``last_success`` shows). Raises ``OSError`` when the push
+    fails."""
+    if report.dry_run or (isinstance(report, PassReport) and report.skipped):
+        return
     metrics = PurgeRunMetrics()
     metrics.sessions_deleted.set(report.sessions)
     metrics.messages_deleted.set(report.messages)
