@@ -1,6 +1,7 @@
 """Validate ``deploy/kubernetes/`` against the Kubernetes JSON schemas (CI and tests).
 
-Every resource the kustomization lists, and ``secret.example.yaml``, is checked with
+Every resource the kustomization lists, the resources and patches of the optional
+components in its subfolders (``retention/``), and ``secret.example.yaml``, is checked with
 kubernetes-validate (its schemas ship inside the package: nothing is fetched) in strict
 mode (an unknown field is an error, so a misspelt key never passes) against the oldest
 and the newest Kubernetes version we support.
@@ -23,11 +24,24 @@ VERSIONS = ("1.28.0", "1.37.0")
 
 
 def manifest_files() -> list[Path]:
-    """The kustomization's resources, then the example Secret."""
+    """The kustomization's resources, the optional components' resources and patches,
+    then the example Secret."""
     kustomization = yaml.safe_load((MANIFESTS / "kustomization.yaml").read_text())
-    return [MANIFESTS / name for name in kustomization["resources"]] + [
-        MANIFESTS / "secret.example.yaml"
-    ]
+    files = [MANIFESTS / name for name in kustomization["resources"]]
+    for folder in component_folders():
+        component = yaml.safe_load((folder / "kustomization.yaml").read_text())
+        files += [folder / name for name in component.get("resources", [])]
+        files += [folder / patch["path"] for patch in component.get("patches", [])]
+    return [*files, MANIFESTS / "secret.example.yaml"]
+
+
+def component_folders() -> list[Path]:
+    """The subfolders holding a kustomize Component (optional parts an overlay adds)."""
+    return sorted(
+        path.parent
+        for path in MANIFESTS.glob("*/kustomization.yaml")
+        if yaml.safe_load(path.read_text()).get("kind") == "Component"
+    )
 
 
 def problems() -> list[str]:
@@ -54,7 +68,7 @@ def main() -> int:
     for line in found:
         print(line)
     if not found:
-        names = ", ".join(path.name for path in manifest_files())
+        names = ", ".join(str(path.relative_to(MANIFESTS)) for path in manifest_files())
         print(f"valid against Kubernetes {' and '.join(VERSIONS)}: {names}")
     return 1 if found else 0
 

@@ -2,7 +2,8 @@
 
 The server's own subcommands live here: ``serve`` (the production service), ``migrate``
 (bring the database schema to this release), ``token`` (a dev JWT from the data
-directory's secret) and ``health`` (readiness and liveness probe). The other programs
+directory's secret), ``health`` (readiness and liveness probe) and ``purge`` (one
+retention pass, or the erasure of one human: docs/retention.md). The other programs
 add theirs through the entry point group ``ballet_planner.commands`` (a function that
 registers a subparser): ``chat``, the terminal client (``ballet_chat.command``, in this
 distribution), and ``dev``, the devstack with the planner (``devstack.command``, in the
@@ -291,6 +292,76 @@ def _health(args: argparse.Namespace) -> int:
     return 1
 
 
+# --------------------------------------------------------------------------- purge
+
+
+def _add_purge(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser(
+        "purge",
+        help="delete idle sessions, or everything of one human",
+        description="Delete the sessions idle for retention.session_idle_days days with "
+        "everything in them (one pass of serve's retention job, e.g. in a CronJob), or with "
+        "--human ID all of one human's (an erasure request); see docs/retention.md. Exit 0: "
+        "done (or a pass runs elsewhere); 1: the database is unusable, or an erasure is "
+        "incomplete; 2: a usage or configuration error.",
+    )
+    parser.add_argument("--config", type=Path, help="TOML configuration file (as for serve)")
+    parser.add_argument("--database-url", help="SQLAlchemy URL (overrides database.url)")
+    parser.add_argument("--human", metavar="ID", help="erase this human (their tokens' sub)")
+    parser.add_argument("--dry-run", action="store_true", help="count only; delete nothing")
+    parser.add_argument("--json", action="store_true", help="print the outcome as one JSON line")
+    parser.add_argument(
+        "--pushgateway",
+        metavar="URL",
+        help="push what was deleted to this Prometheus Pushgateway (job ballet-planner-purge)",
+    )
+    parser.set_defaults(handler=_purge)
+
+
+def _purge(args: argparse.Namespace) -> int:
+    import json
+    from datetime import UTC, datetime
+
+    from service.server import retention
+
+    overrides = {"DATABASE__URL": args.database_url} if args.database_url else {}
+    settings = _settings(args.config, **overrides)
+    if args.human is not None and not args.human.strip():
+        print("ballet-planner purge: --human must name someone", file=sys.stderr)
+        return 2
+    if args.human is None and not settings.retention.session_idle_days:
+        print(
+            "ballet-planner purge: retention is off (retention.session_idle_days is 0): set "
+            "it, e.g. BALLET_PLANNER__RETENTION__SESSION_IDLE_DAYS=90, to delete idle "
+            "sessions, or give --human ID for an erasure",
+            file=sys.stderr,
+        )
+        return 2
+    request = retention.PurgeRequest(args.human, args.dry_run)
+    try:
+        report = asyncio.run(retention.run_purge(settings, request))
+    except retention.PurgeError as error:
+        print(f"ballet-planner purge: {error}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(retention.report_json(report)))
+    else:
+        print("\n".join(retention.report_lines(report, settings.retention.session_idle_days)))
+    if not retention.report_complete(report):
+        return 1
+    try:
+        if args.pushgateway:
+            retention.push_purge_metrics(args.pushgateway, report, datetime.now(UTC))
+    except OSError as error:
+        gateway = args.pushgateway
+        print(
+            f"ballet-planner purge: done, but the push to {gateway} failed: {error}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
 # --------------------------------------------------------------------------- main
 
 #: The server's own subcommands, in help order.
@@ -299,6 +370,7 @@ SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]
     _add_migrate,
     _add_token,
     _add_health,
+    _add_purge,
 )
 
 

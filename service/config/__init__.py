@@ -42,6 +42,9 @@ from service.config.settings import (
     PlannerSettings as PlannerSettings,
 )
 from service.config.settings import (
+    RetentionSettings as RetentionSettings,
+)
+from service.config.settings import (
     ServerSettings as ServerSettings,
 )
 from service.config.settings import (

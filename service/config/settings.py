@@ -6,7 +6,7 @@ Sources, later ones winning:
 2. an optional TOML file (``serve --config FILE``) with the tables ``[planner]``,
    ``[server]``, ``[limits]``, ``[database]``, ``[dependencies]`` (with one sub-table per
    dependency: ``[dependencies.tracker]``, ``.skills``, ``.knowledge``, ``.gateway``),
-   ``[auth]``, ``[logging]``, and the top-level key ``data_dir``;
+   ``[auth]``, ``[logging]``, ``[retention]``, and the top-level key ``data_dir``;
 3. environment variables ``BALLET_PLANNER__<TABLE>__<KEY>`` (``__`` between levels, any
    case), e.g. ``BALLET_PLANNER__PLANNER__MAX_ROUNDS=3``,
    ``BALLET_PLANNER__DEPENDENCIES__TRACKER__ADDRESS=tracker:443``,
@@ -350,6 +350,35 @@ class LoggingSettings:
 
 
 @dataclass(frozen=True)
+class RetentionSettings:
+    """``[retention]``: deleting idle sessions (docs/retention.md; decisions 0250, 0251).
+    Off by default: nothing is ever deleted unless ``session_idle_days`` is set."""
+
+    session_idle_days: int = _key(
+        0,
+        ge=0,
+        le=36_500,
+        doc="Delete sessions with no activity (no message, turn or other stored event, "
+        "title change or compaction) for this many days, with everything in them; 0: "
+        "never (off).",
+    )
+    background: bool = _key(
+        True,
+        doc="With session_idle_days set, serve runs the deletion pass itself (one replica "
+        "at a time); false: only `ballet-planner purge` does (e.g. a Kubernetes CronJob).",
+    )
+    interval_s: float = _key(3600.0, ge=1, doc="Seconds between two passes of serve's job.")
+    batch_sessions: int = _key(100, ge=1, le=10_000, doc="Most sessions one transaction deletes.")
+    batch_events: int = _key(
+        10_000,
+        ge=1,
+        doc="Most session events (each message is stored by one) a batch's sessions hold; "
+        "a single larger session is deleted alone, in one transaction.",
+    )
+    batch_pause_s: float = _key(0.1, ge=0, le=60, doc="Seconds a pass waits between two batches.")
+
+
+@dataclass(frozen=True)
 class Settings:
     """The whole configuration, frozen; built by ``load_settings`` and passed explicitly."""
 
@@ -363,6 +392,7 @@ class Settings:
     dependencies: DependenciesSettings = _key(factory=DependenciesSettings, doc="[dependencies]")
     auth: AuthSettings = _key(factory=AuthSettings, doc="[auth]")
     logging: LoggingSettings = _key(factory=LoggingSettings, doc="[logging]")
+    retention: RetentionSettings = _key(factory=RetentionSettings, doc="[retention]")
 
     @property
     def dev_mode(self) -> bool:

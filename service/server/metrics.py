@@ -37,6 +37,7 @@ from prometheus_client import (
 from ballet_common.grpc.status import from_trailers
 from service.config import split_address
 from service.core.model import TurnEndReason
+from service.core.retention import PassOutcome, PurgeReason
 from service.version import version
 
 #: Latency buckets in seconds, from a fast tool call to a long model answer.
@@ -109,6 +110,14 @@ class Metrics:
     ``ballet_planner_database_connections_limit`` (the most the pools may check out),
     ``ballet_planner_ready`` (1 while health checking reports SERVING: readiness), and
     ``ballet_planner_grpc_server_max_concurrent_rpcs`` (``server.maximum_concurrent_rpcs``).
+
+    Retention (``service/core/retention.py``; docs/retention.md), counted by the process
+    that deleted: ``ballet_planner_retention_sessions_deleted_total{reason}`` and
+    ``ballet_planner_retention_messages_deleted_total{reason}`` (``idle`` or
+    ``erasure``), ``ballet_planner_retention_passes_total{outcome}`` (``completed``,
+    ``skipped``: another process held the pass lock, ``failed``), and
+    ``ballet_planner_retention_last_completed_pass_timestamp_seconds`` (Unix time; 0
+    before the first).
     """
 
     def __init__(self) -> None:
@@ -286,6 +295,38 @@ class Metrics:
             "more with RESOURCE_EXHAUSTED before any handler runs.",
             registry=registry,
         )
+        # Retention: what the idle passes and erasures of this process deleted.
+        self.retention_sessions_deleted = Counter(
+            "ballet_planner_retention_sessions_deleted",
+            "Sessions deleted with everything in them, by reason (idle, erasure).",
+            ["reason"],
+            registry=registry,
+        )
+        self.retention_messages_deleted = Counter(
+            "ballet_planner_retention_messages_deleted",
+            "Messages deleted with their sessions, by reason (idle, erasure).",
+            ["reason"],
+            registry=registry,
+        )
+        self.retention_passes = Counter(
+            "ballet_planner_retention_passes",
+            "Idle-session passes, by outcome (completed; skipped: another process held the "
+            "retention lock; failed).",
+            ["outcome"],
+            registry=registry,
+        )
+        self.retention_last_completed_pass = Gauge(
+            "ballet_planner_retention_last_completed_pass_timestamp_seconds",
+            "Unix time of the last idle-session pass that completed (0: none yet).",
+            registry=registry,
+        )
+        # Every label value from the start, so a planner that has deleted nothing yet
+        # exports zeros rather than no series at all.
+        for purge in PurgeReason:
+            self.retention_sessions_deleted.labels(purge.value)
+            self.retention_messages_deleted.labels(purge.value)
+        for outcome in PassOutcome:
+            self.retention_passes.labels(outcome.value)
 
     def watch_database(
         self,
@@ -306,6 +347,39 @@ def bounded_reason(reason: str) -> str:
     characters), else ``OTHER``: a label value from a bounded set whatever the caller
     passes."""
     return reason if _REASON.fullmatch(reason) else "OTHER"
+
+
+class PurgeRunMetrics:
+    """What one ``ballet-planner purge`` run did, for a Prometheus Pushgateway (a
+    CronJob's process ends before any scrape; docs/retention.md).
+
+    Gauges of the run, in a registry of their own (none of the serving metrics):
+    ``ballet_planner_purge_sessions_deleted`` and ``ballet_planner_purge_messages_deleted``
+    (by the run), ``ballet_planner_purge_last_success_timestamp_seconds`` (Unix time the
+    run succeeded; not set by a failed run, so staleness shows). Pushed under the
+    grouping key ``job="ballet-planner-purge"`` and ``reason`` (``idle`` or
+    ``erasure``), so an erasure never replaces the idle runs' values.
+    """
+
+    JOB = "ballet-planner-purge"
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.sessions_deleted = Gauge(
+            "ballet_planner_purge_sessions_deleted",
+            "Sessions the last purge run deleted.",
+            registry=self.registry,
+        )
+        self.messages_deleted = Gauge(
+            "ballet_planner_purge_messages_deleted",
+            "Messages the last purge run deleted with their sessions.",
+            registry=self.registry,
+        )
+        self.last_success = Gauge(
+            "ballet_planner_purge_last_success_timestamp_seconds",
+            "Unix time of the last purge run that succeeded.",
+            registry=self.registry,
+        )
 
 
 def _code_name(context: Any, default: grpc.StatusCode) -> str:

@@ -12,7 +12,7 @@ with a WARNING, since SQLite means a single process; PostgreSQL: never migrate, 
 refuse to start while the schema is behind); the store; outbound channels and backend
 clients; the session rules; the turn side (``service.server.wiring.build_turns``); the gRPC
 server with PlannerService, health and reflection; the health monitor; the metrics
-endpoint.
+endpoint; the retention job, when ``[retention]`` asks for it (``service.server.retention``).
 
 Shutdown (SPEC section 8; decision 0181): health NOT_SERVING first, then the server stops
 accepting calls; running turns end within the grace period (or are stopped and closed
@@ -65,10 +65,12 @@ from service.core.ports import (
     SessionStore,
     ToolBackends,
 )
+from service.core.retention import RetentionJob
 from service.core.sessions import ProjectAccess, SessionLimits, SessionRules
 from service.core.tracing import NULL_TRACER
 from service.server.identity import page_token_keys, service_credentials, token_verifier
 from service.server.metrics import Metrics, MetricsInterceptor, MetricsServer, start_metrics_server
+from service.server.retention import retention_job
 from service.server.wiring import PlannerTurns, Wiring, build_turns
 from service.transport import convert
 from service.transport.auth import Authenticator
@@ -135,6 +137,7 @@ class PlannerApp:
     _metrics_server: MetricsServer | None
     _turns: PlannerTurns
     _tracing: Tracing | None = None
+    _retention: RetentionJob | None = None
     _stopping: asyncio.Event = field(default_factory=asyncio.Event)
     _monitor: asyncio.Task[None] | None = None
     _stopped: asyncio.Future[None] | None = None
@@ -194,6 +197,8 @@ class PlannerApp:
         if self._monitor is not None:
             self._monitor.cancel()
             await asyncio.wait({self._monitor})
+        if self._retention is not None:  # its batch in progress ends, then the pass
+            await self._retention.stop()
         # The server stops accepting calls now and cancels those still running at the
         # end of the budget; the turns, and then the streams, end before that; the rest
         # of the grace period closes channels and pools (decision 0181).
@@ -544,9 +549,7 @@ async def _start_planner(
         )
         metrics.grpc_max_concurrent_rpcs.set(settings.server.maximum_concurrent_rpcs)
         # Undecodable requests: INVALID_ARGUMENT, not UNKNOWN (service.transport.decoding).
-        add_planner_service(
-            PlannerServicer(rules, authenticator, turns.endpoints), server
-        )
+        add_planner_service(PlannerServicer(rules, authenticator, turns.endpoints), server)
         health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
@@ -576,6 +579,7 @@ async def _start_planner(
         _turns=turns,
         _tracing=tracing,
     )
+    app._retention = retention_job(settings, database, turns, clock, metrics)
     try:
         await turns.start()
         await server.start()
@@ -594,6 +598,8 @@ async def _start_planner(
                     f"{error.strerror}"
                 ) from error
             app.metrics_address = app._metrics_server.address
+        if app._retention is not None:
+            app._retention.start()
     except BaseException:
         await app.stop(0)
         raise

@@ -4,6 +4,7 @@ the fan-out hub, the cross-replica notifier, the gateway client, the tool runner
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,6 +174,13 @@ class PlannerTurns:
     def endpoints(self) -> TurnEndpoints:
         """``SendMessage``, ``CancelTurn`` and ``Chat``."""
         return self.rpcs
+
+    def sessions_deleted(self, session_ids: Sequence[str]) -> None:
+        """Sessions were deleted by this process's retention job: stop their turns here
+        and end the streams attached here with ``NOT_FOUND``, as after ``DeleteSession``
+        (other replicas hear the store's notification)."""
+        for session_id in session_ids:
+            self.rpcs.session_deleted(session_id)
 
     async def start(self) -> None:
         """Start the notifier (other replicas' events and cancels), then the turns."""

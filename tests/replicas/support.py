@@ -268,9 +268,10 @@ async def start_planner_process(
     planner: Mapping[str, object],
     limits: Mapping[str, object],
     server: Mapping[str, object],
+    more_tables: Mapping[str, Mapping[str, object]] | None = None,
 ) -> Planner:
     """Write ``<name>.toml`` and start ``ballet-planner serve --config`` with it (not
-    waiting for it to serve)."""
+    waiting for it to serve); ``more_tables`` are further tables, e.g. ``retention``."""
     address = f"127.0.0.1:{free_port()}"
     replica_id = f"replica-{name}"
     config = work_dir / f"{name}.toml"
@@ -291,6 +292,7 @@ async def start_planner_process(
     }
     for dependency in ("tracker", "skills", "knowledge", "gateway"):
         tables[f"dependencies.{dependency}"] = {"address": stack_address}
+    tables.update(more_tables or {})
     write_toml(config, tables, data_dir=str(data_dir))
     log = work_dir / f"{name}.log"
     process = Planner.spawn(config, log)
@@ -333,11 +335,13 @@ async def rig(
     planner: Mapping[str, object] | None = None,
     limits: Mapping[str, object] | None = None,
     server: Mapping[str, object] | None = None,
+    more_tables: Mapping[str, Mapping[str, object]] | None = None,
 ) -> AsyncIterator[Rig]:
     """Start the devstack, migrate, start both planners and wait until both serve.
 
     ``planner``, ``limits`` and ``server`` are extra keys of those tables, the same for
-    both processes (leases and sweeps small, so recovery tests stay fast).
+    both processes (leases and sweeps small, so recovery tests stay fast); ``more_tables``
+    are further tables for both (e.g. ``retention``).
     """
     data_dir = work_dir / "data"
     provider = ScriptedProvider(scenario)  # type: ignore[arg-type]
@@ -366,6 +370,7 @@ async def rig(
                     planner or {},
                     limits or {},
                     server or {},
+                    more_tables,
                 )
             )
         await asyncio.gather(

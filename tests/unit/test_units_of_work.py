@@ -11,12 +11,15 @@ import pytest
 
 from service.adapters.store.pg import PgSessionStore, PgStreamStore
 from service.adapters.store.repository import SqlSessionStore
+from service.adapters.store.retention import SqlRetentionStore
 from service.adapters.store.streams import SqlStreamStore
 from service.adapters.store.work import MARK, UnitsOfWork
 from service.core.errors import StoreUnavailable
 
 
-@pytest.mark.parametrize("store", [SqlSessionStore, PgSessionStore, SqlStreamStore, PgStreamStore])
+@pytest.mark.parametrize(
+    "store", [SqlSessionStore, PgSessionStore, SqlStreamStore, PgStreamStore, SqlRetentionStore]
+)
 def test_every_public_method_of_a_store_is_a_unit_of_work(store: type) -> None:
     """By construction, not by review: a method added without ``@unit_of_work`` (or an
     override that drops it) fails here."""

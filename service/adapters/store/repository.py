@@ -291,6 +291,12 @@ class SqlSessionStore:
         self._cache.drop(session_id)
         return await self._delete_session(session_id)
 
+    def forget_sessions(self, session_ids: Sequence[str]) -> None:
+        """Drop what this process keeps in memory of sessions deleted elsewhere (the
+        retention job's batches), as ``delete_session`` does for its own."""
+        for session_id in session_ids:
+            self._cache.drop(session_id)
+
     async def _delete_session(self, session_id: str) -> bool:
         async with self._write() as conn:
             running = (

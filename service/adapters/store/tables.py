@@ -156,6 +156,12 @@ Index(
     sessions.c.create_time.desc(),
     sessions.c.session_id.desc(),
 )
+# Retention (migration 0006; docs/decisions/0250-retention-activity-and-batches.md):
+# the idle pass walks sessions unchanged since before its cutoff in (update_time, id)
+# order, and an erasure finds one human's sessions. ``update_time`` changes only with
+# the title or the summary, so this index costs the turn's commits nothing.
+Index("ix_sessions_update_time_session_id", sessions.c.update_time, sessions.c.session_id)
+Index("ix_sessions_owner_id_session_id", sessions.c.owner_id, sessions.c.session_id)
 
 messages = Table(
     "messages",
