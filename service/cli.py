@@ -97,6 +97,7 @@ def _add_migrate(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
 def _migrate(args: argparse.Namespace) -> int:
     overrides = {"DATABASE__URL": args.database_url} if args.database_url else {}
     settings = _settings(args.config, **overrides)
+    from ballet_common.databases import unreachable
     from service.adapters.store import migrate, schema_status
     from service.core.errors import StoreUnavailable
 
@@ -110,7 +111,12 @@ def _migrate(args: argparse.Namespace) -> int:
         asyncio.run(migrate(settings.database.url))
         status = asyncio.run(schema_status(settings.database.url))
     except StoreUnavailable as error:
-        print(f"ballet-planner migrate: the database is unreachable: {error}", file=sys.stderr)
+        where = "--database-url" if args.database_url else "database.url"
+        print(
+            f"ballet-planner migrate: {unreachable(settings.database.url, error)}; is the "
+            f"database running there, and is {where} right?",
+            file=sys.stderr,
+        )
         return 1
     print(f"database schema at {status.current} (head {status.head})")
     return 0
@@ -403,6 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.set_defaults(subcommands=commands.choices)
     for add in SUBCOMMANDS:
         add(commands)
     registered: set[str] = set()
@@ -432,7 +439,11 @@ def _missing_module(error: ImportError, module: str) -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``ballet-planner`` with ``argv`` (default: the process's); returns the exit
     code. Configuration errors print ``configuration error: <key>: <problem>``, exit 2."""
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:
+        # argparse leaves a subcommand's unknown options to the top-level parser, whose
+        # usage does not name them: the subcommand's own usage does.
+        args.subcommands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     handler: Handler = args.handler
     try:
         return handler(args)

@@ -41,6 +41,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from ballet_common import datadir
+from ballet_common.databases import unreachable
 from ballet_common.files import DatabaseFileError, private_directory
 from ballet_common.grpc.channels import ChannelTls, make_channel
 from ballet_common.tokens import DevSecretError
@@ -404,7 +405,10 @@ async def _open_database(settings: Settings, tracing: Tracing | None) -> Databas
             tracer=OtelTracer(tracing.tracer) if tracing else NULL_TRACER,
         )
     except StoreUnavailable as error:
-        raise StartupError(f"the database is unreachable: {error}") from error
+        raise StartupError(
+            f"{unreachable(url, error)}; is the database running there, and is "
+            "database.url (BALLET_PLANNER__DATABASE__URL) right?"
+        ) from None
 
 
 async def migrate_database(url: str) -> None:
@@ -414,7 +418,7 @@ async def migrate_database(url: str) -> None:
     try:
         await migrate(url)
     except StoreUnavailable as error:
-        raise StartupError(f"the database is unreachable: {error}") from error
+        raise StartupError(f"{unreachable(url, error)}; is the database running there?") from None
 
 
 def _bind(server: Any, address: str, credentials: Any | None) -> int:
