@@ -380,13 +380,14 @@ def banner(app: DevApp) -> str:
         f"  model      {app.provider_description}",
         f"  project    {project} of organization acme: {loaded}",
         "  users      alice (all five permissions), bob (read permissions only)",
-        f"  data       {data_dir} ({database})",
+        f"  data       {data_dir.absolute()} ({database})",
         "",
         "Chat in the terminal:",
         f"  {shlex.join(chat)}",
         "A token for other clients:",
         f"  ballet-planner token --user alice --data-dir {quoted_dir}",
-        "buf curl (server reflection on both addresses):",
+        "buf curl (server reflection on both addresses; get buf with `npm install "
+        "@bufbuild/buf`, then npx buf, or use grpcurl the same way):",
         f'  buf curl --protocol grpc --http2-prior-knowledge -H "authorization: Bearer {token}"'
         f" -d '{body}' http://{app.planner.address}/ballet.planner.v1.PlannerService/ListSessions",
         f"  buf curl --protocol grpc --http2-prior-knowledge --list-services http://{stack.address}",

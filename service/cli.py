@@ -46,6 +46,11 @@ OPTIONAL_COMMANDS = {
 }
 
 
+#: The names the planner's health service answers for: overall readiness, the API's
+#: readiness, liveness (``service.server.root``).
+HEALTH_SERVICES = ("", "ballet.planner.v1.PlannerService", "liveness")
+
+
 def _settings(config: Path | None, **overrides: str) -> Settings:
     environ = dict(os.environ)
     for key, value in overrides.items():
@@ -161,6 +166,12 @@ def _add_token(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.set_defaults(handler=_token)
 
 
+def _known_scopes() -> frozenset[str]:
+    from service.core.sessions import READ_SCOPE
+
+    return frozenset({READ_SCOPE})
+
+
 def _token(args: argparse.Namespace) -> int:
     from ballet_common.tokens import (
         MAX_DEV_TOKEN_TTL_S,
@@ -184,6 +195,15 @@ def _token(args: argparse.Namespace) -> int:
         )
         return 2
     scopes = [scope for value in args.scope for scope in value.split()]
+    unknown = sorted(set(scopes) - _known_scopes())
+    if unknown:
+        # The planner grants nothing for another scope: a token with one is a mistake.
+        print(
+            f"ballet-planner token: unknown scope {', '.join(unknown)}; the planner knows "
+            f"{', '.join(sorted(_known_scopes()))}",
+            file=sys.stderr,
+        )
+        return 2
     try:
         if args.create_secret:
             datadir.prepare(data_dir, datadir.WITH_OPTION)
@@ -243,7 +263,13 @@ def _add_health(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     parser.add_argument("--config", type=Path, help="TOML configuration file")
     parser.add_argument("--alive", action="store_true", help="exit 0 on any answer")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
-    parser.add_argument("--service", default="", help='service name (default "": overall)')
+    parser.add_argument(
+        "--service",
+        default="",
+        help='service name (default "": overall; also '
+        + ", ".join(name for name in HEALTH_SERVICES if name)
+        + ")",
+    )
     parser.add_argument(
         "--tls-ca", type=Path, help="CA bundle of the server's certificate (enables TLS)"
     )
@@ -286,6 +312,13 @@ def _health(args: argparse.Namespace) -> int:
             if args.alive and answered:
                 print(f"alive ({code.name})")
                 return 0
+            if code == grpc.StatusCode.NOT_FOUND:
+                print(
+                    f"ballet-planner health: {target} has no health service {args.service!r}; "
+                    f"--service names one of: {', '.join(repr(n) for n in HEALTH_SERVICES)}",
+                    file=sys.stderr,
+                )
+                return 1
             print(
                 f"ballet-planner health: {target}: {code.name}: {error.details()}", file=sys.stderr
             )
