@@ -86,9 +86,9 @@ def chat(args: argparse.Namespace) -> int:
             return 2
         user, org = args.user, args.org
         users = devusers.read(data_dir)
-        problem = devusers.mismatch(users, user, org) if users is not None else ""
-        if problem:
-            print(f"ballet-planner chat: {problem}", file=sys.stderr)
+        mismatch = devusers.mismatch(users, user, org) if users is not None else ""
+        if mismatch:
+            print(f"ballet-planner chat: {mismatch}", file=sys.stderr)
             return 2
 
         def mint() -> str:

@@ -12,7 +12,8 @@ settings of ``service.config``), never its internals.
    ``BALLET_PLANNER__`` environment, with dev overriding only the data directory, the
    planner's address (``--address``), the database (``--database-url``) and the four
    dependency channels (all the devstack's address, plaintext on loopback); with
-   ``--provider openai`` also ``planner.model`` when ``BALLET_OPENAI_MODEL`` is set;
+   ``--provider openai`` also ``planner.model`` when ``BALLET_OPENAI_MODEL`` is set,
+   with ``scripted`` the scripted model's name (``scripted demo``);
 2. the model provider (``devstack.model.make_provider``): ``scripted`` over
    ``--scenario FILE`` (re-read when it changes) or the built-in demo scenario, or
    ``openai`` from the ``BALLET_OPENAI_*`` environment;
@@ -56,6 +57,7 @@ from devstack.model import (
     ProviderName,
     ProviderSetupError,
     make_provider,
+    scripted_model_name,
 )
 from devstack.server import DEFAULT_ADDRESS as DEVSTACK_ADDRESS
 from devstack.server import DevStack, DevStackConfig
@@ -150,6 +152,10 @@ def dev_settings(options: DevOptions, environ: Mapping[str, str] | None = None) 
         overrides[f"DEPENDENCIES__{name}__ADDRESS"] = options.devstack_address
     if options.provider == "openai" and env.get(OPENAI_MODEL_VARIABLE):
         overrides["PLANNER__MODEL"] = env[OPENAI_MODEL_VARIABLE]
+    elif options.provider == "scripted":
+        # The scripted model answers whatever model is asked for: asking for it by its
+        # name makes every turn (and the chat's model line) name what answered.
+        overrides["PLANNER__MODEL"] = scripted_model_name(options.scenario)
     env.update({f"{ENV_PREFIX}{key}": value for key, value in overrides.items()})
     return load_settings(options.config_file, env)
 
