@@ -61,6 +61,7 @@ from devstack.model import (
 )
 from devstack.server import DEFAULT_ADDRESS as DEVSTACK_ADDRESS
 from devstack.server import DevStack, DevStackConfig
+from devstack.store.db import DatabaseUnreachable
 from service.config import ENV_PREFIX, ChannelSettings, Settings, load_settings
 from service.server.root import (
     EXIT_RESERVE_S,
@@ -112,7 +113,9 @@ class DevOptions:
     - ``provider``, ``scenario``: the model behind the LLM gateway.
     - ``address``: the planner's ``host:port`` (None: ``server.address`` of the
       settings, default ``127.0.0.1:50051``); ``devstack_address``: the devstack's. Port 0
-      picks a free port.
+      picks a free port. ``metrics_address``: the planner's metrics ``host:port`` (None:
+      ``server.metrics_address``, default ``127.0.0.1:9464``; empty: off).
+    - ``log_format``: ``text`` or ``json`` (None: ``logging.format`` of the settings).
     """
 
     config_file: Path | None = None
@@ -126,6 +129,8 @@ class DevOptions:
     scenario: Path | None = None
     address: str | None = None
     devstack_address: str = DEVSTACK_ADDRESS
+    metrics_address: str | None = None
+    log_format: str | None = None
 
     @property
     def project(self) -> str:
@@ -146,6 +151,10 @@ def dev_settings(options: DevOptions, environ: Mapping[str, str] | None = None) 
         overrides["DATA_DIR"] = str(options.data_dir)
     if options.address is not None:
         overrides["SERVER__ADDRESS"] = options.address
+    if options.metrics_address is not None:
+        overrides["SERVER__METRICS_ADDRESS"] = options.metrics_address
+    if options.log_format is not None:
+        overrides["LOGGING__FORMAT"] = options.log_format
     if options.database_url is not None:
         overrides["DATABASE__URL"] = options.database_url
     for name in ("TRACKER", "SKILLS", "KNOWLEDGE", "GATEWAY"):
@@ -303,8 +312,10 @@ async def _start_dev(
                 interceptors=(stack_tracing.server_interceptor(),) if stack_tracing else (),
             )
         )
+    except DatabaseUnreachable as error:
+        raise DevError(f"devstack: {error}") from None
     except OSError as error:
-        raise DevError(f"devstack: {error}") from error
+        raise DevError(f"devstack: {error}; choose another with --devstack-address") from None
     except ImportFileError as error:
         raise DevError(str(error)) from error
     except ValueError as error:

@@ -27,7 +27,7 @@ from ballet.tracker.v1 import tracker_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ballet_common import devusers
+from ballet_common import devusers, ports
 from ballet_common.files import check_sqlite_file, create_private_file, private_directory
 from ballet_common.tokens import (
     HUMAN_AUDIENCES,
@@ -273,6 +273,9 @@ class DevStack:
         reflection.enable_server_reflection(
             (*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
+        if ports.in_use(config.address):
+            # Said before gRPC tries: its C core would log a line of its own first.
+            raise OSError(f"{config.address} is in use (is another devstack or dev running?)")
         try:
             port = server.add_insecure_port(config.address)
         except RuntimeError as error:
