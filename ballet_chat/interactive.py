@@ -45,6 +45,10 @@ class Interactive:
 
     def __init__(self, client: ChatClient, lines: LineSource | None = None) -> None:
         self.client = client
+        #: True while the prompt is on screen and nothing was typed after it. Set before
+        #: the line reader starts: its thread asks for it as soon as a key is waiting,
+        #: which a line typed while the chat connects already is.
+        self.prompting = False
         self.lines = lines or LineSource(prompt=self._prompt_for_input)
         #: Lines come from a pipe or a file: they queue, no prompt, exit code by outcome.
         self.batch = not self.lines.terminal
@@ -53,8 +57,6 @@ class Interactive:
         self.quit = asyncio.Event()
         #: Set when the client goes idle (no turn runs, no message waits to be accepted).
         self._idle = asyncio.Event()
-        #: True while the prompt is on screen and nothing was typed after it.
-        self.prompting = False
         self._cancel_asked = False
         self._tasks: set[asyncio.Task[str]] = set()
         #: The session ids ``/sessions`` last listed, by row (``/open 2`` is the second).
