@@ -13,7 +13,7 @@ settings of ``service.config``), never its internals.
    planner's address (``--address``), the database (``--database-url``) and the four
    dependency channels (all the devstack's address, plaintext on loopback); with
    ``--provider openai`` also ``planner.model`` when ``BALLET_OPENAI_MODEL`` is set,
-   with ``scripted`` the scripted model's name (``scripted demo``);
+   with ``scripted`` the scripted model's name (``scripted demo``) unless one is set;
 2. the model provider (``devstack.model.make_provider``): ``scripted`` over
    ``--scenario FILE`` (re-read when it changes) or the built-in demo scenario, or
    ``openai`` from the ``BALLET_OPENAI_*`` environment;
@@ -62,7 +62,7 @@ from devstack.model import (
 from devstack.server import DEFAULT_ADDRESS as DEVSTACK_ADDRESS
 from devstack.server import DevStack, DevStackConfig
 from devstack.store.db import DatabaseUnreachable
-from service.config import ENV_PREFIX, ChannelSettings, Settings, load_settings
+from service.config import ENV_PREFIX, ChannelSettings, PlannerSettings, Settings, load_settings
 from service.server.root import (
     EXIT_RESERVE_S,
     PlannerApp,
@@ -161,12 +161,17 @@ def dev_settings(options: DevOptions, environ: Mapping[str, str] | None = None) 
         overrides[f"DEPENDENCIES__{name}__ADDRESS"] = options.devstack_address
     if options.provider == "openai" and env.get(OPENAI_MODEL_VARIABLE):
         overrides["PLANNER__MODEL"] = env[OPENAI_MODEL_VARIABLE]
-    elif options.provider == "scripted":
-        # The scripted model answers whatever model is asked for: asking for it by its
-        # name makes every turn (and the chat's model line) name what answered.
-        overrides["PLANNER__MODEL"] = scripted_model_name(options.scenario)
     env.update({f"{ENV_PREFIX}{key}": value for key, value in overrides.items()})
-    return load_settings(options.config_file, env)
+    settings = load_settings(options.config_file, env)
+    if options.provider == "scripted" and settings.planner.model == PlannerSettings().model:
+        # The scripted model answers whatever model is asked for: unless a model was
+        # configured, asking for it by its name makes every turn (and the chat's model
+        # line) name what answers.
+        planner = dataclasses.replace(
+            settings.planner, model=scripted_model_name(options.scenario)
+        )
+        settings = dataclasses.replace(settings, planner=planner)
+    return settings
 
 
 @dataclass
