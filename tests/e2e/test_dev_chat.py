@@ -259,7 +259,7 @@ def test_chat_errors_say_what_to_do(dev: DevProcess, tmp_path: Path) -> None:
         ["chat", "--address", dev.planner, "--user", "alice", "--data-dir", "empty"], tmp_path
     )
     assert no_secret.returncode == 2
-    assert "no dev secret in empty" in no_secret.stderr
+    assert f"no dev secret in {tmp_path / 'empty'}" in no_secret.stderr
     assert not (tmp_path / "empty").exists()
 
 
@@ -292,7 +292,7 @@ def test_interactive_chat_in_a_terminal(dev: DevProcess) -> None:
 
         terminal.send("/sessions")
         terminal.expect(r"sessions of demo \(newest first\):")
-        terminal.expect(rf"\* {first.group(1)}  \S+ \S+  What are the open epics\?")
+        terminal.expect(rf"\*\s+1  {first.group(1)}  \S+ \S+  What are the open epics\?")
         terminal.expect(r"> ")
 
         terminal.send("/new")
