@@ -20,8 +20,9 @@ reported once, on stderr, and stdout keeps the transcript.
 
 The client knows its own messages by the ``request_id`` it sent, never by their text:
 the planner echoes the id on its replies and on the ``message_accepted`` of the stream
-that sent the message, so no read per message is needed (docs/decisions/0166,
-0273-own-messages-by-request-id.md).
+that sent the message, so no read per message is needed; ``GetTurn`` is asked only about
+an acceptance without one that arrives while a message of ours waits
+(docs/decisions/0166, 0273-own-messages-by-request-id.md).
 
 The stream is reopened with ``after_sequence`` (so nothing is missed or repeated) when
 the planner ends it with ``SLOW_CONSUMER``, when a sequence gap shows an event was
@@ -167,9 +168,6 @@ class ChatClient:
     ended: dict[str, chat_pb2.TurnEnded] = field(default_factory=dict)
     #: The latest messages of a resumed session, until they are shown.
     recent: list[resources_pb2.Message] = field(default_factory=list)
-    #: The planner names this client's own messages on their live ``message_accepted``
-    #: (``request_id``): an acceptance without one is another client's.
-    ids_echoed: bool = False
     #: Called when no turn runs and no message is pending any more (the prompt).
     on_idle: Callable[[], None] | None = None
     renderer: Renderer = field(init=False)
@@ -342,19 +340,29 @@ class ChatClient:
 
         The planner sets ``request_id`` on the ``message_accepted`` of the stream that
         sent the message (and on a duplicate's reply), never on the other streams of the
-        session: no read per message is needed. A planner of an earlier release sets it
-        on replies only; until this client has seen one live acceptance carry it, the
-        oldest message waiting claims an acceptance without one (one turn runs per
-        session, so a message accepted while ours was in flight is ours unless another
-        client's won the race, and ours is then refused ``TURN_IN_PROGRESS``).
+        session, so a chat reads nothing per message. Only an acceptance without one that
+        arrives while a message of ours waits (another client's message that won the
+        race, a replay after a reopen, a planner of an earlier release) is asked about
+        with ``GetTurn``; should that read fail, the oldest message waiting claims the
+        turn (one turn runs per session: a message accepted while ours was in flight is
+        ours unless another client's won the race, and ours is then refused
+        ``TURN_IN_PROGRESS``, which this client reports).
         """
-        if response.request_id:
-            if response.request_id in self.pending:
-                self.ids_echoed = True
+        if response.request_id or not self.pending or response.turn_id in self.own_turns:
             return response.request_id
-        if self.ids_echoed or not self.pending or response.turn_id in self.own_turns:
-            return ""
-        return next(iter(self.pending))
+        assert self.session is not None
+        try:
+            got = await self.stub.GetTurn(
+                planner_service_pb2.GetTurnRequest(
+                    session_id=self.session.session_id, turn_id=response.turn_id
+                ),
+                metadata=self._metadata(),
+                timeout=10,
+            )
+        except grpc.aio.AioRpcError:
+            return next(iter(self.pending))
+        request_id: str = got.turn.request_id
+        return request_id
 
     def track(self, response: chat_pb2.ChatResponse, *, sender: str = "") -> None:
         """Follow the session's state and show ``response``. ``sender``: the request id
