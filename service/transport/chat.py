@@ -1,10 +1,11 @@
-"""The turn RPCs: ``Chat`` (bidirectional), ``SendMessage`` and ``CancelTurn`` (SPEC 3).
+"""The turn RPCs: ``Chat`` (bidirectional), ``SendMessage`` and ``CancelTurn``
+(docs/spec/api-and-streams.md).
 
 Stream plumbing only: each client message becomes a call into the session rules or the
 turn service; session events reach the stream through the process's ``Hub``. Replies
 (``session_opened``, ``error``) go only to this stream and echo its ``request_id``.
 
-The protocol rules of SPEC section 3 live here:
+The protocol rules of docs/spec/api-and-streams.md live here:
 
 - a stream carries one session: ``send_message``/``cancel_turn`` before ``open``, or a
   second ``open``, gets a ``FAILED_PRECONDITION`` reply and the stream stays open;
@@ -65,7 +66,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ChatLimits:
-    """Stream limits (SPEC sections 3 and 8)."""
+    """Stream limits (docs/spec/api-and-streams.md and docs/spec/operations.md)."""
 
     open_timeout_s: float = 30.0
     max_replay_events: int = 1000
@@ -90,7 +91,7 @@ class TurnRpcs:
         on_stream_change: Any = None,
         streams: StreamRegistry | None = None,
     ) -> None:
-        """``streams`` counts open streams per human across replicas (SPEC 8); without
+        """``streams`` counts open streams per human across replicas (docs/spec/limits.md); without
         it only this process's streams count (``Hub.stream_count``)."""
         self._rules = rules
         self._auth = authenticator
@@ -109,7 +110,7 @@ class TurnRpcs:
         """Run one whole turn and return its outcome and messages.
 
         When the caller's deadline passes the call ends ``DEADLINE_EXCEEDED`` and the turn
-        goes on; ``GetTurn`` reads its outcome (SPEC section 3).
+        goes on; ``GetTurn`` reads its outcome (docs/spec/api-and-streams.md).
         """
         async with rpc_errors(context):
             claims = self._auth.authenticate(context)
@@ -140,8 +141,8 @@ class TurnRpcs:
 
     def session_deleted(self, session_id: str) -> None:
         """After ``DeleteSession``: stop the session's turn running here and end the
-        streams attached here with ``NOT_FOUND`` (SPEC 3). Other replicas hear it from
-        the notifier, which skips this replica's own notifications."""
+        streams attached here with ``NOT_FOUND`` (docs/spec/api-and-streams.md). Other replicas hear
+        it from the notifier, which skips this replica's own notifications."""
         self._turns.on_session_deleted(session_id)
         self._hub.session_deleted(session_id)
 
@@ -197,7 +198,7 @@ class TurnRpcs:
             # a second cancellation cannot skip it.
             end()
             # asyncio.wait does not raise the reader's CancelledError, and lets this
-            # task's own cancellation through (never swallowed; STYLE rule 5).
+            # task's own cancellation through (never swallowed; docs/contributing.md).
             await asyncio.wait({reader})
 
     async def _take_slot(
@@ -206,10 +207,10 @@ class TurnRpcs:
         requests: AsyncIterator[chat_pb2.ChatRequest | Undecodable],
         context: Any,
     ) -> StreamSlot | None:
-        """Admit the caller's stream against the per-human limit (SPEC 8), or refuse the
-        call (``TOO_MANY_STREAMS``, ``DATABASE_UNAVAILABLE``). The slot is released when
+        """Admit the caller's stream against the per-human limit (docs/spec/limits.md), or refuse
+        the call (``TOO_MANY_STREAMS``, ``DATABASE_UNAVAILABLE``). The slot is released when
         the call ends, however it ends: a call cancelled while its slot is being taken
-        leaves no row behind (issue 12; decision 0182)."""
+        leaves no row behind (decision 0182)."""
         if self._streams is not None:
             slot = self._streams.open(caller.subject)
             context.add_done_callback(lambda _: slot.release())
@@ -466,7 +467,7 @@ async def _read_requests(
 ) -> None:
     """The reader task of a Chat stream. Whatever ends it, but the cancellation that
     stops it, ends the stream with a status and an ErrorInfo: never silence, and never an
-    exception nobody retrieves (issue 12)."""
+    exception nobody retrieves."""
     try:
         await stream.read(requests)
     except Exception as error:

@@ -1,6 +1,6 @@
-"""The ``ballet.planner.v1.PlannerService`` servicer (SPEC section 3).
+"""The ``ballet.planner.v1.PlannerService`` servicer (docs/spec/api-and-streams.md).
 
-Thin by rule (STYLE rule 2): authenticate, convert the request, call the session rules
+Thin by rule (docs/contributing.md): authenticate, convert the request, call the session rules
 (``service.core.sessions``), convert the result. Errors leave through
 ``service.transport.errors`` (one ``ErrorInfo``, domain ``planner.ballet``).
 

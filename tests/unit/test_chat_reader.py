@@ -1,4 +1,4 @@
-"""The Chat reader never dies in silence (issue 12): an undecodable message gets a reply
+"""The Chat reader never dies in silence: an undecodable message gets a reply
 and reading goes on; any other failure of the request stream ends the stream with a
 status the client can act on."""
 

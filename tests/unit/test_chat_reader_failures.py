@@ -1,7 +1,7 @@
 """Whatever ends a Chat stream's reader ends the stream with a status and an ErrorInfo:
-never silence, never an exception nobody retrieves (issue 12, Build: the Chat reader;
-decision 0183). ``test_chat_reader.py`` covers the client's message stream (undecodable
-messages, a stream that breaks); these cover what fails after it, in the reader task.
+never silence, never an exception nobody retrieves (decision 0183). ``test_chat_reader.py`` covers
+the client's message stream (undecodable messages, a stream that breaks); these cover what fails
+after it, in the reader task.
 
 The reader task (``service.transport.chat._read_requests``) is driven here with store
 answers that make it fail, and the stream's outbound queue shows how the stream ends; the
