@@ -1,4 +1,4 @@
-"""OpenTelemetry tracing for the planner and the devstack (issue 16; decision 0190).
+"""OpenTelemetry tracing for the planner and the devstack (decision 0190).
 
 ``tracing_from_environment`` reads the process's standard ``OTEL_*`` variables (the
 SDK's exporter and sampler read them there too) and returns a
@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 
 #: Either of these set (to an endpoint) turns tracing on, exporting OTLP over gRPC.
 ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
-#: The OTLP transport; only ``grpc`` is supported (issue 16: OTLP over gRPC).
+#: The OTLP transport; only ``grpc`` is supported.
 PROTOCOL_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
 #: The values of ``OTEL_TRACES_EXPORTER`` understood here (a comma-separated list).
 EXPORTERS = ("otlp", "console", "none")
