@@ -246,12 +246,11 @@ class PgCluster(PgServer):
         ``shared_preload_libraries``)."""
         self._append_config(settings)
 
-    def enable_replication(self, *, synchronous: bool = True) -> None:
+    def enable_replication(self) -> None:
         """Make this cluster a durable primary that streaming standbys may copy and follow
         (``standby``): fsync, full-page writes and synchronous commit on, replication
-        connections trusted on loopback, and, when ``synchronous``, every commit waits
-        until a standby has flushed it (``synchronous_standby_names = '*'``). Call before
-        ``start``."""
+        connections trusted on loopback. Call before ``start``; ``make_synchronous``
+        once a standby streams."""
         self._append_config(
             {
                 "fsync": "on",
@@ -259,13 +258,20 @@ class PgCluster(PgServer):
                 "synchronous_commit": "on",
                 "wal_level": "replica",
                 "max_wal_senders": "5",
-                "synchronous_standby_names": "'*'" if synchronous else "''",
             }
         )
         self._run(
             ["tee", "-a", str(self.data_dir / "pg_hba.conf")],
             input_text="host replication all 127.0.0.1/32 trust\n",
         )
+
+    def make_synchronous(self) -> None:
+        """From now on every commit of this running primary waits until a standby has
+        flushed it (``synchronous_standby_names = '*'``; before a standby streams, every
+        commit would wait)."""
+        with psycopg.connect(self.admin_url(), autocommit=True) as conn:
+            conn.execute("ALTER SYSTEM SET synchronous_standby_names = '*'")
+            conn.execute("SELECT pg_reload_conf()")
 
     def standby(self) -> PgCluster:
         """A streaming standby of this running primary (``enable_replication``) in a new

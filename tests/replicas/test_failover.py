@@ -51,11 +51,12 @@ def primary_and_standby() -> Iterator[tuple[PgCluster, PgCluster]]:
     primary = PgCluster.temporary()
     standby: PgCluster | None = None
     try:
-        primary.enable_replication(synchronous=True)
+        primary.enable_replication()
         primary.start()
         primary.create_database("planner")
         standby = primary.standby()
         standby.start()
+        primary.make_synchronous()
         yield primary, standby
     finally:
         if standby is not None:
