@@ -101,6 +101,8 @@ class Client:
     #: turn_id -> (end reason, when its turn_ended arrived).
     ended: dict[str, tuple[int, float]] = field(default_factory=dict)
     refused: int = 0
+    #: Streams reopened because one broke or stalled.
+    reopened: int = 0
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -168,6 +170,7 @@ class Client:
                 except (AssertionError, TimeoutError):
                     # The stream broke (or stalled): reopen after the last event kept.
                     seen = self._keep(stream, seen)
+                    self.reopened += 1
                     await stream.close()
                     stream = await self._open()
                     seen = 0
@@ -253,6 +256,7 @@ async def test_a_failover_to_a_synchronous_standby_loses_nothing_acknowledged(
             END.TURN_END_REASON_FAILED,
             END.TURN_END_REASON_INTERRUPTED,
         }, reasons
+        record_property("streams_reopened", sum(c.reopened for c in clients))
         record_property("turns_accepted", sum(len(c.accepted) for c in clients))
         record_property("turns_failed", reasons.get(END.TURN_END_REASON_FAILED, 0))
         record_property("turns_interrupted", reasons.get(END.TURN_END_REASON_INTERRUPTED, 0))
