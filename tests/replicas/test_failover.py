@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,25 +43,6 @@ SCENARIO = {
         }
     ]
 }
-
-
-@pytest.fixture
-def primary_and_standby() -> Iterator[tuple[PgCluster, PgCluster]]:
-    """A running primary with synchronous replication and its running streaming standby."""
-    primary = PgCluster.temporary()
-    standby: PgCluster | None = None
-    try:
-        primary.enable_replication()
-        primary.start()
-        primary.create_database("planner")
-        standby = primary.standby()
-        standby.start()
-        primary.make_synchronous()
-        yield primary, standby
-    finally:
-        if standby is not None:
-            standby.destroy()
-        primary.destroy()
 
 
 def multi_host_url(*clusters: PgCluster) -> str:
