@@ -231,6 +231,8 @@ async def test_a_failover_to_a_synchronous_standby_loses_nothing_acknowledged(
                     r.alice, client.session_id, turn_id, limit_s=20
                 )
                 assert turn.state == res.TURN_STATE_ENDED
+                if turn_id in client.ended:  # the end a client was shown is the stored one
+                    assert turn.end_reason == client.ended[turn_id][0], turn
                 reasons[turn.end_reason] = reasons.get(turn.end_reason, 0) + 1
         assert set(reasons) <= {
             END.TURN_END_REASON_COMPLETED,
