@@ -78,7 +78,9 @@ async def test_cancelled_list_messages_behind_a_lock_do_not_hold_the_pool(
                 and o.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                 for o in outcomes
             ), outcomes
-            listed = await stub.ListSessions(pb.ListSessionsRequest(project_id="demo"), metadata=alice, timeout=10)
+            listed = await stub.ListSessions(
+                pb.ListSessionsRequest(project_id="demo"), metadata=alice, timeout=10
+            )
             assert [s.session_id for s in listed.sessions] == [session_id]
             assert locker.info.transaction_status == pq.TransactionStatus.INTRANS
             await locker.rollback()
