@@ -300,6 +300,9 @@ class PgCluster(PgServer):
                     "stream",
                     "--checkpoint",
                     "fast",
+                    # The copy's own files need no fsync before the standby starts: what
+                    # the test relies on is what the standby flushed while streaming.
+                    "--no-sync",
                 ]
             )
             standby._append_config(
