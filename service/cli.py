@@ -113,7 +113,9 @@ def _migrate(args: argparse.Namespace) -> int:
             print(f"ballet-planner migrate: {error}", file=sys.stderr)
             return 1
     try:
-        asyncio.run(migrate(settings.database.url))
+        asyncio.run(
+            migrate(settings.database.url, connect_timeout_s=settings.database.connect_timeout_s)
+        )
         status = asyncio.run(schema_status(settings.database.url))
     except StoreUnavailable as error:
         where = "--database-url" if args.database_url else "database.url"
