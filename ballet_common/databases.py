@@ -10,15 +10,22 @@ from sqlalchemy.engine import make_url
 def database_target(url: str) -> str:
     """Where ``url`` (a SQLAlchemy URL) points, for a human and without its password:
     ``postgresql://bob@db.example:5432/planner`` (the driver left out, the default port
-    named) or ``the SQLite file PATH``."""
+    named; every host of a multi-host URL, comma-separated) or ``the SQLite file
+    PATH``."""
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         return f"the SQLite file {parsed.database or ':memory:'}"
     user = f"{parsed.username}@" if parsed.username else ""
-    host = parsed.host or "localhost"
-    host = f"[{host}]" if ":" in host else host
-    port = parsed.port or 5432
-    return f"{parsed.get_backend_name()}://{user}{host}:{port}/{parsed.database or ''}"
+    hosts = parsed.query.get("host")
+    if hosts:
+        # A multi-host URL (``?host=a:5432&host=b:6432``): every host, in the order tried.
+        listed = [hosts] if isinstance(hosts, str) else list(hosts)
+        where = ",".join(h if ":" in h else f"{h}:5432" for h in listed)
+    else:
+        host = parsed.host or "localhost"
+        host = f"[{host}]" if ":" in host else host
+        where = f"{host}:{parsed.port or 5432}"
+    return f"{parsed.get_backend_name()}://{user}{where}/{parsed.database or ''}"
 
 
 def unreachable(url: str, error: BaseException) -> str:

@@ -354,3 +354,12 @@ def test_the_readme_says_how_to_get_buf_where_it_shows_buf_curl() -> None:
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     first = readme.index("buf curl")
     assert "npm install @bufbuild/buf" in readme[first - 200 : first + 400]
+
+
+def test_what_was_tried_names_every_host_and_never_the_password() -> None:
+    from ballet_common.databases import database_target
+
+    multi = database_target(f"postgresql+psycopg://bob:{PASSWORD}@/planner?host=a:5432&host=b")
+    assert multi == "postgresql://bob@a:5432,b:5432/planner"
+    single = database_target(f"postgresql+psycopg://bob:{PASSWORD}@[::1]:6432/planner")
+    assert single == "postgresql://bob@[::1]:6432/planner"
