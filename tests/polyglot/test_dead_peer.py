@@ -53,13 +53,9 @@ async def slot_taken(stub: planner_service_pb2_grpc.PlannerServiceStub, stack: S
 
 
 async def freed_after(stack: Stack, **settings: str) -> float:
-    """Seconds from the black hole until alice's only slot is free again."""
-    planner = await stack.planner(
-        LIMITS__STREAMS_PER_HUMAN="1",
-        SERVER__KEEPALIVE_TIME_S=str(KEEPALIVE_S),
-        SERVER__KEEPALIVE_TIMEOUT_S=str(TIMEOUT_S),
-        **settings,
-    )
+    """Seconds from the black hole until alice's only slot is free again, on a planner
+    of ``settings`` (``TABLE__KEY`` overrides)."""
+    planner = await stack.planner(LIMITS__STREAMS_PER_HUMAN="1", **settings)
     with relay(planner.app.address) as hop:
         channel = grpc.aio.insecure_channel(hop.address)
         try:
@@ -80,7 +76,11 @@ async def freed_after(stack: Stack, **settings: str) -> float:
 async def test_a_silently_dead_clients_slot_is_free_within_keepalive_plus_timeout(
     stack: Stack,
 ) -> None:
-    took = await freed_after(stack)
+    took = await freed_after(
+        stack,
+        SERVER__KEEPALIVE_TIME_S=str(KEEPALIVE_S),
+        SERVER__KEEPALIVE_TIMEOUT_S=str(TIMEOUT_S),
+    )
     # The server's next ping goes out at most KEEPALIVE_S after the black hole, then
     # waits TIMEOUT_S; a second's margin for the slot's release and the polling.
     assert took < KEEPALIVE_S + TIMEOUT_S + 1.5, took
