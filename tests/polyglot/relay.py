@@ -57,9 +57,7 @@ class Relay:
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
-        up_reader, up_writer = await asyncio.open_connection(
-            self.upstream_host, self.upstream_port
-        )
+        up_reader, up_writer = await asyncio.open_connection(self.upstream_host, self.upstream_port)
         self._writers += [writer, up_writer]
         await asyncio.gather(
             self._pump(reader, up_writer), self._pump(up_reader, writer), return_exceptions=True
