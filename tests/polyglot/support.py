@@ -72,9 +72,11 @@ class NodeRun:
     returncode: int
     steps: dict[str, dict[str, Any]]
     stderr: str
+    #: Milliseconds from the client's start to each step.
+    times: dict[str, int | None]
 
     def check(self) -> NodeRun:
-        assert self.returncode == 0 and "done" in self.steps, (self.steps, self.stderr)
+        assert self.returncode == 0 and "done" in self.steps, (self.steps, self.times, self.stderr)
         return self
 
 
@@ -105,7 +107,8 @@ async def run_node(
         out, err = await process.communicate()
     lines = [json.loads(line) for line in out.decode().splitlines() if line.startswith("{")]
     steps = {line.pop("step"): line for line in lines}
-    return NodeRun(process.returncode or 0, steps, err.decode())
+    times = {step: fields.pop("at_ms", None) for step, fields in steps.items()}
+    return NodeRun(process.returncode or 0, steps, err.decode(), times)
 
 
 NGINX_CONF = """\

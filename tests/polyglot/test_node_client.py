@@ -74,6 +74,7 @@ def check_conformance(steps: dict[str, dict[str, Any]]) -> None:
         "message_accepted",
         "turn_started",
         "tool_call_started",
+        "tool_call_progress",
         "tool_call_finished",
         "text_delta",
         "assistant_message",

@@ -47,8 +47,11 @@ const Status = rpcTypes.lookupType('google.rpc.Status');
 const ErrorInfo = rpcTypes.lookupType('google.rpc.ErrorInfo');
 const ERROR_INFO_URL = 'type.googleapis.com/google.rpc.ErrorInfo';
 
+const started = Date.now();
+
 function say(step, fields = {}) {
-  process.stdout.write(JSON.stringify({ step, ...fields }) + '\n');
+  const atMs = Date.now() - started;
+  process.stdout.write(JSON.stringify({ step, ...fields, at_ms: atMs }) + '\n');
 }
 
 function fail(message) {
@@ -111,6 +114,18 @@ class Stream {
     });
   }
 
+  // Until the next response or the end of the stream, at most `ms`; the timer is
+  // cleared so that no wait keeps Node running after the last step.
+  wait(ms) {
+    return new Promise((resolve) => {
+      const timer = setTimeout(resolve, ms);
+      this.waiters.push(() => {
+        clearTimeout(timer);
+        resolve();
+      });
+    });
+  }
+
   wake() {
     for (const waiter of this.waiters.splice(0)) waiter();
   }
@@ -134,20 +149,27 @@ class Stream {
       if (this.closed) fail(`the stream ended ${JSON.stringify(this.closed)} before ${kind}`);
       const left = deadline - Date.now();
       if (left <= 0) fail(`no ${kind} within ${limitMs} ms`);
-      await new Promise((resolve) => {
-        this.waiters.push(resolve);
-        setTimeout(resolve, left);
-      });
+      await this.wait(left);
     }
   }
 
+  // The next response, or how the stream ended if it ends first.
+  async replyOrEnd(limitMs = 15000) {
+    const deadline = Date.now() + limitMs;
+    while (!this.queue.length && !this.closed && Date.now() < deadline) {
+      await this.wait(deadline - Date.now());
+    }
+    if (this.queue.length) return this.queue.shift();
+    expect(this.closed, `no response and no end within ${limitMs} ms`);
+    return this.closed;
+  }
+
   async ended(limitMs = 15000) {
-    let timer;
-    const late = new Promise((resolve) => {
-      timer = setTimeout(() => resolve(null), limitMs);
-    });
-    const how = await Promise.race([this.end, late]);
-    clearTimeout(timer);
+    const deadline = Date.now() + limitMs;
+    while (!this.closed && Date.now() < deadline) {
+      await this.wait(deadline - Date.now());
+    }
+    const how = this.closed;
     expect(how, `the stream did not end within ${limitMs} ms`);
     return how;
   }
@@ -229,7 +251,7 @@ async function conformance() {
   // response) or the end of the stream (its ErrorInfo in grpc-status-details-bin).
   stream = new Stream(stub);
   stream.write({ request_id: 'missing', open: { session_id: 'no-such-session' } });
-  const first = await Promise.race([stream.next('error'), stream.ended()]);
+  const first = await stream.replyOrEnd();
   if (first.event === 'error') {
     const missing = errorInfo(first.error.details);
     say('open_refused', {
@@ -271,10 +293,7 @@ async function idle() {
   // Nothing is sent for HOLD_S; whatever arrives must be a heartbeat, and the stream
   // must not end.
   while (Date.now() < until) {
-    await new Promise((resolve) => {
-      stream.waiters.push(resolve);
-      setTimeout(resolve, Math.max(0, until - Date.now()));
-    });
+    await stream.wait(Math.max(0, until - Date.now()));
     if (stream.closed) fail(`the idle stream ended ${JSON.stringify(stream.closed)}`);
     while (stream.queue.length) {
       const response = stream.queue.shift();
