@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tests.hardening.support import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 NODE_DIR = Path(__file__).resolve().parent / "node"
 #: The API's proto roots, as the Node client loads them.
@@ -56,13 +58,6 @@ def find_nginx() -> str:
     if found is None:
         raise ProgramMissing("nginx is not installed (apt-get install nginx-light)")
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @dataclass
