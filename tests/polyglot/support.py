@@ -135,31 +135,42 @@ class Nginx:
 
     def __init__(self, program: str, directory: Path, upstream: str) -> None:
         self.directory = directory
-        self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
+        # A port found free may be taken before nginx binds it: then nginx exits and
+        # another free port is tried.
+        for _ in range(5):
+            self.port = free_port()
+            self.address = f"127.0.0.1:{self.port}"
+            self.process = self._start(program, upstream)
+            if self._listening():
+                return
+        raise AssertionError(f"nginx did not start: {self.log()}")
+
+    def _start(self, program: str, upstream: str) -> subprocess.Popen[bytes]:
         # Workers of a root master run as the user named here; elsewhere it is unused.
         user = "user root;" if os.geteuid() == 0 else ""
-        conf = directory / "nginx.conf"
+        conf = self.directory / "nginx.conf"
         conf.write_text(
-            NGINX_CONF.format(user=user, dir=directory, port=self.port, upstream=upstream)
+            NGINX_CONF.format(user=user, dir=self.directory, port=self.port, upstream=upstream)
         )
-        self.process = subprocess.Popen(
-            [program, "-p", str(directory), "-c", str(conf), "-g", "daemon off;"],
+        (self.directory / "nginx.pid").unlink(missing_ok=True)
+        return subprocess.Popen(
+            [program, "-p", str(self.directory), "-c", str(conf), "-g", "daemon off;"],
             stdout=subprocess.DEVNULL,
-            stderr=(directory / "stderr.log").open("w"),
+            stderr=(self.directory / "stderr.log").open("w"),
         )
-        self._wait_listening()
 
-    def _wait_listening(self, limit_s: float = 15) -> None:
+    def _listening(self, limit_s: float = 15) -> bool:
+        """Whether this nginx bound its port: its master writes the pid file only after
+        it opened the listening socket; False when it exited (the port was taken)."""
+        pid_file = self.directory / "nginx.pid"
         deadline = time.monotonic() + limit_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise AssertionError(f"nginx exited {self.process.returncode}: {self.log()}")
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                return
-            except OSError:
-                time.sleep(0.05)
+                return False
+            if pid_file.exists() and pid_file.read_text().strip() == str(self.process.pid):
+                socket.create_connection(("127.0.0.1", self.port), timeout=5).close()
+                return True
+            time.sleep(0.05)
         raise AssertionError(f"nginx did not listen within {limit_s} s: {self.log()}")
 
     def log(self) -> str:

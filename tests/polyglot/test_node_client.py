@@ -105,14 +105,24 @@ async def test_grpc_js_conformance_directly_and_through_nginx(
 ) -> None:
     planner = await stack.planner()
     proxied = through_nginx(planner.app.address)
-    direct, via_nginx = await asyncio.gather(
+    direct, via_nginx, oversized = await asyncio.gather(
         run_node(
             node, "conformance", planner.app.address, stack.devstack.token("alice"), limit_s=90
         ),
         run_node(node, "conformance", proxied, stack.devstack.token("bob"), limit_s=90),
+        # Far over the planner's 32 KiB, under the transport's 16 MiB: a reply.
+        run_node(
+            node,
+            "oversized",
+            planner.app.address,
+            stack.devstack.token("alice"),
+            limit_s=90,
+            SIZE_BYTES=str(5 * 1024 * 1024),
+        ),
     )
     check_conformance(direct.check().steps)
     check_conformance(via_nginx.check().steps)
+    assert oversized.check().steps["refused"] == {"as": "error reply", "reason": "MESSAGE_TOO_LONG"}
 
 
 @pytest.mark.timeout(HOLD_S + 120)

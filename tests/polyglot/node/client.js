@@ -1,12 +1,12 @@
 // A grpc-js client of the planner's Chat stream: the worked example of docs/clients.md,
 // and the Node side of tests/polyglot/test_node_client.py.
 //
-//   node client.js conformance|idle
+//   node client.js conformance|idle|oversized
 //
 // Settings come from the environment: PLANNER_ADDRESS (host:port, plaintext), TOKEN (a
 // bearer token), PROTO_PATH (the API's proto roots, joined with the path delimiter),
 // and for "idle" HOLD_S (seconds the stream stays idle) and KEEPALIVE_MS (the client's
-// keepalive interval; 0 for none). Every step prints one JSON line on stdout; the last
+// keepalive interval; 0 for none), for "oversized" SIZE_BYTES. Every step prints one JSON line on stdout; the last
 // line is {"done": true, ...}. A failed expectation exits 1 with the reason on stderr.
 'use strict';
 
@@ -311,7 +311,27 @@ async function idle() {
   say('done', { done: true, heartbeats });
 }
 
-const scenarios = { conformance, idle };
+// A request far over the planner's bound but under the transport's limit (SIZE_BYTES of
+// text): an error reply, and the stream goes on.
+async function oversized() {
+  const stub = client();
+  const stream = new Stream(stub);
+  stream.write({ request_id: 'open', open: { project_id: 'demo', title: 'big' } });
+  await stream.next('session_opened');
+  stream.write({ request_id: 'big', send_message: { text: 'x'.repeat(Number(env.SIZE_BYTES)) } });
+  const reply = await stream.replyOrEnd(30000);
+  expect(reply.event === 'error', `no error reply but ${JSON.stringify(reply)}`);
+  const info = errorInfo(reply.error.details);
+  say('refused', { as: 'error reply', reason: info && info.reason });
+  const done = await turn(stream, 'hello', 'after-big');
+  expect(done.ended.turn_ended.reason === 'TURN_END_REASON_COMPLETED', 'the turn completes');
+  stream.call.end();
+  say('half_closed', await stream.ended());
+  stub.close();
+  say('done', { done: true });
+}
+
+const scenarios = { conformance, idle, oversized };
 const scenario = scenarios[process.argv[2]];
 if (!scenario) fail(`usage: node client.js ${Object.keys(scenarios).join('|')}`);
 scenario().catch((error) => fail(error.stack || String(error)));
