@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 from ballet.planner.v1 import planner_service_pb2_grpc
+from grpc_status import rpc_status
 
 from service.config import load_settings
 from tests.hardening.support import Chat, Stack, failure, start_stack
@@ -97,3 +98,32 @@ def test_the_documented_dead_peer_bound_is_the_settings() -> None:
     assert f"{server.keepalive_timeout_s:g} s timeout" in clients
     assert f"within {server.keepalive_time_s + server.keepalive_timeout_s:g} s" in clients
     assert f"every {server.min_ping_interval_s:g} s" in clients
+
+
+@pytest.mark.timeout(60)
+async def test_a_client_pinging_too_fast_loses_its_connection_to_goaway(stack: Stack) -> None:
+    """What docs/clients.md says a client pinging faster than every
+    ``server.min_ping_interval_s`` gets: after ``server.max_ping_strikes`` early pings,
+    GOAWAY too_many_pings, its stream ends UNAVAILABLE without an ErrorInfo."""
+    planner = await stack.planner()
+    channel = grpc.aio.insecure_channel(
+        planner.app.address,
+        options=[
+            ("grpc.keepalive_time_ms", 1000),
+            ("grpc.http2.min_time_between_pings_ms", 1000),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+        ],
+    )
+    try:
+        chat = Chat(planner_service_pb2_grpc.PlannerServiceStub(channel), stack.auth())
+        await chat.open()
+        # Pinged every second, it has had max_ping_strikes early pings within seconds.
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await asyncio.wait_for(chat.call.read(), 30)
+        error = caught.value
+        assert error.code() == grpc.StatusCode.UNAVAILABLE, error
+        assert "too many pings" in (error.details() or "").lower(), error
+        assert rpc_status.from_call(error) is None
+    finally:
+        await channel.close(grace=0)
