@@ -11,7 +11,7 @@
   exchange on an open stream).
 
 Messages are raw bytes (no protobuf): these are the limits of grpc.aio on loopback with
-this process layout, the floor under every planner figure (SPEC section 11).
+this process layout, the floor under every planner figure (docs/performance.md).
 """
 
 from __future__ import annotations

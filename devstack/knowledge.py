@@ -1,10 +1,10 @@
 """The devstack's ``ballet.knowledge.v1.KnowledgeService``: the organization's knowledge base.
 
-Knowledge is organization-wide (seed: Tools): the token's organization scopes every call,
+Knowledge is organization-wide (docs/spec/turn-loop.md): the token's organization scopes every call,
 and ``knowledge.read`` / ``knowledge.write`` are the union of the human's role
 permissions over that organization's projects (docs/decisions/0101). Writes are
 idempotent on ``request_id`` (AIP-155) and attributed to the human (``author_id``) while
-``recorded_by`` names the honoured actor, e.g. ``planner:<session_id>`` (SPEC section 4).
+``recorded_by`` names the honoured actor, e.g. ``planner:<session_id>`` (docs/spec/authority.md).
 """
 
 from __future__ import annotations

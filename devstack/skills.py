@@ -1,6 +1,6 @@
 """The devstack's ``ballet.skills.v1.SkillsService``: a project's effective skills.
 
-Both RPCs need ``skill.read`` in the project (seed: Tools, list_skills / read_skill).
+Both RPCs need ``skill.read`` in the project (docs/spec/turn-loop.md, list_skills / read_skill).
 """
 
 from __future__ import annotations

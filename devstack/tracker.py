@@ -1,8 +1,8 @@
 """The devstack's ``ballet.tracker.v1.TrackerService``: projects, items, search, changesets.
 
-Permissions follow the seed's Needs column: reads need ``tracker.read``, proposing needs
+Permissions follow what the tools need: reads need ``tracker.read``, proposing needs
 ``tracker.write``, and project search returns items with ``tracker.read`` and skills with
-``skill.read`` (SPEC section 4). Changesets stay ``PROPOSED``: no RPC applies them.
+``skill.read`` (docs/spec/authority.md). Changesets stay ``PROPOSED``: no RPC applies them.
 """
 
 from __future__ import annotations
@@ -347,7 +347,7 @@ class TrackerServicer(tracker_pb2_grpc.TrackerServiceServicer):
         unknown ref or a wrong kind). The same ``request_id`` with the same payload returns
         the first changeset; with another payload INVALID_ARGUMENT/REQUEST_ID_REUSED (AIP-155).
         A planner-recorded call may not set an execution policy (PERMISSION_DENIED /
-        POLICY_CHANGE_NOT_ALLOWED, seed: Authority). Author = the human; recorded by = the
+        POLICY_CHANGE_NOT_ALLOWED, docs/spec/authority.md). Author = the human; recorded by = the
         honoured actor, else the human.
         """
 

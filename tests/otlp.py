@@ -1,4 +1,4 @@
-"""A real OTLP/gRPC trace receiver on loopback, for the tracing tests (issue 16).
+"""A real OTLP/gRPC trace receiver on loopback, for the tracing tests.
 
 ``OtlpReceiver`` serves ``opentelemetry.proto.collector.trace.v1.TraceService`` (the OTLP
 protocol's messages and service as the SDK's exporter package ships them) on a free

@@ -1,4 +1,4 @@
-"""Every Prometheus metric of the planner, in one place (SPEC section 8).
+"""Every Prometheus metric of the planner, in one place (docs/spec/operations.md).
 
 ``Metrics`` owns its own ``CollectorRegistry`` (nothing is registered globally, so tests
 and several planners in one process never collide); the composition root makes one and
@@ -63,7 +63,7 @@ class Metrics:
 
     Counters (``_total`` is added by prometheus_client):
 
-    - ``ballet_planner_compactions_total``: compactions stored (seed: Context compaction);
+    - ``ballet_planner_compactions_total``: compactions stored (docs/spec/compaction.md);
       ``ballet_planner_compaction_failures_total{reason}``: failed ones (logged, nothing
       stored but the turn's compaction usage), by ``service.core.summaries`` reason.
     - ``ballet_planner_turns_total{reason}``: turns ended, by ``TurnEndReason`` value
@@ -135,7 +135,7 @@ class Metrics:
         self.build_info.info({"version": version(), "python": platform.python_version()})
         self.compactions = Counter(
             "ballet_planner_compactions",
-            "Context compactions stored (seed: Context compaction).",
+            "Context compactions stored.",
             registry=registry,
         )
         self.compaction_failures = Counter(
@@ -405,7 +405,7 @@ def _reason(context: Any) -> str:
     return bounded_reason(failure.reason) if failure is not None and failure.reason else "NONE"
 
 
-class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+class MetricsInterceptor(grpc.aio.ServerInterceptor):
     """Counts and times every RPC: ``grpc_server_started``/``handled``/``handling``, and
     ``grpc_server_errors`` by ErrorInfo reason.
 

@@ -2,7 +2,7 @@
 
 ``FakeTracker`` is a real ``grpc.aio`` TrackerService on a free loopback port that answers
 ``GetProject`` and records the metadata of every call, so tests see what the planner
-sends as the human (SPEC section 4). Everything else a backend does belongs to the
+sends as the human (docs/spec/authority.md). Everything else a backend does belongs to the
 devstack.
 """
 
