@@ -32,16 +32,20 @@ MESSAGE_BYTES = 32
 _PAYLOAD = b"x" * MESSAGE_BYTES
 
 
-async def _unary(request: bytes, context: Any) -> bytes:
+async def _unary(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
     return request
 
 
-async def _stream(request: bytes, context: Any) -> AsyncIterator[bytes]:
+async def _stream(
+    request: bytes, context: grpc.aio.ServicerContext[Any, Any]
+) -> AsyncIterator[bytes]:
     for _ in range(int(request)):
         yield _PAYLOAD
 
 
-async def _ping_pong(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
+async def _ping_pong(
+    requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
+) -> AsyncIterator[bytes]:
     async for request in requests:
         yield request
 

@@ -91,11 +91,13 @@ class Control:
         self.gateway: GatewayServicer | None = None
         self.stack: DevStack | None = None
 
-    async def set_scenario(self, request: bytes, context: Any) -> bytes:
+    async def set_scenario(
+        self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> bytes:
         self.provider.inner.set_scenario(json.loads(request))
         return b"{}"
 
-    async def stats(self, request: bytes, context: Any) -> bytes:
+    async def stats(self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
         assert self.stack is not None and self.gateway is not None
         calls = Counter(record.method for record in self.stack.call_log.records)
         answer = {"model": dict(self.provider.calls), "calls": dict(calls)}

@@ -58,7 +58,7 @@ class Backend:
 
     async def run(
         self,
-        context: Any,
+        context: grpc.aio.ServicerContext[Any, Any],
         method: str,
         work: Callable[[Caller], Awaitable[R]],
         *,

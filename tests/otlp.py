@@ -76,7 +76,9 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):  # type: ignore
         self.endpoint = ""
 
     def Export(
-        self, request: trace_service_pb2.ExportTraceServiceRequest, context: Any
+        self,
+        request: trace_service_pb2.ExportTraceServiceRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
     ) -> trace_service_pb2.ExportTraceServiceResponse:
         with self._changed:
             self.requests.append(request)

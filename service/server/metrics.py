@@ -382,7 +382,7 @@ class PurgeRunMetrics:
         )
 
 
-def _code_name(context: Any, default: grpc.StatusCode) -> str:
+def _code_name(context: grpc.aio.ServicerContext[Any, Any], default: grpc.StatusCode) -> str:
     try:
         code = context.code()
     except Exception:  # the context may be gone with the call; the default stands
@@ -396,7 +396,7 @@ def _code_name(context: Any, default: grpc.StatusCode) -> str:
     return str(default.name)
 
 
-def _reason(context: Any) -> str:
+def _reason(context: grpc.aio.ServicerContext[Any, Any]) -> str:
     """The ErrorInfo reason of the status a handler aborted with (``NONE`` without one)."""
     try:
         failure = from_trailers(context.trailing_metadata())
@@ -458,7 +458,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
             self._metrics.grpc_errors.labels(method, code, reason).inc()
 
     def _unary(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
-        async def wrapper(request: Any, context: Any) -> Any:
+        async def wrapper(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             self._metrics.grpc_started.labels(method).inc()
             started = time.perf_counter()
             code, reason = "UNKNOWN", "NONE"
@@ -483,7 +483,9 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
             # A handler that writes with context.write() and returns: time the coroutine.
             return self._unary(method, behavior)
 
-        async def wrapper(request: Any, context: Any) -> AsyncIterator[Any]:
+        async def wrapper(
+            request: Any, context: grpc.aio.ServicerContext[Any, Any]
+        ) -> AsyncIterator[Any]:
             self._metrics.grpc_started.labels(method).inc()
             started = time.perf_counter()
             code, reason = "UNKNOWN", "NONE"

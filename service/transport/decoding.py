@@ -130,7 +130,7 @@ def add_planner_service(servicer: Any, server: Any) -> None:
 def _refusing_undecodable(
     name: str, behaviour: Callable[[Any, Any], Awaitable[Any]]
 ) -> Callable[[Any, Any], Awaitable[Any]]:
-    async def handle(request: Any, context: Any) -> Any:
+    async def handle(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         if isinstance(request, Undecodable):
             log.info(
                 "refused an undecodable request: method=%s field=%s",

@@ -44,7 +44,7 @@ class FakeTracker(tracker_pb2_grpc.TrackerServiceServicer):  # type: ignore[misc
     address: str = ""
 
     async def GetProject(
-        self, request: tracker_pb2.GetProjectRequest, context: Any
+        self, request: tracker_pb2.GetProjectRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> tracker_pb2.GetProjectResponse:
         metadata = {
             key: value for key, value in context.invocation_metadata() if isinstance(value, str)
