@@ -62,6 +62,9 @@ def make_channel(
     options: list[tuple[str, int | str]] = [
         ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
         ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        # With this grpcio the wait for a ping's answer is this option; the one above
+        # alone leaves it at 60 s.
+        ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ]
     if max_receive_bytes is not None:
         if max_receive_bytes <= 0:

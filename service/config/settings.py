@@ -169,14 +169,29 @@ class ServerSettings:
         10_000, ge=1, doc="RPCs (Chat streams included) served at once; more are refused."
     )
     max_receive_message_bytes: int = _key(
-        4 * MiB, ge=64 * KiB, doc="Largest request message accepted, in bytes."
+        16 * MiB,
+        ge=64 * KiB,
+        doc="Largest request message gRPC lets through to a handler, in bytes; a larger "
+        "one ends its RPC RESOURCE_EXHAUSTED before any handler sees it.",
     )
     keepalive_time_s: float = _key(60.0, ge=1, doc="Seconds between server keepalive pings.")
     keepalive_timeout_s: float = _key(
-        20.0, ge=1, doc="Seconds to wait for a keepalive ping's answer."
+        20.0,
+        ge=1,
+        doc="Seconds to wait for a keepalive ping's answer before the connection is closed "
+        "and its streams freed.",
     )
     min_ping_interval_s: float = _key(
-        30.0, ge=1, doc="Shortest interval between client pings the server allows."
+        5.0,
+        ge=1,
+        doc="Shortest interval between client pings the server accepts, with or without "
+        "calls; a client pinging faster gets GOAWAY after max_ping_strikes early pings.",
+    )
+    max_ping_strikes: int = _key(
+        2,
+        ge=0,
+        doc="Early client pings in a row (no data sent between them) before the server "
+        "sends GOAWAY ENHANCE_YOUR_CALM and closes the connection; 0: never.",
     )
     health_check_interval_s: float = _key(
         2.0, gt=0, doc="How often the database is pinged for the health status."

@@ -298,21 +298,32 @@ class PlannerApp:
 
 
 def server_options(settings: Settings) -> list[tuple[str, int]]:
-    """The grpc.aio server options of docs/spec/operations.md: receive limit, keepalive (ping
-    every 60 s, 20 s timeout), client pings allowed every 30 s, no max connection idle,
-    HTTP/2 streams per connection."""
+    """The grpc.aio server options: receive limit, keepalive, client pings, HTTP/2
+    streams per connection (docs/spec/operations.md; decision 0210).
+
+    The server pings every ``server.keepalive_time_s`` and closes a connection whose
+    ping is not answered within ``server.keepalive_timeout_s``: with this grpcio the
+    wait is ``grpc.http2.ping_timeout_ms`` (``grpc.keepalive_timeout_ms`` alone leaves
+    it at 60 s), so both are set. Client pings are accepted every
+    ``server.min_ping_interval_s`` (``grpc.http2.min_ping_interval_without_data_ms``)
+    with or without calls; ``server.max_ping_strikes``
+    early ones in a row end the connection with GOAWAY ENHANCE_YOUR_CALM. No
+    ``max_connection_idle``: a Chat stream may stay idle for hours."""
     server = settings.server
+    keepalive_timeout_ms = int(server.keepalive_timeout_s * 1000)
+    min_ping_interval_ms = int(server.min_ping_interval_s * 1000)
     return [
         ("grpc.max_receive_message_length", server.max_receive_message_bytes),
         ("grpc.keepalive_time_ms", int(server.keepalive_time_s * 1000)),
-        ("grpc.keepalive_timeout_ms", int(server.keepalive_timeout_s * 1000)),
-        ("grpc.http2.min_ping_interval_without_data_ms", int(server.min_ping_interval_s * 1000)),
-        (
-            "grpc.http2.min_recv_ping_interval_without_data_ms",
-            int(server.min_ping_interval_s * 1000),
-        ),
+        ("grpc.keepalive_timeout_ms", keepalive_timeout_ms),
+        ("grpc.http2.ping_timeout_ms", keepalive_timeout_ms),
+        # The shortest interval between client pings the server accepts (C-core's
+        # GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS is spelled this way;
+        # "grpc.http2.min_recv_ping_interval_without_data_ms" is no option at all).
+        ("grpc.http2.min_ping_interval_without_data_ms", min_ping_interval_ms),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.max_ping_strikes", server.max_ping_strikes),
         ("grpc.max_concurrent_streams", server.max_concurrent_streams),
         # gRPC sets SO_REUSEPORT by default: a second process would bind the same port
         # silently and take part of the traffic. A port in use must be an error.

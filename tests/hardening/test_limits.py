@@ -291,11 +291,39 @@ async def test_a_seventeenth_open_stream_of_one_human_is_too_many_streams(
 # --------------------------------------------------------------------------- transport
 
 
-async def test_a_request_over_4_mib_is_resource_exhausted(
+async def test_a_5_mib_chat_request_gets_an_error_reply_and_the_stream_goes_on(
     stack: Stack, planner_factory: Any
 ) -> None:
+    """Between the planner's own bounds and the transport's receive limit (16 MiB) a
+    request reaches its handler: the polite error reply, not the end of the stream."""
     planner = await planner_factory()
-    big = "x" * (5 * MiB)
+    chat = Chat(planner.stub, stack.auth())
+    await chat.open("open-big")
+    await chat.send(send_request("x" * (5 * MiB), "big"))
+    reply = await chat.until("error")
+    assert error_of(reply) == (grpc.StatusCode.INVALID_ARGUMENT.value[0], "MESSAGE_TOO_LONG")
+    assert reply.request_id == "big"
+    ended = await chat.turn("short now", "after-big")
+    assert ended.turn_ended.reason == resources_pb2.TURN_END_REASON_COMPLETED
+    await chat.close()
+    # A unary request as large gets its handler's answer too.
+    code, reason, _ = await refused(
+        planner.stub.CreateSession(
+            pb.CreateSessionRequest(request_id="big", project_id="demo", title="x" * (5 * MiB)),
+            metadata=stack.auth(),
+        )
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and reason
+
+
+async def test_a_request_over_the_receive_limit_is_resource_exhausted(
+    stack: Stack, planner_factory: Any
+) -> None:
+    """Beyond ``server.max_receive_message_bytes`` gRPC refuses the message before any
+    handler: the RPC (the whole Chat stream) ends RESOURCE_EXHAUSTED without an
+    ErrorInfo, the hard limit docs/clients.md gives."""
+    planner = await planner_factory(SERVER__MAX_RECEIVE_MESSAGE_BYTES=str(1 * MiB))
+    big = "x" * (1 * MiB + 1)
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await planner.stub.CreateSession(
             pb.CreateSessionRequest(request_id="big", project_id="demo", title=big),
@@ -315,14 +343,18 @@ async def test_a_request_over_4_mib_is_resource_exhausted(
 def test_server_options_set_keepalive_limits_and_concurrency_explicitly() -> None:
     settings = load_settings(None, {})
     options = dict(server_options(settings))
-    assert options["grpc.max_receive_message_length"] == 4 * MiB
+    assert options["grpc.max_receive_message_length"] == 16 * MiB
     assert options["grpc.keepalive_time_ms"] == 60_000
+    # The ping timeout is the http2 option with this grpcio; both carry the setting.
     assert options["grpc.keepalive_timeout_ms"] == 20_000
-    assert options["grpc.http2.min_recv_ping_interval_without_data_ms"] == 30_000
+    assert options["grpc.http2.ping_timeout_ms"] == 20_000
+    assert options["grpc.http2.min_ping_interval_without_data_ms"] == 5_000
+    assert options["grpc.keepalive_permit_without_calls"] == 1
+    assert options["grpc.http2.max_ping_strikes"] == 2
     assert options["grpc.max_concurrent_streams"] == settings.server.max_concurrent_streams
     assert not any("max_connection_idle" in key for key in options)
     assert settings.server.maximum_concurrent_rpcs == 10_000
-    # The gateway channel carries whole contexts: sized far above the server's 4 MiB.
+    # The gateway channel carries whole contexts: sized above the server's 16 MiB.
     assert settings.dependencies.gateway.max_message_bytes == 32 * MiB
 
 

@@ -60,7 +60,7 @@ pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 EXAMPLES = 2000
 #: The planner's receive limit (server.max_receive_message_bytes): gRPC itself refuses a
 #: larger request RESOURCE_EXHAUSTED, before any handler and without an ErrorInfo.
-RECEIVE_LIMIT = 4 * 1024 * 1024
+RECEIVE_LIMIT = 16 * 1024 * 1024
 BUG_CODES = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
 METHODS = {method.name: method for method in SERVICE.methods if not method.client_streaming}
 

@@ -61,9 +61,9 @@ def test_defaults_work_for_dev() -> None:
         4,
         16,
     )
-    assert settings.server.max_receive_message_bytes == 4 * 1024 * 1024
+    assert settings.server.max_receive_message_bytes == 16 * 1024 * 1024
     assert (settings.server.keepalive_time_s, settings.server.keepalive_timeout_s) == (60, 20)
-    assert settings.server.min_ping_interval_s == 30
+    assert (settings.server.min_ping_interval_s, settings.server.max_ping_strikes) == (5, 2)
     assert not settings.logging.content_enabled
     with pytest.raises(dataclasses.FrozenInstanceError):
         settings.planner.max_rounds = 3  # type: ignore[misc]
