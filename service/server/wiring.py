@@ -57,7 +57,8 @@ class Wiring:
 
 def build_turns(wiring: Wiring) -> PlannerTurns:
     """Build the turn side: the fan-out hub, the cross-replica notifier (PostgreSQL
-    LISTEN/NOTIFY; nothing on SQLite, a single process), the gateway client, the tool
+    LISTEN/NOTIFY on the sessions streamed here, healed by sequence; nothing on SQLite,
+    a single process), the gateway client, the tool
     runner, the ``TurnService`` and the Chat/SendMessage/CancelTurn RPCs."""
     settings = wiring.settings
     planner, limits, deps = settings.planner, settings.limits, settings.dependencies
@@ -149,11 +150,15 @@ def build_turns(wiring: Wiring) -> PlannerTurns:
         streams=registry,
     )
     url = settings.database.url
-    notifier: Notifier = (
-        PgNotifier(url, settings.server.replica_id)
-        if url.startswith("postgresql")
-        else NullNotifier()
-    )
+    notifier: Notifier = NullNotifier()
+    if url.startswith("postgresql"):
+        listener = PgNotifier(
+            url, settings.server.replica_id, heal_interval_s=planner.heal_interval_s
+        )
+        listener.watch(metrics.count_notification)
+        notifier = listener
+    # A replica listens to a session's notifications only while a stream here follows it.
+    hub.on_follow(notifier.follow, notifier.unfollow)
     return PlannerTurns(turns, hub, notifier, rpcs, registry)
 
 

@@ -35,6 +35,7 @@ from service.adapters.store import codec
 from service.adapters.store import turn_units as units
 from service.adapters.store.errors import RequestIdTaken
 from service.adapters.store.repository import CONTEXT_CACHE_BYTES, SqlSessionStore
+from service.adapters.store.signals import Signals, notify_params, notify_sql
 from service.adapters.store.streams import SqlStreamStore
 from service.adapters.store.tables import (
     UQ_ONE_RUNNING_TURN,
@@ -121,8 +122,7 @@ def make_pool(
 
 
 class PgHotPath:
-    """The hot units of work on ``pool`` (see the module docstring). ``notify`` names the
-    replica in the events notification (None: send none).
+    """The hot units of work on ``pool`` (see the module docstring).
 
     Connections are not checked at checkout (that would cost a round trip per unit of
     work): one that the server dropped fails its unit of work once and leaves the pool.
@@ -136,11 +136,9 @@ class PgHotPath:
         self,
         pool: AsyncConnectionPool[Any],
         *,
-        notify: str | None,
         observers: list[StatementObserver] | None = None,
     ) -> None:
         self._pool = pool
-        self._notify = notify
         self._unreachable = False
         self._observers = observers if observers is not None else []
 
@@ -221,6 +219,15 @@ class PgHotPath:
         row = await self.one(_RENEW_LEASE, (until, turn_id, owner))
         return None if row is None else bool(row["cancel_requested"])
 
+    async def notify(self, signals: Sequence[tuple[str, str]], lock_timeout_s: float) -> None:
+        """Send ``(channel, payload)`` notifications in one autocommit statement, waiting
+        at most ``lock_timeout_s`` seconds for the notify lock (``signals.Send``). Not a
+        unit of work's statement: the observers do not see it."""
+        async with self._conn() as conn:
+            await conn.execute(
+                notify_sql(len(signals)), notify_params(signals, lock_timeout_s), prepare=False
+            )
+
     async def close_streams(self, stream_ids: Sequence[str]) -> None:
         async with self._conn() as conn:
             await self._run(
@@ -248,7 +255,6 @@ class PgHotPath:
                 for event in events
             ],
             "messages": rows,
-            "notify": self._notify if events else None,
         }
 
 
@@ -327,14 +333,16 @@ class PgSessionStore(SqlSessionStore):
         units_of_work: UnitsOfWork | None = None,
         observers: list[StatementObserver] | None = None,
     ) -> None:
+        hot = PgHotPath(pool, observers=observers)
         super().__init__(
             engine,
             replica_id,
             notify=True,
             context_cache_bytes=context_cache_bytes,
             units_of_work=units_of_work,
+            signals=Signals(hot.notify, replica_id),
         )
-        self._hot = PgHotPath(pool, notify=replica_id, observers=observers)
+        self._hot = hot
 
     async def get_session(self, session_id: str) -> Session | None:
         """The session, or None (one statement)."""
@@ -433,7 +441,7 @@ class PgStreamStore(SqlStreamStore):
         observers: list[StatementObserver] | None = None,
     ) -> None:
         super().__init__(engine, units_of_work=units_of_work)
-        self._hot = PgHotPath(pool, notify=None, observers=observers)
+        self._hot = PgHotPath(pool, observers=observers)
 
     async def open_stream(self, stream: OpenStream, *, limit: int, now: datetime) -> bool:
         """See ``SqlStreamStore.open_stream`` (one statement)."""
