@@ -118,6 +118,14 @@ class Metrics:
     ``skipped``: another process held the pass lock, ``failed``), and
     ``ballet_planner_retention_last_completed_pass_timestamp_seconds`` (Unix time; 0
     before the first).
+
+    Cross-replica signals (PostgreSQL; decisions 0230-0232):
+    ``ballet_planner_signals_total{outcome}`` (notifications handed on after the
+    commits: ``sent``, ``failed``, ``dropped``),
+    ``ballet_planner_notifications_handled_total{kind}`` (``events`` of the sessions
+    streamed here, ``cancel``) and ``ballet_planner_notifications_healed_total`` (streamed
+    sessions whose events the once-a-second read of their stored sequence delivered
+    before any notification).
     """
 
     def __init__(self) -> None:
