@@ -283,7 +283,7 @@ class ChatClient:
         call = self._call
         assert call is not None
         try:
-            response: chat_pb2.ChatResponse = await call.read()
+            response = await call.read()
         except grpc.aio.AioRpcError as error:
             if error.code() == grpc.StatusCode.CANCELLED and self._call is not call:
                 return End.CLOSED  # we closed it ourselves (/new, /open)
@@ -296,6 +296,10 @@ class ChatClient:
             raise self._fail(error, "the chat stream ended") from None
         if response is grpc.aio.EOF:
             return End.CLOSED
+        assert isinstance(response, chat_pb2.ChatResponse)
+        if response.WhichOneof("event") == "heartbeat":
+            # Keeps proxies from cutting an idle stream; nothing to show or track.
+            return await self.next_event()
         if response.sequence > self.last_sequence + 1:
             # An event was missed (SPEC section 3: a stream that sees a gap reopens).
             return End.REOPEN

@@ -463,7 +463,7 @@ class _Active:
     task: asyncio.Task[Any] | None
 
 
-class TracingServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+class TracingServerInterceptor(grpc.aio.ServerInterceptor):
     """A SERVER span per RPC: named ``pkg.Service/Method``, child of the W3C trace
     context in the call's metadata (an absent or malformed one starts a new trace),
     current while the handler runs (so what the handler starts, tasks included, is its
@@ -641,7 +641,7 @@ class _Client:
         span.end(end_time=ended)
 
 
-class _UnaryUnary(_Client, grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+class _UnaryUnary(_Client, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(
         self, continuation: Callable[..., Any], client_call_details: Any, request: Any
     ) -> Any:
@@ -650,7 +650,7 @@ class _UnaryUnary(_Client, grpc.aio.UnaryUnaryClientInterceptor):  # type: ignor
         )
 
 
-class _UnaryStream(_Client, grpc.aio.UnaryStreamClientInterceptor):  # type: ignore[misc]
+class _UnaryStream(_Client, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(
         self, continuation: Callable[..., Any], client_call_details: Any, request: Any
     ) -> Any:
@@ -659,7 +659,7 @@ class _UnaryStream(_Client, grpc.aio.UnaryStreamClientInterceptor):  # type: ign
         )
 
 
-class _StreamUnary(_Client, grpc.aio.StreamUnaryClientInterceptor):  # type: ignore[misc]
+class _StreamUnary(_Client, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(
         self, continuation: Callable[..., Any], client_call_details: Any, requests: Any
     ) -> Any:
@@ -668,7 +668,7 @@ class _StreamUnary(_Client, grpc.aio.StreamUnaryClientInterceptor):  # type: ign
         )
 
 
-class _StreamStream(_Client, grpc.aio.StreamStreamClientInterceptor):  # type: ignore[misc]
+class _StreamStream(_Client, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(
         self, continuation: Callable[..., Any], client_call_details: Any, requests: Any
     ) -> Any:

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import grpc
 from ballet.knowledge.v1 import knowledge_pb2_grpc
@@ -260,7 +261,7 @@ class DevStack:
         names = [*SERVICE_NAMES]
         if config.extra_services is not None:
             recording = _RecordingServer(server)
-            config.extra_services(recording)
+            config.extra_services(cast(grpc.aio.Server, recording))
             names.extend(recording.service_names)
         names.extend(config.extra_service_names)
         service_names = tuple(dict.fromkeys(names))
@@ -390,7 +391,7 @@ class _RecordingServer:
         self._server = server
         self.service_names: list[str] = []
 
-    def add_generic_rpc_handlers(self, handlers: Iterable[object]) -> None:
+    def add_generic_rpc_handlers(self, handlers: Iterable[grpc.GenericRpcHandler]) -> None:
         handlers = tuple(handlers)
         for handler in handlers:
             # Generated ``add_*_to_server`` functions register handlers that know their

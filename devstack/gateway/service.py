@@ -27,6 +27,7 @@ import logging
 import traceback
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from ballet.llm.v1 import gateway_pb2, gateway_pb2_grpc
@@ -171,7 +172,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     async def Generate(
         self,
         request: gateway_pb2.GenerateRequest,
-        context: grpc.aio.ServicerContext,
+        context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         """Stream one answer as it is made, then the complete calls of a whole answer,
         then the finish (always last); see the module docstring and proto
@@ -258,7 +259,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     async def _abort(
         self,
-        context: grpc.aio.ServicerContext,
+        context: grpc.aio.ServicerContext[Any, Any],
         request: gateway_pb2.GenerateRequest,
         error: ProviderError,
     ) -> None:

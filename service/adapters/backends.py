@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import grpc
 from ballet.knowledge.v1 import knowledge_pb2, knowledge_pb2_grpc
@@ -170,18 +170,10 @@ class GrpcToolBackends:
         skills_credential: Credential,
         knowledge_credential: Credential,
     ) -> None:
-        # The stubs' overloads pick the async type from an aio channel; grpc has no type
-        # information here, so say which one it is.
-        self._tracker = cast(
-            "tracker_pb2_grpc.TrackerServiceAsyncStub", tracker_pb2_grpc.TrackerServiceStub(tracker)
-        )
-        self._skills = cast(
-            "skills_pb2_grpc.SkillsServiceAsyncStub", skills_pb2_grpc.SkillsServiceStub(skills)
-        )
-        self._knowledge = cast(
-            "knowledge_pb2_grpc.KnowledgeServiceAsyncStub",
-            knowledge_pb2_grpc.KnowledgeServiceStub(knowledge),
-        )
+        # The stubs' overloads pick the async type from the aio channel.
+        self._tracker = tracker_pb2_grpc.TrackerServiceStub(tracker)
+        self._skills = skills_pb2_grpc.SkillsServiceStub(skills)
+        self._knowledge = knowledge_pb2_grpc.KnowledgeServiceStub(knowledge)
         self._tracker_credential = tracker_credential
         self._skills_credential = skills_credential
         self._knowledge_credential = knowledge_credential

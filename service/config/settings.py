@@ -109,6 +109,12 @@ class PlannerSettings:
     max_replay_events: int = _key(
         1000, ge=1, doc="Most session events an open with after_sequence replays."
     )
+    stream_heartbeat_s: float = _key(
+        20.0,
+        ge=0,
+        doc="Seconds a Chat stream may have nothing to send before it gets a heartbeat "
+        "(under the common 60 s proxy idle timeouts); 0 turns heartbeats off.",
+    )
     summary_instructions: str = _key(
         DEFAULT_SUMMARY_INSTRUCTIONS, doc="Instructions of the compaction call."
     )

@@ -249,7 +249,9 @@ class SessionEvent:
 
     ``sequence`` is 0 until the store assigns it (per session, from 1, no gaps, in the
     transaction that stores the event). Message events carry their ``message``; the
-    others carry ``data``.
+    others carry ``data``. ``request_id`` is the client's request id of a
+    ``message_accepted`` as this process published it live (never stored, never read
+    back): the sending stream's copy of the event echoes it.
     """
 
     session_id: str
@@ -259,6 +261,7 @@ class SessionEvent:
     sequence: int = 0
     message: Message | None = None
     data: EventData | None = None
+    request_id: str = field(default="", compare=False)
 
     def with_sequence(self, sequence: int) -> SessionEvent:
         """Return a copy numbered ``sequence``, its message numbered the same."""

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -88,7 +89,8 @@ class Caller:
     ``subject`` is the human id, or a service's name for a service principal;
     ``service`` is True only for a token of the service-token issuer (proven by its
     keys, docs/decisions/0150-service-principals.md), and only then do ``scopes`` count;
-    ``token`` is the raw bearer token, forwarded when acting for the human.
+    ``token`` is the raw bearer token, forwarded when acting for the human;
+    ``expires_at`` its ``exp`` in seconds since the epoch (open streams check it).
     """
 
     subject: str
@@ -96,6 +98,12 @@ class Caller:
     service: bool = False
     scopes: frozenset[str] = frozenset()
     token: str = field(default="", repr=False)
+    expires_at: float = math.inf
+
+    def expired(self, now: float) -> bool:
+        """True once the token's ``exp`` has passed at ``now`` (seconds since the epoch;
+        no leeway)."""
+        return now >= self.expires_at
 
     @property
     def is_service(self) -> bool:

@@ -452,7 +452,7 @@ def _reason(context: Any) -> str:
     return bounded_reason(failure.reason) if failure is not None and failure.reason else "NONE"
 
 
-class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+class MetricsInterceptor(grpc.aio.ServerInterceptor):
     """Counts and times every RPC: ``grpc_server_started``/``handled``/``handling``, and
     ``grpc_server_errors`` by ErrorInfo reason.
 

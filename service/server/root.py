@@ -75,7 +75,7 @@ from service.server.wiring import PlannerTurns, Wiring, build_turns
 from service.transport import convert
 from service.transport.auth import Authenticator
 from service.transport.decoding import add_planner_service
-from service.transport.sessions import PlannerServicer
+from service.transport.servicer import PlannerServicer
 from service.version import version
 
 log = logging.getLogger(__name__)
@@ -551,7 +551,7 @@ async def _start_planner(
         )
         metrics.grpc_max_concurrent_rpcs.set(settings.server.maximum_concurrent_rpcs)
         # Undecodable requests: INVALID_ARGUMENT, not UNKNOWN (service.transport.decoding).
-        add_planner_service(PlannerServicer(rules, authenticator, turns.endpoints), server)
+        add_planner_service(PlannerServicer(rules, authenticator, turns.chat), server)
         health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name

@@ -104,7 +104,7 @@ def lenient(cls: type[message.Message]) -> Callable[[bytes], Any]:
 def add_planner_service(servicer: Any, server: Any) -> None:
     """Register ``servicer``'s PlannerService methods on a ``grpc.aio`` server with
     lenient request deserializers (see the module docstring)."""
-    handlers: dict[str, grpc.RpcMethodHandler] = {}
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
     for method in SERVICE.methods:
         request_cls = message_factory.GetMessageClass(method.input_type)
         response_cls = message_factory.GetMessageClass(method.output_type)

@@ -33,6 +33,7 @@ from tests.hardening.support import (
     error_info,
     eventually,
     failure,
+    open_request,
     refused,
     retry_delay_s,
     send_request,
@@ -252,7 +253,15 @@ async def test_a_seventeenth_open_stream_of_one_human_is_too_many_streams(
         chat = Chat(planner.stub, alice)
         await chat.open()
         streams.append(chat)
+    # The project access is checked before a slot is taken: a stream of a project the
+    # human may not read is refused for that, and holds nothing.
+    unreadable = Chat(planner.stub, alice)
+    await unreadable.send(open_request(project_id="not-a-project"))
+    reply = await unreadable.until("error")
+    assert error_info(reply.error).reason == "PROJECT_NOT_FOUND"
+    await unreadable.close()
     extra = Chat(planner.stub, alice)
+    await extra.send(open_request(project_id="demo"))
     error = await extra.ended()
     assert error is not None
     code, reason, status = failure(error)

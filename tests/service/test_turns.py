@@ -263,6 +263,25 @@ async def test_max_rounds_ends_the_turn_and_the_next_message_continues(rig: Rig)
 # --------------------------------------------------------------------------- Done-when 6
 
 
+async def test_the_live_message_accepted_echoes_the_request_id_to_its_sender_alone(
+    any_rig: Rig,
+) -> None:
+    rig = any_rig
+    rig.scenario([{"reply": {"text": "hello"}}])
+    session_id = (await rig.create_session()).session_id
+    async with rig.chat() as sender, rig.chat() as other:
+        for stream in (sender, other):
+            await stream.open(session_id)
+            await stream.opened()
+        await sender.send("hi", "req-1")
+        (mine,) = await sender.until_kind("message_accepted")
+        (theirs,) = await other.until_kind("message_accepted")
+        await sender.turn()
+    assert mine.request_id == "req-1"
+    assert theirs.request_id == ""
+    assert mine.sequence == theirs.sequence
+
+
 async def test_the_same_request_id_twice_gives_one_message_and_one_turn(any_rig: Rig) -> None:
     rig = any_rig
     rig.scenario([{"reply": {"text": "hello"}}])
@@ -274,9 +293,12 @@ async def test_the_same_request_id_twice_gives_one_message_and_one_turn(any_rig:
         first = (await stream.until_kind("message_accepted"))[-1]
         await stream.send("hi", "same-id")
         received = await stream.turn()
-        again = [r for r in events(stream.received, "message_accepted") if r.request_id]
+        again = [r for r in events(stream.received, "message_accepted") if r.request_id][1:]
         if not again:
             again = await stream.until_kind("message_accepted")
+    # The live event echoes the request id to the stream that sent it, and so does the
+    # duplicate's reply.
+    assert first.request_id == "same-id"
     (duplicate,) = again
     assert duplicate.request_id == "same-id"
     assert (duplicate.sequence, duplicate.turn_id) == (first.sequence, first.turn_id)

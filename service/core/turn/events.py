@@ -10,7 +10,7 @@ numbers both with one sequence when it commits them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from service.core.ids import new_id
@@ -53,9 +53,11 @@ class EventBuilder:
     human_id: str
     clock: Clock
 
-    def message_accepted(self, text: str) -> SessionEvent:
-        """``message_accepted`` storing the human message that starts the turn."""
-        return self._stored(EventKind.MESSAGE_ACCEPTED, MessageKind.HUMAN, text=text)
+    def message_accepted(self, text: str, request_id: str = "") -> SessionEvent:
+        """``message_accepted`` storing the human message that starts the turn; live, it
+        carries the sender's ``request_id`` (``SessionEvent.request_id``, not stored)."""
+        event = self._stored(EventKind.MESSAGE_ACCEPTED, MessageKind.HUMAN, text=text)
+        return replace(event, request_id=request_id) if request_id else event
 
     def turn_started(self, model: str, max_rounds: int) -> SessionEvent:
         """``turn_started`` with the model and the round budget."""

@@ -223,7 +223,7 @@ class TurnService:
             now = self._deps.clock.now()
             turn_id = new_id("turn")
             events = EventBuilder(session.session_id, turn_id, request.human_id, self._deps.clock)
-            accepted = events.message_accepted(request.text)
+            accepted = events.message_accepted(request.text, request.request_id)
             assert accepted.message is not None
             turn = Turn(
                 turn_id=turn_id,
