@@ -122,6 +122,11 @@ class PgNotifier:
         return self._listening
 
     @property
+    def listened(self) -> frozenset[str]:
+        """The session channels listened to on the connection right now."""
+        return frozenset(self._listened)
+
+    @property
     def followed(self) -> frozenset[str]:
         """The sessions followed now."""
         return frozenset(self._followed)

@@ -77,7 +77,7 @@ async def listening_to(notifier: PgNotifier, session_id: str) -> None:
     """Follow ``session_id`` and wait until the LISTEN went through."""
     notifier.follow(session_id)
     for _ in range(100):
-        if session_channel(session_id) in notifier._listened:
+        if session_channel(session_id) in notifier.listened:
             return
         await asyncio.sleep(0.02)
     raise AssertionError(f"{session_id} is not listened to")
@@ -190,7 +190,7 @@ async def test_a_replica_handles_only_the_sessions_it_follows(
 
         notifier.unfollow("s1")
         for _ in range(100):
-            if not notifier._listened:
+            if not notifier.listened:
                 break
             await asyncio.sleep(0.02)
         await there.commit(TurnCommit("s1", "t1", T0, events=tool_round_events("s1", "t1")))
