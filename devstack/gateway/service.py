@@ -1,10 +1,10 @@
-"""The devstack's `ballet.llm.v1.GatewayService` servicer (SPEC section 9).
+"""The devstack's `ballet.llm.v1.GatewayService` servicer (README.md).
 
 `Generate` serves only the planner: a call without the planner's service credential for
 the gateway's audience (`x-ballet-service-authorization`, a token of the service-token
 issuer naming `ballet-llm-gateway` alone) is refused UNAUTHENTICATED
 (`SERVICE_CREDENTIAL_MISSING`/`SERVICE_CREDENTIAL_INVALID`), another service's credential
-PERMISSION_DENIED (`PLANNER_REQUIRED`), as a production gateway would (issue 14). It
+PERMISSION_DENIED (`PLANNER_REQUIRED`), as a production gateway would. It
 refuses a request without `project_id` or `credential_ref`, with purpose
 unspecified, or with a message whose role is unspecified (INVALID_ARGUMENT); otherwise it
 streams the provider's answer as `GenerateResponse` chunks as they come (text deltas,

@@ -1,5 +1,5 @@
 """Cross-replica signals: the receiving side of PostgreSQL LISTEN/NOTIFY, healed by
-sequence (decisions 0230-0232).
+sequence (docs/spec/api-and-streams.md; decisions 0230-0232).
 
 The stores send, after their commits (``service.adapters.store.signals``):
 
@@ -22,16 +22,17 @@ per ``heal_interval_s`` (1 s) and in one indexed statement on the same connectio
 stored ``last_sequence`` of every followed session, and passes each to ``on_events``
 (the hub reads the events of a session only when a stream of it is behind): a
 notification that was lost, or that a stalled ``NOTIFY`` elsewhere in the cluster holds
-back, is healed within about a second. A process that follows nothing reads nothing; it
-wakes every ``wait_s`` (0.1 s) to apply new follows, in memory.
+back, is healed within about a second (the 1 s of docs/spec/api-and-streams.md). A
+process that follows nothing reads nothing; it wakes every ``wait_s`` (0.1 s) to apply
+new follows, in memory.
 
 When the connection drops (a database restart, a network failure), the notifier
 reconnects with exponential backoff and jitter, listens again on what it follows, and
 calls ``on_resync``: the receiver re-reads every session it follows. TCP keepalives find
 a silently dead peer in about a minute.
 
-``NullNotifier`` is the SQLite variant: SQLite means a single process (SPEC 8), so there
-is nobody to hear from.
+``NullNotifier`` is the SQLite variant: SQLite means a single process (docs/spec/operations.md), so
+there is nobody to hear from.
 """
 
 from __future__ import annotations

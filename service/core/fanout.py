@@ -1,4 +1,4 @@
-"""In-process fan-out of session events to attached Chat streams (SPEC section 3).
+"""In-process fan-out of session events to attached Chat streams (docs/spec/api-and-streams.md).
 
 One ``Hub`` per process. The turn runner publishes events here after their commit; the
 cross-replica notifier calls ``on_remote_events`` when another replica committed some,
@@ -425,11 +425,12 @@ class Hub:
         """Queue the stored events after the queue's position: up to ``until_sequence``
         (the last sequence when the caller read the session) and on to the newest, since
         events committed between that read and ``bind`` were published before the queue
-        was attached and would be missed (SPEC 3: ``after_sequence`` replays them).
+        was attached and would be missed (docs/spec/api-and-streams.md: ``after_sequence`` replays
+        them).
 
         Each event waits for room in the queue (the stream taking what is queued), so a
         replay within ``max_replay_events`` never overflows a stream that reads. Then, if
-        an answer is streaming, one text delta with the text so far (SPEC 3).
+        an answer is streaming, one text delta with the text so far (docs/spec/api-and-streams.md).
         """
         while not queue.closed:
             wanted = until_sequence - queue.last_sequence

@@ -48,9 +48,9 @@ class Wiring:
     rules: SessionRules
     clock: Clock
     metrics: Metrics
-    #: Open Chat streams across replicas (SPEC 8); None: this process's count only.
+    #: Open Chat streams across replicas (docs/spec/operations.md); None: this process's count only.
     streams: StreamStore | None = None
-    #: Spans of turns, rounds, model and tool calls (issue 16); NULL_TRACER: off.
+    #: Spans of turns, rounds, model and tool calls; NULL_TRACER: off.
     tracer: Tracer = NULL_TRACER
 
 
@@ -69,7 +69,7 @@ def build_turns(wiring: Wiring) -> PlannerTurns:
         client_message_max_bytes=limits.client_message_max_bytes,
         heartbeat_s=planner.stream_heartbeat_s,
     )
-    # The gateway gets the credential for its audience alone (issue 14).
+    # The gateway gets the credential for its audience alone.
     gateway = GrpcModelGateway(
         wiring.gateway_channel,
         metadata=wiring.service_credentials["gateway"].metadata,

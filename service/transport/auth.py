@@ -1,4 +1,4 @@
-"""Who is calling: bearer token verification for every PlannerService call (SPEC 4).
+"""Who is calling: bearer token verification for every PlannerService call (docs/spec/authority.md).
 
 Each PlannerService method calls ``Authenticator.authenticate(context)`` first; the Chat
 stream authenticates once when it starts, and the core then checks ``Caller.expired``
@@ -53,8 +53,8 @@ class Authenticator:
         except TokenError as error:
             raise Unauthenticated(error.message, reason=error.reason) from None
         if not claims.organization_id:
-            # Service principals read "only within the token's org" (SPEC 4): one without
-            # an organization has nothing it could read.
+            # Service principals read "only within the token's org" (docs/spec/authority.md): one
+            # without an organization has nothing it could read.
             raise Unauthenticated("the token has no organization", reason="TOKEN_INVALID")
         return claims
 

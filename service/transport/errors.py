@@ -1,4 +1,4 @@
-"""The one table from domain errors to gRPC status codes (AIP-193; STYLE rule 5).
+"""The one table from domain errors to gRPC status codes (AIP-193; docs/contributing.md).
 
 Every refusal leaves the planner as a ``google.rpc.Status`` with exactly one
 ``google.rpc.ErrorInfo`` (domain ``planner.ballet``, the error's stable reason, its

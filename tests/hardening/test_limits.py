@@ -1,9 +1,9 @@
-"""Every limit of SPEC sections 3 and 8, crossed, with the error it names (issue 7,
-Done-when 5): human text, tool calls per answer, running turns per human and per
-project, open streams per human, the gRPC receive limit, keepalive and concurrency
-settings, ListMessages page bytes, ``max_replay_events``, ``after_sequence`` beyond the
-last, the open timeout, request ids, and ``planner.max_writes_per_turn``. (The stream
-queue bound, SLOW_CONSUMER, is tested with the replica tests of Done-when 3.)
+"""Every limit of docs/spec/api-and-streams.md and docs/spec/limits.md, crossed, with the error it
+names: human text, tool calls per answer, running turns per human and per project, open streams per
+human, the gRPC receive limit, keepalive and concurrency settings, ListMessages page bytes,
+``max_replay_events``, ``after_sequence`` beyond the last, the open timeout, request ids, and
+``planner.max_writes_per_turn``. (The stream queue bound, SLOW_CONSUMER, is tested with the replica
+tests.)
 
 One devstack (with the scripted gateway) serves the module; each test starts its own
 planner on its own SQLite database with the limits it needs. The cross-replica counts

@@ -1,4 +1,4 @@
-"""The per-human limits hold across replicas (SPEC section 8; issue 7, Done-when 5): two
+"""The per-human limits hold across replicas (docs/spec/limits.md): two
 planners on one PostgreSQL database share one count of a human's open Chat streams and
 running turns; the streams of a replica killed with SIGKILL stop counting once its
 lease lapses, and are swept (docs/decisions/0080-cross-replica-stream-count.md)."""

@@ -1,5 +1,5 @@
-"""SIGTERM while a write tool is held (issue 12, Done-when 4; SPEC sections 5 and 8;
-decision 0181).
+"""SIGTERM while a write tool is held (docs/spec/turn-loop.md and docs/spec/operations.md; decision
+0181).
 
 A ``ballet-planner serve`` process on PostgreSQL with the devstack, which holds
 ``CreateKnowledgeEntry`` (fault injection) so the turn's write never answers. On SIGTERM

@@ -1,5 +1,6 @@
-"""Cross-replica signals over PostgreSQL LISTEN/NOTIFY, healed by sequence (SPEC section
-3: events reach streams on any replica within 1 s; ``CancelTurn`` takes effect within 1 s).
+"""Cross-replica signals over PostgreSQL LISTEN/NOTIFY, healed by sequence
+(docs/spec/api-and-streams.md: events reach streams on any replica within 1 s;
+``CancelTurn`` takes effect within 1 s).
 
 Two "replicas" are two stores with different replica ids on one database; the notifier
 listens for one of them, on the sessions it follows. Waits are on events and queues with
@@ -26,7 +27,7 @@ from tests.integration.store_support import T0, new_session, tool_round_events, 
 from tests.notify_stall import durable_stalling_cluster, stalled_notify
 from tests.pg import PgCluster
 
-#: SPEC 3: events reach other replicas within 1 s of their commit.
+#: docs/spec/api-and-streams.md: events reach other replicas within 1 s of their commit.
 DELIVERY_S = 1.0
 #: A restarted cluster comes back in about a second; the notifier's backoff is capped.
 RECOVERY_S = 30.0

@@ -1,5 +1,5 @@
 """A Chat RPC cancelled while its stream registers, or again during its clean-up, leaves
-no ``chat_streams`` row and no queue behind (issue 12; decision 0182).
+no ``chat_streams`` row and no queue behind (decision 0182).
 
 A planner on SQLite with the devstack; its stream store is the real one behind
 ``HeldStreamStore``, a double that holds a stream's admission after its row is committed

@@ -1,9 +1,9 @@
-"""The turn loop over real gRPC on the devstack, driven by the scripted model (issue 4).
+"""The turn loop over real gRPC on the devstack, driven by the scripted model.
 
-Seed: Planner, Instructions, Authority, Tools, Limits; SPEC sections 3, 4, 5 and 11 (T1).
-Each test sets the scripted model's rules (SPEC section 10), talks to the planner with
-its own gRPC client, and asserts on what the planner stored and streamed, on what the
-model was sent (the gateway records every request) and on what the devstack recorded.
+docs/spec/turn-loop.md, docs/spec/authority.md, docs/spec/api-and-streams.md and docs/performance.md
+(T1). Each test sets the scripted model's rules (devstack/gateway/scripted.py), talks to the planner
+with its own gRPC client, and asserts on what the planner stored and streamed, on what the model was
+sent (the gateway records every request) and on what the devstack recorded.
 
 The module shares one rig (devstack + gateway + planner on SQLite, ``max_rounds`` 3,
 ``cancel_grace`` 0.5 s, ``max_replay_events`` 10); tests that need other settings, a cold
@@ -83,7 +83,7 @@ async def pg_rig(
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def any_rig(request: pytest.FixtureRequest) -> Rig:
-    """The shared rig on SQLite, then on PostgreSQL (SPEC section 8: both are served)."""
+    """The shared rig on SQLite, then on PostgreSQL (docs/spec/storage.md: both are served)."""
     chosen: Rig = request.getfixturevalue("rig" if request.param == "sqlite" else "pg_rig")
     return chosen
 
@@ -122,7 +122,7 @@ def end_reason(responses: list[Any]) -> int:
     return reason
 
 
-# --------------------------------------------------------------------------- Done-when 2
+# ---------------------------------------------------------------------------------------
 
 ERROR_CASES = [
     pytest.param(
@@ -228,7 +228,7 @@ async def test_a_stopped_backend_and_a_slow_one_are_error_results(tmp_path: Path
         await stop_rig(rig)
 
 
-# --------------------------------------------------------------------------- Done-when 3
+# ---------------------------------------------------------------------------------------
 
 
 async def test_max_rounds_ends_the_turn_and_the_next_message_continues(rig: Rig) -> None:
@@ -260,7 +260,7 @@ async def test_max_rounds_ends_the_turn_and_the_next_message_continues(rig: Rig)
         assert not result.tool_result.is_error
 
 
-# --------------------------------------------------------------------------- Done-when 6
+# ---------------------------------------------------------------------------------------
 
 
 async def test_the_live_message_accepted_echoes_the_request_id_to_its_sender_alone(
@@ -360,7 +360,7 @@ async def test_two_streams_sending_at_once_start_exactly_one_turn(any_rig: Rig) 
     assert len(rig.requests()) == 1
 
 
-# --------------------------------------------------------------------------- Done-when 7
+# ---------------------------------------------------------------------------------------
 
 
 async def test_the_system_prompt_holds_instructions_project_and_the_pinned_skill(
@@ -380,11 +380,11 @@ async def test_the_system_prompt_holds_instructions_project_and_the_pinned_skill
     turn = await rig.get_turn(session_id, received[-1].turn_id)
     assert (turn.skill_name, turn.skill_version) == (demo.PLANNER_SKILL, "1.0.0")
     assert turn.instructions_version == prompts.INSTRUCTIONS_VERSION
-    # Tool output never reaches the system prompt (SPEC section 4, containment).
+    # Tool output never reaches the system prompt (docs/spec/authority.md, containment).
     assert all(m.role != gateway_pb2.ROLE_TOOL for m in request.messages)
 
 
-# --------------------------------------------------------------------------- Done-when 8
+# ---------------------------------------------------------------------------------------
 
 
 async def test_every_tool_call_acts_for_alice_as_the_planner_and_knowledge_is_hers(
@@ -485,7 +485,8 @@ async def test_cancel_turn_of_an_ended_turn_changes_nothing_and_of_an_unknown_on
     assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-# --------------------------------------------------------------------------- T1 (SPEC 11)
+# --------------------------------------------------------------------------- T1
+# (docs/performance.md)
 
 
 async def test_t1_a_one_round_turn_counted(tmp_path: Path) -> None:
