@@ -23,8 +23,8 @@ from tests.replicas.support import END, ChatStream, Planner, Rig, rig, sequences
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
-#: Done when: with a NOTIFYing commit stalled in the cluster, turns complete within 10 s
-#: and a stream on the other replica receives the events within 5 s of turn_ended.
+#: With a NOTIFYing commit stalled in the cluster, turns complete within 10 s and a
+#: stream on the other replica receives the events within 5 s of turn_ended.
 TURN_LIMIT_S = 10.0
 FOLLOW_LIMIT_S = 5.0
 #: Turns run one after another while the stall holds.
