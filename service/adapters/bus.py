@@ -49,6 +49,7 @@ import psycopg
 from psycopg import sql
 from sqlalchemy.engine import make_url
 
+from service.adapters.store.engine import connect_args, conninfo
 from service.adapters.store.signals import CANCEL_CHANNEL, DELETED_SEQUENCE, session_channel
 
 log = logging.getLogger(__name__)
@@ -91,12 +92,12 @@ class PgNotifier:
         max_backoff_s: float = 2.0,
         connect_timeout_s: int = 5,
     ) -> None:
-        parsed = make_url(url)
-        if parsed.get_backend_name() != "postgresql":
+        if make_url(url).get_backend_name() != "postgresql":
             raise ValueError("PgNotifier needs a PostgreSQL URL")
         if heal_interval_s <= 0 or wait_s <= 0:
             raise ValueError("heal_interval_s and wait_s must be positive")
-        self._conninfo = parsed.set(drivername="postgresql").render_as_string(hide_password=False)
+        # Several hosts allowed: each reconnection finds the primary (a failover).
+        self._conninfo = conninfo(url)
         self._replica_id = replica_id
         self._heal_interval_s = heal_interval_s
         self._wait_s = wait_s
@@ -202,12 +203,10 @@ class PgNotifier:
                 conn = await psycopg.AsyncConnection.connect(
                     self._conninfo,
                     autocommit=True,
-                    connect_timeout=self._connect_timeout_s,
-                    application_name="ballet-planner-notifier",
-                    keepalives=1,
-                    keepalives_idle=30,
-                    keepalives_interval=10,
-                    keepalives_count=3,
+                    **connect_args(
+                        connect_timeout_s=self._connect_timeout_s,
+                        application_name="ballet-planner-notifier",
+                    ),
                 )
             except (psycopg.Error, OSError) as exc:
                 log.debug("notifier: connect failed: %s", exc)

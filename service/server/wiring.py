@@ -153,7 +153,10 @@ def build_turns(wiring: Wiring) -> PlannerTurns:
     notifier: Notifier = NullNotifier()
     if url.startswith("postgresql"):
         listener = PgNotifier(
-            url, settings.server.replica_id, heal_interval_s=planner.heal_interval_s
+            url,
+            settings.server.replica_id,
+            heal_interval_s=planner.heal_interval_s,
+            connect_timeout_s=settings.database.connect_timeout_s,
         )
         listener.watch(metrics.count_notification)
         notifier = listener
