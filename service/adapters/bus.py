@@ -1,25 +1,35 @@
-"""Cross-replica signals: the receiving side of PostgreSQL LISTEN/NOTIFY
-(docs/spec/api-and-streams.md).
+"""Cross-replica signals: the receiving side of PostgreSQL LISTEN/NOTIFY, healed by
+sequence (docs/spec/api-and-streams.md; decisions 0230-0232).
 
-``SqlSessionStore`` sends, in the transactions that store the events (delivered only if
-they commit):
+The stores send, after their commits (``service.adapters.store.signals``):
 
-- ``ballet_planner_events``: ``'<session_id> <last_sequence> <replica_id>'`` after events
-  were stored, ``'<session_id> -1 <replica_id>'`` after the session was deleted;
-- ``ballet_planner_cancel``: ``'<turn_id>'`` after a cancel was requested.
+- on a session's channel (``session_channel``: ``bp_s_<session_id>``):
+  ``'<last_sequence> <replica_id>'`` after events were stored, ``'-1 <replica_id>'``
+  after the session was deleted;
+- on ``ballet_planner_cancel``: ``'<turn_id>'`` after a cancel was requested.
 
-``PgNotifier`` holds ONE dedicated connection per process, in autocommit, listening on
-both channels, and passes what other replicas sent to the callbacks (its own events are
-skipped: the replica that stored them has already published them in-process; cancels
-are passed whichever replica sent them, the receiver's handling is idempotent). An idle
-process costs nothing: no poll, no timer, one blocked read on one socket. Events reach
-other replicas within the 1 s of docs/spec/api-and-streams.md as long as the callbacks are quick.
+``PgNotifier`` holds ONE dedicated connection per process, in autocommit. It listens on
+the cancel channel, and on the channel of each session this process follows (a Chat
+stream here is attached to it): ``LISTEN`` when the hub's first stream of the session
+attaches, ``UNLISTEN`` when its last leaves, so the notifications a replica handles are
+those of the sessions it serves. What other replicas sent is passed to the callbacks (its
+own events are skipped: the replica that stored them has already published them
+in-process; cancels are passed whichever replica sent them, the receiver's handling is
+idempotent).
+
+Notifications are hints. While it follows any session, the notifier also reads, once
+per ``heal_interval_s`` (1 s) and in one indexed statement on the same connection, the
+stored ``last_sequence`` of every followed session, and passes each to ``on_events``
+(the hub reads the events of a session only when a stream of it is behind): a
+notification that was lost, or that a stalled ``NOTIFY`` elsewhere in the cluster holds
+back, is healed within about a second (the 1 s of docs/spec/api-and-streams.md). A
+process that follows nothing reads nothing; it wakes every ``wait_s`` (0.1 s) to apply
+new follows, in memory.
 
 When the connection drops (a database restart, a network failure), the notifier
-reconnects with exponential backoff and jitter, and after each reconnect calls
-``on_resync``: notifications sent while it was away are lost and it cannot know which
-sessions they named, so the receiver re-reads every session it follows. TCP keepalives
-find a silently dead peer in about a minute.
+reconnects with exponential backoff and jitter, listens again on what it follows, and
+calls ``on_resync``: the receiver re-reads every session it follows. TCP keepalives find
+a silently dead peer in about a minute.
 
 ``NullNotifier`` is the SQLite variant: SQLite means a single process (docs/spec/operations.md), so
 there is nobody to hear from.
@@ -32,13 +42,15 @@ import contextlib
 import inspect
 import logging
 import random
+import time
 from collections.abc import Awaitable, Callable
 
 import psycopg
+from psycopg import sql
 from sqlalchemy.engine import make_url
 
 from service.adapters.store.engine import connect_args, conninfo
-from service.adapters.store.repository import CANCEL_CHANNEL, EVENTS_CHANNEL
+from service.adapters.store.signals import CANCEL_CHANNEL, DELETED_SEQUENCE, session_channel
 
 log = logging.getLogger(__name__)
 
@@ -46,14 +58,27 @@ EventsCallback = Callable[[str, int], Awaitable[None] | None]
 CancelCallback = Callable[[str], Awaitable[None] | None]
 ResyncCallback = Callable[[], Awaitable[None] | None]
 
+#: What ``PgNotifier.watch`` reports: notifications handled (events, cancel), and
+#: sessions a heal read found ahead of every notification (healed).
+COUNTS = ("events", "cancel", "healed")
+
+#: Seconds between heal reads while the notifier follows any session.
+HEAL_INTERVAL_S = 1.0
+#: The longest a new follow waits to be listened to, in seconds.
+WAIT_S = 0.1
+
+_LAST_SEQUENCES = "SELECT session_id, last_sequence FROM sessions WHERE session_id = ANY(%s)"
+
 
 class PgNotifier:
     """Receives other replicas' notifications on one LISTEN connection (``Notifier`` port).
 
     ``url`` is the database URL (SQLAlchemy form, ``postgresql+psycopg://...``, or
     libpq's); ``replica_id`` is this process's, as given to ``SqlSessionStore``.
-    Reconnect delays start at ``min_backoff_s`` and double up to ``max_backoff_s``
-    seconds; ``connect_timeout_s`` bounds each attempt.
+    ``heal_interval_s`` is the period of the heal read while any session is followed;
+    new follows are listened to within ``wait_s`` seconds. Reconnect delays start at
+    ``min_backoff_s`` and double up to ``max_backoff_s`` seconds; ``connect_timeout_s``
+    bounds each attempt.
     """
 
     def __init__(
@@ -61,15 +86,21 @@ class PgNotifier:
         url: str,
         replica_id: str,
         *,
+        heal_interval_s: float = HEAL_INTERVAL_S,
+        wait_s: float = WAIT_S,
         min_backoff_s: float = 0.05,
         max_backoff_s: float = 2.0,
         connect_timeout_s: int = 5,
     ) -> None:
         if make_url(url).get_backend_name() != "postgresql":
             raise ValueError("PgNotifier needs a PostgreSQL URL")
+        if heal_interval_s <= 0 or wait_s <= 0:
+            raise ValueError("heal_interval_s and wait_s must be positive")
         # Several hosts allowed: each reconnection finds the primary (a failover).
         self._conninfo = conninfo(url)
         self._replica_id = replica_id
+        self._heal_interval_s = heal_interval_s
+        self._wait_s = wait_s
         self._min_backoff_s = min_backoff_s
         self._max_backoff_s = max_backoff_s
         self._connect_timeout_s = connect_timeout_s
@@ -78,11 +109,54 @@ class PgNotifier:
         self._on_events: EventsCallback | None = None
         self._on_cancel: CancelCallback | None = None
         self._on_resync: ResyncCallback | None = None
+        # Followed sessions, their channels, and the newest sequence heard of each.
+        self._followed: set[str] = set()
+        self._channels: dict[str, set[str]] = {}
+        self._known: dict[str, int] = {}
+        self._listened: set[str] = set()
+        self._watchers: list[Callable[[str, int], object]] = []
+        #: Totals of ``COUNTS`` since the start.
+        self.counts: dict[str, int] = dict.fromkeys(COUNTS, 0)
 
     @property
     def listening(self) -> bool:
         """Whether the LISTEN connection is up right now."""
         return self._listening
+
+    @property
+    def listened(self) -> frozenset[str]:
+        """The session channels listened to on the connection right now."""
+        return frozenset(self._listened)
+
+    @property
+    def followed(self) -> frozenset[str]:
+        """The sessions followed now."""
+        return frozenset(self._followed)
+
+    def watch(self, callback: Callable[[str, int], object]) -> None:
+        """Call ``callback(count, n)`` as ``COUNTS`` grow, e.g. to count them in a metric."""
+        self._watchers.append(callback)
+
+    def follow(self, session_id: str) -> None:
+        """Hear ``session_id``'s events from now on (listened to within ``wait_s``, and
+        healed by sequence); idempotent."""
+        if session_id in self._followed:
+            return
+        self._followed.add(session_id)
+        self._channels.setdefault(session_channel(session_id), set()).add(session_id)
+
+    def unfollow(self, session_id: str) -> None:
+        """Stop hearing ``session_id``'s events; idempotent."""
+        if session_id not in self._followed:
+            return
+        self._followed.discard(session_id)
+        self._known.pop(session_id, None)
+        channel = session_channel(session_id)
+        sessions = self._channels.get(channel)
+        if sessions is not None:
+            sessions.discard(session_id)
+            if not sessions:
+                del self._channels[channel]
 
     async def start(
         self,
@@ -90,11 +164,13 @@ class PgNotifier:
         on_cancel: CancelCallback,
         on_resync: ResyncCallback | None = None,
     ) -> None:
-        """Connect, LISTEN, and deliver notifications until ``stop``.
+        """Connect, LISTEN, and deliver notifications and heals until ``stop``.
 
         ``on_events(session_id, last_sequence)`` (``last_sequence`` -1: deleted) and
         ``on_cancel(turn_id)`` may be plain functions or coroutines; they run one at a
         time on the listener's task, so they must be quick (hand longer work to a task).
+        ``on_events`` is called for notifications of followed sessions and, once per
+        heal interval, for every followed session with its stored last sequence.
         Returns once the first connection attempt has finished: on success the notifier
         is listening; on failure it logs a warning and keeps retrying in the background,
         and calls ``on_resync`` when it gets through. Raises ``RuntimeError`` if started
@@ -160,33 +236,87 @@ class PgNotifier:
         first_attempt: asyncio.Future[bool],
         resync: bool,
     ) -> None:
-        await conn.execute(f"LISTEN {EVENTS_CHANNEL}")
-        await conn.execute(f"LISTEN {CANCEL_CHANNEL}")
+        self._listened = set()
+        await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(CANCEL_CHANNEL)))
+        await self._apply_follows(conn)
         self._listening = True
         log.info("notifier: listening")
         if not first_attempt.done():
             first_attempt.set_result(True)
         if resync and self._on_resync is not None:
             await self._call(self._on_resync)
-        # Notifications that arrived between LISTEN and here wait in psycopg's backlog.
-        async for notify in conn.notifies():
-            await self._dispatch(notify.channel, notify.payload)
+        next_heal = time.monotonic()
+        while True:
+            await self._apply_follows(conn)
+            if self._followed and time.monotonic() >= next_heal:
+                next_heal = time.monotonic() + self._heal_interval_s
+                await self._heal(conn)
+            # Notifications that arrived meanwhile wait in psycopg's backlog.
+            async for notify in conn.notifies(timeout=self._wait_s):
+                await self._dispatch(notify.channel, notify.payload)
+
+    async def _apply_follows(self, conn: psycopg.AsyncConnection[tuple[object, ...]]) -> None:
+        """LISTEN to the channels of new follows and UNLISTEN the rest, in one statement."""
+        wanted = set(self._channels)
+        statements = [
+            sql.SQL("LISTEN {}").format(sql.Identifier(c)) for c in wanted - self._listened
+        ]
+        statements += [
+            sql.SQL("UNLISTEN {}").format(sql.Identifier(c)) for c in self._listened - wanted
+        ]
+        if statements:
+            await conn.execute(sql.SQL("; ").join(statements))
+            self._listened = wanted
+
+    async def _heal(self, conn: psycopg.AsyncConnection[tuple[object, ...]]) -> None:
+        """Pass every followed session's stored last sequence to ``on_events`` (-1 for a
+        session that is gone): one indexed read for all of them."""
+        followed = list(self._followed)
+        cursor = await conn.execute(_LAST_SEQUENCES, (followed,))
+        stored = {str(row[0]): int(str(row[1])) for row in await cursor.fetchall()}
+        healed = 0
+        for session_id in followed:
+            if session_id not in self._followed or self._on_events is None:
+                continue
+            sequence = stored.get(session_id, DELETED_SEQUENCE)
+            known = self._known.get(session_id)
+            if known is not None and (sequence > known or sequence == DELETED_SEQUENCE):
+                healed += 1
+            self._known[session_id] = sequence
+            await self._call(self._on_events, session_id, sequence)
+        self._count("healed", healed)
 
     async def _dispatch(self, channel: str, payload: str) -> None:
         if channel == CANCEL_CHANNEL:
+            self._count("cancel", 1)
             if self._on_cancel is not None and payload:
                 await self._call(self._on_cancel, payload)
             return
-        if channel != EVENTS_CHANNEL:
-            return
-        parts = payload.split(" ", 2)
-        if len(parts) != 3 or not parts[1].lstrip("-").isdigit():
+        sessions = self._channels.get(channel)
+        if not sessions:
+            return  # a channel unfollowed since
+        self._count("events", 1)
+        parts = payload.split(" ", 1)
+        if len(parts) != 2 or not parts[0].lstrip("-").isdigit():
             log.warning("notifier: malformed events payload %r", payload)
             return
-        session_id, sequence, replica_id = parts
-        if replica_id == self._replica_id or self._on_events is None:
+        sequence, replica_id = int(parts[0]), parts[1]
+        for session_id in tuple(sessions):
+            known = self._known.get(session_id)
+            if known is None or sequence == DELETED_SEQUENCE or sequence > known:
+                self._known[session_id] = sequence
+            if replica_id != self._replica_id and self._on_events is not None:
+                await self._call(self._on_events, session_id, sequence)
+
+    def _count(self, name: str, n: int) -> None:
+        if not n:
             return
-        await self._call(self._on_events, session_id, int(sequence))
+        self.counts[name] += n
+        for watcher in self._watchers:
+            try:
+                watcher(name, n)
+            except Exception:
+                log.exception("notifier: a watcher failed")
 
     @staticmethod
     async def _call(callback: Callable[..., Awaitable[None] | None], *args: object) -> None:
@@ -209,6 +339,12 @@ class NullNotifier:
         on_resync: ResyncCallback | None = None,
     ) -> None:
         """Deliver nothing: every event and cancel is local and published in-process."""
+
+    def follow(self, session_id: str) -> None:
+        """Nothing to listen to."""
+
+    def unfollow(self, session_id: str) -> None:
+        """Nothing to stop listening to."""
 
     async def stop(self) -> None:
         """Nothing to stop."""

@@ -137,6 +137,13 @@ class PlannerSettings:
     sweep_interval_s: float = _key(
         5.0, gt=0, doc="How often each replica looks for turns whose lease expired."
     )
+    heal_interval_s: float = _key(
+        1.0,
+        gt=0,
+        le=60,
+        doc="PostgreSQL: how often a replica that streams sessions reads their stored last "
+        "sequence, delivering events a missed or stalled notification held back (seconds).",
+    )
 
     @property
     def round_budget_tokens(self) -> int:

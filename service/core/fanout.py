@@ -347,10 +347,30 @@ class Hub:
         self._answers: dict[str, tuple[TextDelta, list[str]]] = {}
         self._filling: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._follow: Callable[[str], None] | None = None
+        self._unfollow: Callable[[str], None] | None = None
         # Set by ``close_idle`` (shutdown): a stream ends with it once its session's turn
         # has ended and everything before the end is queued.
         self._closing: PlannerError | None = None
         self._shutting_down = False
+
+    def on_follow(self, follow: Callable[[str], None], unfollow: Callable[[str], None]) -> None:
+        """Call ``follow(session_id)`` when a session gets its first stream in this
+        process, and ``unfollow(session_id)`` when its last stream leaves (e.g. to listen
+        to the session's notifications only while a stream here follows it)."""
+        self._follow, self._unfollow = follow, unfollow
+
+    def _add(self, session_id: str, queue: StreamQueue) -> None:
+        queues = self._queues.get(session_id)
+        if queues is None:
+            queues = self._queues[session_id] = set()
+            if self._follow is not None:
+                self._follow(session_id)
+        queues.add(queue)
+
+    def _forget(self, session_id: str) -> None:
+        if self._unfollow is not None:
+            self._unfollow(session_id)
 
     # ----------------------------------------------------------------- streams
 
@@ -367,7 +387,7 @@ class Hub:
             max_bytes=self._max_bytes,
             heartbeat_s=self._heartbeat_s,
         )
-        self._queues.setdefault(session_id, set()).add(queue)
+        self._add(session_id, queue)
         self._streams.add(queue)
         return queue
 
@@ -375,7 +395,7 @@ class Hub:
         """Attach an existing queue (one that already carried replies) to a session."""
         queue.session_id = session_id
         queue.last_sequence = queue.delivered_sequence = after_sequence
-        self._queues.setdefault(session_id, set()).add(queue)
+        self._add(session_id, queue)
 
     def new_queue(self, human_id: str) -> StreamQueue:
         """A queue for a stream not yet attached to any session (replies only)."""
@@ -398,6 +418,7 @@ class Hub:
             queues.discard(queue)
             if not queues:
                 del self._queues[queue.session_id]
+                self._forget(queue.session_id)
         queue.closed = True
 
     async def replay(self, queue: StreamQueue, until_sequence: int) -> None:
@@ -510,12 +531,17 @@ class Hub:
 
     def session_deleted(self, session_id: str) -> None:
         """End every stream of a deleted session with NOT_FOUND."""
-        for queue in tuple(self._queues.pop(session_id, ())):
-            queue.end(NotFound("the session was deleted", reason="SESSION_NOT_FOUND"))
+        queues = self._queues.pop(session_id, None)
+        if queues is not None:
+            self._forget(session_id)
+            for queue in tuple(queues):
+                queue.end(NotFound("the session was deleted", reason="SESSION_NOT_FOUND"))
         self._answers.pop(session_id, None)
 
     def close_all(self, error: PlannerError | None) -> None:
         """End every stream, attached to a session or not (shutdown)."""
+        for session_id in tuple(self._queues):
+            self._forget(session_id)
         self._queues.clear()
         for queue in tuple(self._streams):
             queue.end(error)

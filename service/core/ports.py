@@ -349,7 +349,16 @@ class Subscription(Protocol):
 
 class Notifier(Protocol):
     """Cross-replica signals (e.g. PostgreSQL LISTEN/NOTIFY on one connection per
-    process). The store sends them in its transactions; this side receives them."""
+    process). The store sends them after its commits; this side receives them, for the
+    sessions it follows, and heals what it missed by reading their stored sequence."""
+
+    def follow(self, session_id: str) -> None:
+        """Deliver ``session_id``'s events from now on (a stream here follows it)."""
+        ...
+
+    def unfollow(self, session_id: str) -> None:
+        """Stop delivering ``session_id``'s events (no stream here follows it)."""
+        ...
 
     async def start(
         self,
@@ -357,9 +366,10 @@ class Notifier(Protocol):
         on_cancel: Callable[[str], Awaitable[None] | None],
         on_resync: Callable[[], Awaitable[None] | None] | None = None,
     ) -> None:
-        """Start delivering ``(session_id, last_sequence)`` of events committed by other
-        replicas (``last_sequence`` -1: the session was deleted), and turn ids whose
-        cancel was requested (on any replica, this one included).
+        """Start delivering ``(session_id, last_sequence)`` of events of followed sessions
+        committed by other replicas (``last_sequence`` -1: the session was deleted; the
+        same pair may come again, and as a heal for events this replica stored), and
+        turn ids whose cancel was requested (on any replica, this one included).
 
         ``on_resync`` is called after the notifier reconnected: notifications sent while
         it was disconnected are lost, and it cannot know which sessions they named, so

@@ -118,6 +118,14 @@ class Metrics:
     ``skipped``: another process held the pass lock, ``failed``), and
     ``ballet_planner_retention_last_completed_pass_timestamp_seconds`` (Unix time; 0
     before the first).
+
+    Cross-replica signals (PostgreSQL; decisions 0230-0232):
+    ``ballet_planner_signals_total{outcome}`` (notifications handed on after the
+    commits: ``sent``, ``failed``, ``dropped``),
+    ``ballet_planner_notifications_handled_total{kind}`` (``events`` of the sessions
+    streamed here, ``cancel``) and ``ballet_planner_notifications_healed_total`` (streamed
+    sessions whose events the once-a-second read of their stored sequence delivered
+    before any notification).
     """
 
     def __init__(self) -> None:
@@ -295,6 +303,33 @@ class Metrics:
             "more with RESOURCE_EXHAUSTED before any handler runs.",
             registry=registry,
         )
+        # Cross-replica signals (decisions 0230-0232).
+        self.signals = Counter(
+            "ballet_planner_signals",
+            "Cross-replica notifications this process's stores handed on after their "
+            "commits, by outcome (sent; failed: the send raised, logged; dropped: over the "
+            "pending bound or at shutdown). Followers heal what is not sent within "
+            "planner.heal_interval_s.",
+            ["outcome"],
+            registry=registry,
+        )
+        self.notifications_handled = Counter(
+            "ballet_planner_notifications_handled",
+            "Notifications this process's listener handled, by channel kind (events: of the "
+            "sessions it streams, its own included; cancel).",
+            ["kind"],
+            registry=registry,
+        )
+        self.notifications_healed = Counter(
+            "ballet_planner_notifications_healed",
+            "Streamed sessions whose stored sequence a heal read found beyond every "
+            "notification heard: events a lost or stalled notification held back.",
+            registry=registry,
+        )
+        for outcome in ("sent", "failed", "dropped"):
+            self.signals.labels(outcome)
+        for kind in ("events", "cancel"):
+            self.notifications_handled.labels(kind)
         # Retention: what the idle passes and erasures of this process deleted.
         self.retention_sessions_deleted = Counter(
             "ballet_planner_retention_sessions_deleted",
@@ -340,6 +375,18 @@ class Metrics:
         self.database_connections_in_use.set_function(checked_out)
         self.database_connections_limit.set(limit)
         on_failure(lambda kind: self.database_errors.labels(kind=kind).inc())
+
+
+    def count_signal(self, outcome: str, n: int) -> None:
+        """Count ``n`` signals of ``outcome`` (a ``Signals.watch`` callback)."""
+        self.signals.labels(outcome).inc(n)
+
+    def count_notification(self, kind: str, n: int) -> None:
+        """Count ``n`` notifications handled, or heals (a ``PgNotifier.watch`` callback)."""
+        if kind == "healed":
+            self.notifications_healed.inc(n)
+        else:
+            self.notifications_handled.labels(kind).inc(n)
 
 
 def bounded_reason(reason: str) -> str:

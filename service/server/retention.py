@@ -97,6 +97,8 @@ def retention_job(
     store = SqlRetentionStore(
         database.engine, settings.server.replica_id, units_of_work=database.units_of_work
     )
+    if store.signals is not None:
+        store.signals.watch(metrics.count_signal)
 
     def deleted(session_ids: Sequence[str]) -> None:
         database.sessions.forget_sessions(session_ids)

@@ -524,6 +524,8 @@ async def _start_planner(
     pools, hot = settings.database, database.pool is not None
     limit = pools.pool_size + pools.max_overflow + (pools.hot_pool_size if hot else 0)
     metrics.watch_database(database.checked_out, limit, database.units_of_work.on_failure)
+    if database.sessions.signals is not None:
+        database.sessions.signals.watch(metrics.count_signal)
     opened: list[Any] = []
     try:
         store = database.sessions

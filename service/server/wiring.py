@@ -56,7 +56,8 @@ class Wiring:
 
 def build_turns(wiring: Wiring) -> PlannerTurns:
     """Build the turn side: the fan-out hub, the cross-replica notifier (PostgreSQL
-    LISTEN/NOTIFY; nothing on SQLite, a single process), the gateway client, the tool
+    LISTEN/NOTIFY on the sessions streamed here, healed by sequence; nothing on SQLite,
+    a single process), the gateway client, the tool
     runner, the ``TurnService`` and the Chat/SendMessage/CancelTurn RPCs."""
     settings = wiring.settings
     planner, limits, deps = settings.planner, settings.limits, settings.dependencies
@@ -149,13 +150,18 @@ def build_turns(wiring: Wiring) -> PlannerTurns:
         streams=registry,
     )
     url = settings.database.url
-    notifier: Notifier = (
-        PgNotifier(
-            url, settings.server.replica_id, connect_timeout_s=settings.database.connect_timeout_s
+    notifier: Notifier = NullNotifier()
+    if url.startswith("postgresql"):
+        listener = PgNotifier(
+            url,
+            settings.server.replica_id,
+            heal_interval_s=planner.heal_interval_s,
+            connect_timeout_s=settings.database.connect_timeout_s,
         )
-        if url.startswith("postgresql")
-        else NullNotifier()
-    )
+        listener.watch(metrics.count_notification)
+        notifier = listener
+    # A replica listens to a session's notifications only while a stream here follows it.
+    hub.on_follow(notifier.follow, notifier.unfollow)
     return PlannerTurns(turns, hub, notifier, chat, registry)
 
 

@@ -575,9 +575,9 @@ async def test_the_pass_lock_goes_with_its_connection(
 
 @pytest.mark.postgres
 async def test_other_replicas_hear_of_each_deleted_session(pg_url: str) -> None:
-    """Deleted sessions are announced as ``DeleteSession`` announces one, in the
-    deleting transaction: ``'<session_id> -1 <replica_id>'`` on the events channel, which
-    a replica's notifier hands to its hub (its streams end NOT_FOUND)."""
+    """Deleted sessions are announced as ``DeleteSession`` announces one, once the
+    deleting transaction committed: ``'-1 <replica_id>'`` on each session's channel,
+    which a replica streaming it hands to its hub (its streams end NOT_FOUND)."""
     await migrate(pg_url)
     engine = make_engine(pg_url)
     heard: asyncio.Queue[tuple[str, int]] = asyncio.Queue()
@@ -591,6 +591,12 @@ async def test_other_replicas_hear_of_each_deleted_session(pg_url: str) -> None:
         store = SqlSessionStore(engine, "replica-a")
         await plant(store, "old-1")
         await plant(store, "old-2")
+        notifier.follow("old-1")
+        notifier.follow("old-2")
+        # Followed: the first heal read reports both sessions as stored.
+        seen: set[str] = set()
+        while len(seen) < 2:
+            seen.add((await asyncio.wait_for(heard.get(), 2.0))[0])
         while not heard.empty():
             heard.get_nowait()
         # Planting notified too; only deletions (-1) matter here.

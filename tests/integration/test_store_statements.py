@@ -3,12 +3,15 @@
 A one-round turn makes four commits (start_turn; the assistant message with its tool
 call; the tool result; the final answer with the turn's end). Statements counted here
 are what reaches the database cursor, except SQLite's ``BEGIN IMMEDIATE``; on
-PostgreSQL psycopg adds BEGIN and COMMIT to every write, on SQLite COMMIT.
+PostgreSQL psycopg adds BEGIN and COMMIT to every write, on SQLite COMMIT. The
+cross-replica signal a write hands on after its commit (PostgreSQL) is sent by a task of
+its own, outside the unit of work, in one autocommit statement for every signal pending
+then: it is not counted.
 
 =====================================  ==========  =========================================
 unit of work                            statements  what
 =====================================  ==========  =========================================
-start_turn                              6           UPDATE sessions (lock, number, notify);
+start_turn                              6           UPDATE sessions (lock, number);
                                                     SELECT running turn / request-id twin;
                                                     SELECT running-turn counts; INSERT turns;
                                                     INSERT messages; INSERT session_events
@@ -37,6 +40,7 @@ from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from service.adapters.store import SqlSessionStore
+from service.adapters.store.signals import notify_sql
 from service.core.model import EventKind, MessageKind, SessionEvent, TurnEndReason, Usage
 from service.core.ports import TurnCommit, TurnPatch
 from tests.integration.conftest import DATABASES, HOT
@@ -62,6 +66,10 @@ def db_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     return f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('sqlite') / 'planner.db'}"
 
 
+#: How the statement that sends signals begins (``signals.notify_sql``).
+SIGNALS = notify_sql(1).split(",")[0]
+
+
 class StatementLog:
     """The SQL statements an engine sends, minus SQLite's BEGIN IMMEDIATE."""
 
@@ -69,7 +77,7 @@ class StatementLog:
         self.statements: list[str] = []
 
     def __call__(self, _conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
-        if statement.strip().upper().startswith("BEGIN"):
+        if statement.strip().upper().startswith("BEGIN") or statement.startswith(SIGNALS):
             return
         self.statements.append(" ".join(statement.split())[:60])
 

@@ -4,7 +4,8 @@ the hot path's pool, and the two stores on them (decision 0113).
 Connections per replica on PostgreSQL, at most: ``database.pool_size`` +
 ``database.max_overflow`` (SQLAlchemy: sessions, listings, recovery, stream
 heartbeats) + ``database.hot_pool_size`` (psycopg: every turn's and every Chat
-stream's units of work) + 1 (the LISTEN connection of ``adapters.bus``). PostgreSQL's
+stream's units of work; also the notifications sent after commits, one at a time,
+``signals.py``) + 1 (the LISTEN connection of ``adapters.bus``). PostgreSQL's
 ``max_connections`` must exceed that times the number of replicas, plus what migrations
 and operators use.
 
@@ -66,6 +67,11 @@ class Database:
         that left does not stop one, decision 0180), cancel what is left, then close the
         pools."""
         await self.units_of_work.drain(timeout_s)
+        signals = self.sessions.signals
+        if signals is not None:
+            # The last commits' signals, if the cluster takes them; followers heal the rest.
+            await signals.flush(min(timeout_s, 1.0))
+            await signals.close()
         if self.pool is not None:
             await self.pool.close()
         await self.engine.dispose()

@@ -37,6 +37,7 @@ from service.adapters.store import turn_units as units
 from service.adapters.store.engine import connect_args, conninfo
 from service.adapters.store.errors import RequestIdTaken
 from service.adapters.store.repository import CONTEXT_CACHE_BYTES, SqlSessionStore
+from service.adapters.store.signals import Signals, notify_params, notify_sql
 from service.adapters.store.streams import SqlStreamStore
 from service.adapters.store.tables import (
     UQ_ONE_RUNNING_TURN,
@@ -119,8 +120,7 @@ def make_pool(
 
 
 class PgHotPath:
-    """The hot units of work on ``pool`` (see the module docstring). ``notify`` names the
-    replica in the events notification (None: send none).
+    """The hot units of work on ``pool`` (see the module docstring).
 
     Connections are not checked at checkout unless the pool was made with ``pre_ping``
     (that costs a round trip per unit of work): one that the server dropped fails its
@@ -137,11 +137,9 @@ class PgHotPath:
         self,
         pool: AsyncConnectionPool[Any],
         *,
-        notify: str | None,
         observers: list[StatementObserver] | None = None,
     ) -> None:
         self._pool = pool
-        self._notify = notify
         self._unreachable = False
         self._observers = observers if observers is not None else []
         self._checking: asyncio.Task[None] | None = None
@@ -244,6 +242,15 @@ class PgHotPath:
         row = await self.one(_RENEW_LEASE, (until, turn_id, owner))
         return None if row is None else bool(row["cancel_requested"])
 
+    async def notify(self, signals: Sequence[tuple[str, str]], lock_timeout_s: float) -> None:
+        """Send ``(channel, payload)`` notifications in one autocommit statement, waiting
+        at most ``lock_timeout_s`` seconds for the notify lock (``signals.Send``). Not a
+        unit of work's statement: the observers do not see it."""
+        async with self._conn() as conn:
+            await conn.execute(
+                notify_sql(len(signals)), notify_params(signals, lock_timeout_s), prepare=False
+            )
+
     async def close_streams(self, stream_ids: Sequence[str]) -> None:
         async with self._conn() as conn:
             await self._run(
@@ -271,7 +278,6 @@ class PgHotPath:
                 for event in events
             ],
             "messages": rows,
-            "notify": self._notify if events else None,
         }
 
 
@@ -350,14 +356,16 @@ class PgSessionStore(SqlSessionStore):
         units_of_work: UnitsOfWork | None = None,
         observers: list[StatementObserver] | None = None,
     ) -> None:
+        hot = PgHotPath(pool, observers=observers)
         super().__init__(
             engine,
             replica_id,
             notify=True,
             context_cache_bytes=context_cache_bytes,
             units_of_work=units_of_work,
+            signals=Signals(hot.notify, replica_id),
         )
-        self._hot = PgHotPath(pool, notify=replica_id, observers=observers)
+        self._hot = hot
 
     @read_unit
     async def ping(self) -> None:
@@ -464,7 +472,7 @@ class PgStreamStore(SqlStreamStore):
         observers: list[StatementObserver] | None = None,
     ) -> None:
         super().__init__(engine, units_of_work=units_of_work)
-        self._hot = PgHotPath(pool, notify=None, observers=observers)
+        self._hot = PgHotPath(pool, observers=observers)
 
     async def open_stream(self, stream: OpenStream, *, limit: int, now: datetime) -> bool:
         """See ``SqlStreamStore.open_stream`` (one statement)."""

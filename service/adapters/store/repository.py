@@ -9,10 +9,11 @@ what each costs; on PostgreSQL ``pg.PgSessionStore`` replaces them with server-s
 functions (decision 0113). What the model sees of a session is kept between turns in a
 ``ContextCache`` that every unit of work here moves forward.
 
-Cross-replica notification (PostgreSQL): the unit of work that numbers events notifies
-``'<session_id> <last_sequence> <replica_id>'`` on ``ballet_planner_events`` when it
-commits; ``request_cancel`` sends ``'<turn_id>'`` on ``ballet_planner_cancel``;
-``delete_session`` sends ``'<session_id> -1 <replica_id>'`` on the events channel (and a
+Cross-replica signals (PostgreSQL): no transaction here notifies (a ``NOTIFY`` in a
+commit takes a cluster-wide lock, decision 0230). After a unit of work that stored events
+has committed, ``signals`` (``signals.Signals``) announces the session's new last
+sequence on the session's channel, off the caller's path; ``request_cancel`` announces the
+turn on the cancel channel; ``delete_session`` announces the session deleted (and a
 cancel for its running turn). ``service.adapters.bus.PgNotifier`` receives them.
 """
 
@@ -24,7 +25,7 @@ from contextlib import asynccontextmanager
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Select, and_, delete, func, insert, or_, select, text, update
+from sqlalchemy import Select, and_, delete, insert, or_, select, text, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from service.adapters.store import codec
@@ -32,6 +33,13 @@ from service.adapters.store import turn_units as units
 from service.adapters.store.context_cache import ContextCache
 from service.adapters.store.engine import is_postgresql, read_only
 from service.adapters.store.errors import RequestIdTaken, translated
+from service.adapters.store.signals import (
+    CANCEL_CHANNEL,
+    DELETED_SEQUENCE,
+    Signals,
+    notify_params,
+    notify_sql,
+)
 from service.adapters.store.tables import (
     HAS_CREATE_REQUEST_ID,
     IS_RUNNING,
@@ -40,7 +48,6 @@ from service.adapters.store.tables import (
     sessions,
     turns,
 )
-from service.adapters.store.turn_units import CANCEL_CHANNEL, EVENTS_CHANNEL
 from service.adapters.store.work import UnitsOfWork, every_method_a_unit_of_work, read_unit
 from service.core.errors import InvalidArgument, StoreConflict, StoreUnavailable
 from service.core.model import Message, Session, SessionEvent, Turn
@@ -56,10 +63,7 @@ from service.core.ports import (
     TurnStartOutcome,
 )
 
-__all__ = ["CANCEL_CHANNEL", "EVENTS_CHANNEL", "SqlSessionStore"]
-
-#: The ``last_sequence`` of an events notification that says the session was deleted.
-DELETED_SEQUENCE = -1
+__all__ = ["CANCEL_CHANNEL", "DELETED_SEQUENCE", "SqlSessionStore", "engine_signals"]
 
 #: The default bound of the context cache, in bytes (decision 0113).
 CONTEXT_CACHE_BYTES = 64 << 20
@@ -79,8 +83,9 @@ class SqlSessionStore:
 
     ``engine`` comes from ``make_engine``; ``replica_id`` names this process in turn
     ownership and notifications (no spaces: the notification payload is space-separated).
-    ``notify`` sends PostgreSQL notifications to other replicas; None means "when the
-    engine is PostgreSQL" (SQLite serves one process and has no notifications).
+    ``notify`` sends PostgreSQL notifications to other replicas, after each commit, through
+    ``signals`` (default: ``engine_signals`` on ``engine``); None means "when the engine
+    is PostgreSQL" (SQLite serves one process and has no notifications).
     ``context_cache_bytes`` bounds the sessions' contexts kept between turns (0: none).
     Every public method is a unit of work of ``units_of_work`` (decision 0180).
     """
@@ -93,6 +98,7 @@ class SqlSessionStore:
         *,
         context_cache_bytes: int = CONTEXT_CACHE_BYTES,
         units_of_work: UnitsOfWork | None = None,
+        signals: Signals | None = None,
     ) -> None:
         if not replica_id or any(ch.isspace() for ch in replica_id):
             raise ValueError(f"replica id {replica_id!r} must be non-empty without spaces")
@@ -104,8 +110,11 @@ class SqlSessionStore:
         self._engine = engine
         self._reader = read_only(engine)
         self._replica_id = replica_id
-        self._notify = notify
-        self._units = units.SqlTurnUnits(replica_id if notify else None)
+        #: The signals this store sends after its commits (None: it sends none).
+        self.signals: Signals | None = None
+        if notify:
+            self.signals = signals or engine_signals(engine, replica_id)
+        self._units = units.SqlTurnUnits()
         self._cache = ContextCache(context_cache_bytes)
         self.units_of_work = units_of_work or UnitsOfWork()
 
@@ -289,9 +298,10 @@ class SqlSessionStore:
         one transaction (docs/spec/api-and-streams.md, ``DeleteSession``; the foreign keys cascade).
         False when it did not exist.
 
-        With ``notify``, other replicas hear ``'<session_id> -1 <replica_id>'`` on the
-        events channel (their streams end with NOT_FOUND) and the running turn's id, if
-        any, on the cancel channel (its owner stops it; its later commits conflict).
+        With ``notify``, once it committed, other replicas hear ``'-1 <replica_id>'`` on
+        the session's channel (their streams end with NOT_FOUND) and the running turn's
+        id, if any, on the cancel channel (its owner stops it; its later commits
+        conflict).
         """
         self._cache.drop(session_id)
         return await self._delete_session(session_id)
@@ -322,14 +332,10 @@ class SqlSessionStore:
             ).first()
             if deleted is None:
                 return False
-            if self._notify:
-                signals = [
-                    func.pg_notify(
-                        EVENTS_CHANNEL, f"{session_id} {DELETED_SEQUENCE} {self._replica_id}"
-                    ),
-                    *(func.pg_notify(CANCEL_CHANNEL, turn_id) for turn_id in running),
-                ]
-                await conn.execute(select(*signals))
+        if self.signals is not None:
+            self.signals.events(session_id, DELETED_SEQUENCE)
+            for turn_id in running:
+                self.signals.cancel(turn_id)
         return True
 
     # ------------------------------------------------------------------ transcript
@@ -486,6 +492,8 @@ class SqlSessionStore:
             # retry finds the winner and answers with a duplicate or REQUEST_ID_REUSED.
             outcome = await self._start(start, human_index)
         if outcome.kind is StartOutcomeKind.STARTED:
+            if self.signals is not None:
+                self.signals.events(start.turn.session_id, outcome.events[-1].sequence)
             self._cache.advance(
                 outcome.events,
                 session_id=start.turn.session_id,
@@ -518,6 +526,8 @@ class SqlSessionStore:
         units.utc(commit.now)
         units.check_events(commit.session_id, commit.turn_id, commit.events)
         last, stored = await self._commit(commit)
+        if stored and self.signals is not None:
+            self.signals.events(commit.session_id, last)
         patch = commit.turn_patch
         self._cache.advance(
             stored,
@@ -571,30 +581,46 @@ class SqlSessionStore:
         return LeaseStatus(held=True, cancel_requested=bool(row.cancel_requested))
 
     async def request_cancel(self, turn_id: str) -> Turn | None:
-        """Flag a running turn cancelled and, with ``notify``, send its id on the cancel
-        channel in the same transaction (docs/spec/api-and-streams.md, ``CancelTurn``: the owner, on
-        any replica, stops it within 1 s). Returns the turn as stored: an ended turn
-        unchanged, None for an unknown one."""
+        """Flag a running turn cancelled and, with ``notify``, once that committed, send
+        its id on the cancel channel (docs/spec/api-and-streams.md, ``CancelTurn``: the
+        owner, on any replica, stops it within 1 s; a lost signal is caught by the owner's
+        next lease renewal). Returns the turn as stored: an ended turn unchanged, None for
+        an unknown one."""
         stmt = (
             update(turns)
             .where(turns.c.turn_id == turn_id, IS_RUNNING)
             .values(cancel_requested=True)
             .returning(*turns.c)
         )
-        if self._notify:
-            stmt = stmt.returning(func.pg_notify(CANCEL_CHANNEL, turns.c.turn_id).label("notified"))
         async with self._write() as conn:
             row = (await conn.execute(stmt)).mappings().first()
+            flagged = row is not None
             if row is None:
                 row = (
                     (await conn.execute(select(turns).where(turns.c.turn_id == turn_id)))
                     .mappings()
                     .first()
                 )
+        if flagged and self.signals is not None:
+            self.signals.cancel(turn_id)
         return None if row is None else codec.turn_from_row(row)
 
 
 # ---------------------------------------------------------------------- module helpers
+
+
+def engine_signals(engine: AsyncEngine, replica_id: str) -> Signals:
+    """``Signals`` of replica ``replica_id`` sent on connections of ``engine``'s pool."""
+
+    async def send(signals: Sequence[tuple[str, str]], lock_timeout_s: float) -> None:
+        with translated():
+            async with engine.connect() as conn:
+                await conn.exec_driver_sql(
+                    notify_sql(len(signals)), tuple(notify_params(signals, lock_timeout_s))
+                )
+                await conn.commit()
+
+    return Signals(send, replica_id)
 
 
 def _select_sessions() -> Select[Any]:

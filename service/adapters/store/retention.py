@@ -13,10 +13,10 @@ session being written right now is left for a later batch; SQLite: the write loc
 write transaction holds), re-check the conditions in a statement that sees everything
 committed before the locks (a turn's writers lock the session row first, so nothing of
 those sessions can change after), count their messages, delete them (the foreign keys
-cascade to messages, events and turns), and on PostgreSQL notify
-``'<session_id> -1 <replica_id>'`` on the events channel for each, as ``delete_session``
-does: the notifications are delivered when, and only if, the deletion commits. Statements:
-4 with notifications (lock, re-check, count, delete) plus 1 (notify).
+cascade to messages, events and turns). Statements: 4 (lock, re-check, count, delete).
+Once the deletion committed, on PostgreSQL each deleted session is announced as
+``delete_session`` announces one (``'-1 <replica_id>'`` on the session's channel), by
+``signals`` after the commit and outside it (decision 0230).
 
 The pass lock (PostgreSQL) is a session-level advisory lock on a connection of its own,
 held for the whole pass: PostgreSQL releases it when that connection ends, however the
@@ -40,7 +40,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from service.adapters.store.engine import is_postgresql, read_only
 from service.adapters.store.errors import translated
-from service.adapters.store.repository import DELETED_SEQUENCE
+from service.adapters.store.repository import engine_signals
+from service.adapters.store.signals import DELETED_SEQUENCE, Signals
 from service.adapters.store.tables import (
     IS_RUNNING,
     chat_streams,
@@ -49,7 +50,6 @@ from service.adapters.store.tables import (
     sessions,
     turns,
 )
-from service.adapters.store.turn_units import EVENTS_CHANNEL
 from service.adapters.store.work import UnitsOfWork, every_method_a_unit_of_work
 from service.core.retention import Candidate, Deleted, LockCheck, Window
 
@@ -121,8 +121,10 @@ class SqlRetentionStore:
         self._postgresql = is_postgresql(engine)
         if notify and not self._postgresql:
             raise ValueError("notifications need PostgreSQL")
-        self._notify = self._postgresql if notify is None else notify
-        self._replica_id = replica_id
+        #: The signals sent after a batch's delete commits (None: none).
+        self.signals: Signals | None = None
+        if self._postgresql if notify is None else notify:
+            self.signals = engine_signals(engine, replica_id)
         self.units_of_work = units_of_work or UnitsOfWork()
 
     @asynccontextmanager
@@ -207,7 +209,7 @@ class SqlRetentionStore:
         """Delete those of ``session_ids`` that, re-checked on their locked rows, have
         no running turn, were last active before ``idle_before`` (when given) and belong
         to ``owner_id`` (when given), with everything stored under them; one
-        transaction that also notifies the other replicas (PostgreSQL)."""
+        transaction, announced to the other replicas once it committed (PostgreSQL)."""
         if not session_ids:
             return Deleted()
         async with self._write() as conn:
@@ -234,11 +236,9 @@ class SqlRetentionStore:
                 await conn.execute(select(func.count()).where(messages.c.session_id.in_(doomed)))
             ).scalar_one()
             await conn.execute(delete(sessions).where(sessions.c.session_id.in_(doomed)))
-            if self._notify:
-                suffix = f" {DELETED_SEQUENCE} {self._replica_id}"
-                await conn.execute(
-                    select(*(func.pg_notify(EVENTS_CHANNEL, sid + suffix) for sid in doomed))
-                )
+        if self.signals is not None:
+            for session_id in doomed:
+                self.signals.events(session_id, DELETED_SEQUENCE)
         return Deleted(tuple(doomed), int(held))
 
     async def count_messages(self, session_ids: Sequence[str]) -> int:

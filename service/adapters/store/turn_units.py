@@ -20,10 +20,8 @@ come on top, and on SQLite the BEGIN IMMEDIATE is a statement of its own):
 - ``commit`` with events and a turn patch: 4 -- UPDATE sessions, UPDATE turns with the
   commit's conditions in its WHERE, INSERT messages (when any), INSERT session_events.
 
-With ``notify`` (PostgreSQL), the UPDATE that numbers events also calls
-``pg_notify('ballet_planner_events', '<session_id> <last_sequence> <replica_id>')`` in
-its RETURNING clause: PostgreSQL delivers a notification only when its transaction
-commits, so a rolled-back transaction notifies nobody, at no extra statement.
+No unit of work here notifies other replicas: the store signals after the commit
+(``signals.py``, decision 0230).
 """
 
 from __future__ import annotations
@@ -37,15 +35,12 @@ from sqlalchemy import (
     ColumnElement,
     Select,
     and_,
-    cast,
     func,
     insert,
-    literal,
     or_,
     select,
     update,
 )
-from sqlalchemy import Text as SqlText
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from service.adapters.store import codec
@@ -76,10 +71,6 @@ from service.core.ports import (
     TurnStart,
     TurnStartOutcome,
 )
-
-#: PostgreSQL notification channels (payloads in the module docstring of ``repository``).
-EVENTS_CHANNEL = "ballet_planner_events"
-CANCEL_CHANNEL = "ballet_planner_cancel"
 
 #: Seconds a caller refused with TOO_MANY_TURNS should wait (``google.rpc.RetryInfo``).
 TOO_MANY_TURNS_RETRY_S = 1.0
@@ -183,11 +174,7 @@ def session_not_found() -> NotFound:
 
 
 class SqlTurnUnits:
-    """The turn's units of work as SQLAlchemy Core statements on an open transaction;
-    ``notify`` names this replica in the events notification (None: send none)."""
-
-    def __init__(self, notify: str | None) -> None:
-        self._notify = notify
+    """The turn's units of work as SQLAlchemy Core statements on an open transaction."""
 
     async def start_turn(
         self, conn: AsyncConnection, start: TurnStart, human_index: int
@@ -291,9 +278,6 @@ class SqlTurnUnits:
     ) -> int | None:
         """Lock the session row, reserve ``len(events)`` sequences and apply the context
         and summary, in one UPDATE; returns the new ``last_sequence`` (None: no session).
-
-        With ``notify`` and events, the RETURNING clause also queues the events
-        notification, delivered only if the transaction commits.
         """
         values: dict[str, Any] = {"last_sequence": sessions.c.last_sequence + len(events)}
         if context is None:
@@ -313,14 +297,6 @@ class SqlTurnUnits:
             .values(values)
             .returning(sessions.c.last_sequence)
         )
-        if self._notify is not None and events:
-            payload = (
-                sessions.c.session_id
-                + literal(" ")
-                + cast(sessions.c.last_sequence, SqlText)
-                + literal(f" {self._notify}")
-            )
-            stmt = stmt.returning(func.pg_notify(EVENTS_CHANNEL, payload).label("notified"))
         row = (await conn.execute(stmt)).first()
         return None if row is None else int(row.last_sequence)
 
