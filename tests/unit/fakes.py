@@ -1,6 +1,6 @@
 """Hand-written in-memory fakes of the core's ports, for unit tests of the turn loop.
 
-They follow the port docstrings (service/core/ports.py) closely enough that the turn
+They follow the port docstrings (service/core/ports/) closely enough that the turn
 runner cannot tell them from the real adapters; the integration and service tiers run
 the same scenarios on the real ones.
 """
