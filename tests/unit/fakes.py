@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
@@ -86,16 +87,17 @@ from service.core.ports import (
 
 
 class FakeClock:
-    """A clock tests move by hand; ``monotonic`` follows ``now``."""
+    """A clock the test moves: ``now`` moves only by hand; ``monotonic`` is the machine's
+    monotonic seconds plus every move, so deadlines the core waits for still pass."""
 
     def __init__(self) -> None:
-        self.current = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+        self.current = self._start = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 
     def now(self) -> datetime:
         return self.current
 
     def monotonic(self) -> float:
-        return self.current.timestamp()
+        return time.monotonic() + (self.current - self._start).total_seconds()
 
     def advance(self, seconds: float) -> None:
         self.current += timedelta(seconds=seconds)

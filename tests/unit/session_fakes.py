@@ -8,6 +8,7 @@ tiers run the same rules on the SQL store.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
@@ -19,16 +20,17 @@ START = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 
 
 class ManualClock:
-    """A clock the test moves; ``monotonic`` follows ``now``."""
+    """A clock the test moves: ``now`` moves only by hand; ``monotonic`` is the machine's
+    monotonic seconds plus every move, so deadlines the core waits for still pass."""
 
     def __init__(self) -> None:
-        self.current = START
+        self.current = self._start = START
 
     def now(self) -> datetime:
         return self.current
 
     def monotonic(self) -> float:
-        return self.current.timestamp()
+        return time.monotonic() + (self.current - self._start).total_seconds()
 
     def advance(self, seconds: float) -> None:
         self.current += timedelta(seconds=seconds)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -136,13 +135,13 @@ async def _stream_answer(
     answer = Answer(message_id=new_id("msg"))
     if handle.stopping:
         return Streamed(answer, stopped=True)
-    started = time.monotonic()
+    started = deps.clock.monotonic()
     first_output: list[float] = []
 
     async def consume() -> None:
         async for chunk in deps.gateway.stream(request):
             if not first_output:
-                first_output.append(time.monotonic() - started)
+                first_output.append(deps.clock.monotonic() - started)
             if isinstance(chunk, TextChunk):
                 offset = answer.add_text(chunk.text)
                 if relay and chunk.text:
@@ -215,7 +214,7 @@ async def _stream_answer(
     deps.observer.model_called(
         request.purpose.value,
         outcome,
-        time.monotonic() - started,
+        deps.clock.monotonic() - started,
         answer.usage,
         first_output[0] if first_output else None,
     )

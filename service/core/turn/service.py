@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -137,7 +136,7 @@ class TurnService:
         stop) skips to the stop at once and shortens the writes' grace.
         """
         self._accepting = False
-        deadline = time.monotonic() + grace_s
+        deadline = self._deps.clock.monotonic() + grace_s
         settings = self._deps.settings
 
         await self._wait_for_runs(deadline - settings.cancel_grace_s - STOP_MARGIN_S)
@@ -163,11 +162,11 @@ class TurnService:
 
     async def _wait_for_runs(self, until: float) -> None:
         """Wait until no message is being accepted and no turn runs here, or until the
-        ``time.monotonic()`` value ``until``; turns launched meanwhile are waited for
-        too."""
+        clock's ``monotonic()`` reads ``until`` (seconds); turns launched meanwhile are
+        waited for too."""
         while True:
             waiting = set(self._accepting_tasks) | set(self._tasks.values())
-            timeout_s = until - time.monotonic()
+            timeout_s = until - self._deps.clock.monotonic()
             if not waiting or timeout_s <= 0:
                 return
             await asyncio.wait(waiting, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
@@ -312,9 +311,9 @@ class TurnService:
                 await self._close(turn, endings.INTERRUPTED, lease_expired_before=now)
             else:
                 await store.request_cancel(turn_id)
-                started = time.monotonic()
+                started = self._deps.clock.monotonic()
                 delay = 0.02
-                while time.monotonic() - started < deadline:
+                while self._deps.clock.monotonic() - started < deadline:
                     current = await store.get_turn(turn_id)
                     if current is None or current.state is TurnState.ENDED:
                         break
