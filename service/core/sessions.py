@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ from datetime import datetime
 from typing import Any
 
 from service.core.errors import HumanRequired, InvalidArgument, NotFound, PermissionDenied, echo
+from service.core.ids import new_session_id
 from service.core.model import Message, Session, Turn
 from service.core.outbound import CLIENT_MESSAGE_MAX_BYTES, message_for_client
 from service.core.pages import PageTokens, bad_page_token
@@ -294,10 +294,6 @@ def _human_required() -> HumanRequired:
     )
 
 
-def _new_id() -> str:
-    return str(uuid.uuid4())
-
-
 class SessionRules:
     """The session use cases behind the unary RPCs and Chat ``open``.
 
@@ -317,7 +313,7 @@ class SessionRules:
         *,
         page_tokens: PageTokens,
         message_size: Callable[[Message], int] = estimated_message_bytes,
-        new_id: Callable[[], str] = _new_id,
+        new_id: Callable[[], str] = new_session_id,
     ) -> None:
         self._store = store
         self._pages = page_tokens

@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -49,6 +48,7 @@ from service.core.errors import (
     Unavailable,
 )
 from service.core.fanout import Hub, StreamEnd, StreamQueue
+from service.core.ids import new_chat_request_id
 from service.core.model import EventKind, Session, SessionEvent, TextDelta, ToolCallProgress
 from service.core.outbound import CLIENT_MESSAGE_MAX_BYTES, messages_for_client
 from service.core.ports import SessionStore
@@ -398,7 +398,7 @@ class _Stream:
         else:
             session = await rules.create_session(
                 self._caller,
-                request_id=request.request_id or f"chat-{uuid.uuid4().hex}",
+                request_id=request.request_id or new_chat_request_id(),
                 project_id=action.project_id,
                 title=action.title,
             )

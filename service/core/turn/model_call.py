@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from service.core import tracing
 from service.core.errors import ModelFailure
-from service.core.ids import new_id
+from service.core.ids import new_call_id, new_message_id, new_model_request_id
 from service.core.model import TextDelta, ToolCallProgress
 from service.core.ports import (
     FinishChunk,
@@ -83,7 +83,7 @@ def model_request(
         system_prompt=system,
         messages=messages,
         tools=tools,
-        request_id=new_id("gen"),
+        request_id=new_model_request_id(),
         deadlines=ModelDeadlines(
             first_delta_s=min(settings.model_first_delta_s, left),
             idle_s=min(settings.model_idle_s, left),
@@ -132,7 +132,7 @@ async def _stream_answer(
     deps: TurnDependencies, state: TurnState, request: ModelRequest, *, relay: bool
 ) -> Streamed:
     handle = state.handle
-    answer = Answer(message_id=new_id("msg"))
+    answer = Answer(message_id=new_message_id())
     if handle.stopping:
         return Streamed(answer, stopped=True)
     started = deps.clock.monotonic()
@@ -243,7 +243,7 @@ def _call_at(answer: Answer, index: int, name: str, *, completing: bool = False)
         return call
     if call is not None:
         index = max(answer.calls) + 1
-    call = PendingCall(call_id=new_id("call"), name=_short_name(name))
+    call = PendingCall(call_id=new_call_id(), name=_short_name(name))
     answer.calls[index] = call
     return call
 

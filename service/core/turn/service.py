@@ -27,7 +27,7 @@ from service.core.errors import (
     StoreUnavailable,
     Unavailable,
 )
-from service.core.ids import new_id, request_hash
+from service.core.ids import new_turn_id, request_hash
 from service.core.model import Session, SessionEvent, Turn, TurnState
 from service.core.ports import Acting, StartOutcomeKind, TurnStart
 from service.core.sessions import check_request_id
@@ -220,7 +220,7 @@ class TurnService:
         settings = self._deps.settings
         for _attempt in range(_START_ATTEMPTS):
             now = self._deps.clock.now()
-            turn_id = new_id("turn")
+            turn_id = new_turn_id()
             events = EventBuilder(session.session_id, turn_id, request.human_id, self._deps.clock)
             accepted = events.message_accepted(request.text)
             assert accepted.message is not None
