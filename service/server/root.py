@@ -71,7 +71,7 @@ from service.core.tracing import NULL_TRACER
 from service.server.identity import page_token_keys, service_credentials, token_verifier
 from service.server.metrics import Metrics, MetricsInterceptor, MetricsServer, start_metrics_server
 from service.server.retention import retention_job
-from service.server.wiring import PlannerTurns, Wiring, build_turns
+from service.server.wiring import PlannerTurns, Wiring, build_turns, project_directory
 from service.transport import convert
 from service.transport.auth import Authenticator
 from service.transport.decoding import add_planner_service
@@ -506,15 +506,10 @@ async def _start_planner(
                 knowledge_credential=credentials["knowledge"].token,
             )
         authenticator = Authenticator(verifier)
-        projects = ProjectAccess(
-            backends,
-            clock,
-            cache_s=settings.auth.project_check_cache_s,
-            timeout_s=settings.dependencies.project_lookup_s,
-        )
+        projects = project_directory(settings, backends, clock)
         rules = SessionRules(
             store,
-            projects,
+            ProjectAccess(projects),
             clock,
             SessionLimits(
                 page_max_bytes=settings.limits.page_max_bytes,
@@ -536,6 +531,7 @@ async def _start_planner(
                 metrics=metrics,
                 streams=database.streams,
                 tracer=OtelTracer(tracing.tracer) if tracing else NULL_TRACER,
+                projects=projects,
             )
         )
 

@@ -12,6 +12,7 @@ import pytest
 
 from service.core.errors import ECHO_MAX_CHARS, InvalidArgument, NotFound, PermissionDenied
 from service.core.pages import PageTokens
+from service.core.projects import ProjectDirectory
 from service.core.sessions import (
     READ_SCOPE,
     Caller,
@@ -37,7 +38,8 @@ class World:
         self.tracker.allow("alice", "demo")
         self.tracker.allow("bob", "demo")
         ids = (f"s{n:04d}" for n in itertools.count(1))
-        self.projects = ProjectAccess(self.tracker, self.clock, cache_s=60, timeout_s=5)  # type: ignore[arg-type]
+        directory = ProjectDirectory(self.tracker, self.clock, cache_s=60, timeout_s=5)  # type: ignore[arg-type]
+        self.projects = ProjectAccess(directory)
         self.rules = SessionRules(
             self.store,  # type: ignore[arg-type]
             self.projects,

@@ -30,6 +30,7 @@ from service.core.errors import (
 from service.core.ids import new_turn_id, request_hash
 from service.core.model import Session, SessionEvent, Turn, TurnState
 from service.core.ports import Acting, StartOutcomeKind, TurnStart
+from service.core.projects import ProjectDirectory
 from service.core.sessions import check_request_id
 from service.core.turn import ending as endings
 from service.core.turn.ending import Ending, close_stored_turn
@@ -86,13 +87,14 @@ class TurnService:
     ) -> None:
         settings = deps.settings
         self._deps = deps
-        self._prompts = PromptSource(
+        directory = deps.projects or ProjectDirectory(
             deps.backends,
             deps.clock,
-            model=settings.model,
-            declarations=deps.declarations,
-            ttl_s=settings.prompt_cache_s,
+            cache_s=settings.prompt_cache_s,
             timeout_s=settings.dependency_timeout_s,
+        )
+        self._prompts = PromptSource(
+            directory, model=settings.model, declarations=deps.declarations
         )
         self._conversations = Conversations()
         self._handles: dict[str, TurnHandle] = {}
