@@ -39,7 +39,8 @@ from typing import Any, TypeVar
 
 from service.core.errors import ResourceExhausted, StoreConflict, StoreUnavailable, Unavailable
 from service.core.ids import new_stream_id
-from service.core.ports import Clock, OpenStream, StreamStore
+from service.core.ports.clock import Clock
+from service.core.ports.streams import OpenStream, StreamStore
 
 log = logging.getLogger(__name__)
 

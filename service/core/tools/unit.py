@@ -16,7 +16,7 @@ from typing import Any
 
 from service.core.backend_types import Acting
 from service.core.model import JsonObject
-from service.core.ports import ToolBackends
+from service.core.ports.backends import ToolBackends
 
 # The seed's Needs column (seed: Tools).
 TRACKER_READ = "tracker.read"

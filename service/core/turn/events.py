@@ -28,7 +28,7 @@ from service.core.model import (
     TurnStartedData,
     Usage,
 )
-from service.core.ports import Clock
+from service.core.ports.clock import Clock
 from service.core.tools import ToolOutcome
 
 

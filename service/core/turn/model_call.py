@@ -23,7 +23,7 @@ from service.core import tracing
 from service.core.errors import ModelFailure
 from service.core.ids import new_call_id, new_message_id, new_model_request_id
 from service.core.model import TextDelta, ToolCallProgress
-from service.core.ports import (
+from service.core.ports.model import (
     FinishChunk,
     ModelDeadlines,
     ModelMessage,

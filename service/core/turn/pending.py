@@ -20,7 +20,7 @@ from typing import Any
 
 from service.core.context import PendingChangeset, PendingChangesets
 from service.core.ids import new_call_id
-from service.core.ports import ToolCall
+from service.core.ports.model import ToolCall
 from service.core.tools import ToolContext
 from service.core.turn.model_call import time_left
 from service.core.turn.settings import TurnDependencies
