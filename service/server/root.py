@@ -31,7 +31,6 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 import grpc
@@ -46,6 +45,7 @@ from ballet_common.grpc.channels import ChannelTls, make_channel
 from ballet_common.tokens import DevSecretError
 from ballet_common.tracing import Tracing, TracingConfigError, tracing_from_environment
 from service.adapters.backends import GrpcToolBackends
+from service.adapters.clock import SystemClock
 from service.adapters.store import migrate, schema_status
 from service.adapters.store.database import Database, open_database
 from service.adapters.store.engine import prepare_sqlite_file
@@ -102,18 +102,6 @@ CHECK_LEFT_S = 1.0
 
 class StartupError(RuntimeError):
     """The planner cannot start; the message says why and what to do."""
-
-
-class SystemClock:
-    """``Clock`` on the machine's clocks: UTC wall time, monotonic seconds."""
-
-    def now(self) -> datetime:
-        """The current UTC time, timezone aware."""
-        return datetime.now(UTC)
-
-    def monotonic(self) -> float:
-        """Seconds of a monotonic clock, for deadlines and caches."""
-        return time.monotonic()
 
 
 # --------------------------------------------------------------------------- the app
