@@ -24,8 +24,8 @@ from service.core.tools import TOOL_SCHEMA_VERSION
 class Prompt:
     """One turn's fixed request parts: the system prompt, what it was built from, and
     its estimated size with the tool declarations in tokens (``fixed_tokens``, for the
-    context estimate: SPEC 6 counts it whenever no usage is known). ``versions`` is what
-    the turn records (SPEC 5 step 2)."""
+    context estimate: docs/spec/compaction.md counts it whenever no usage is known). ``versions`` is
+    what the turn records (docs/spec/turn-loop.md step 2)."""
 
     system: str
     project: ProjectInfo
@@ -35,7 +35,8 @@ class Prompt:
 
     @property
     def credential_ref(self) -> str:
-        """The project's model credential reference (never a secret; SPEC 5 step 4)."""
+        """The project's model credential reference (never a secret; docs/spec/turn-loop.md step
+        4)."""
         return self.project.model_credential
 
 
