@@ -107,7 +107,9 @@ def _migrate(args: argparse.Namespace) -> int:
             print(f"ballet-planner migrate: {error}", file=sys.stderr)
             return 1
     try:
-        asyncio.run(migrate(settings.database.url))
+        asyncio.run(
+            migrate(settings.database.url, connect_timeout_s=settings.database.connect_timeout_s)
+        )
         status = asyncio.run(schema_status(settings.database.url))
     except StoreUnavailable as error:
         print(f"ballet-planner migrate: the database is unreachable: {error}", file=sys.stderr)

@@ -388,6 +388,10 @@ async def _open_database(settings: Settings, tracing: Tracing | None) -> Databas
             pool_size=database.pool_size,
             max_overflow=database.max_overflow,
             hot_pool_size=database.hot_pool_size,
+            pool_timeout_s=database.pool_timeout_s,
+            connect_timeout_s=database.connect_timeout_s,
+            pool_pre_ping=database.pool_pre_ping,
+            abandoned_read_grace_s=database.abandoned_read_grace_s,
             context_cache_bytes=database.context_cache_bytes,
             tracer=OtelTracer(tracing.tracer) if tracing else NULL_TRACER,
         )
