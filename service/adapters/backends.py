@@ -1,6 +1,6 @@
 """The tool backends over gRPC: tracker, skills and knowledge clients acting for a human.
 
-``GrpcToolBackends`` implements the core's ``ToolBackends`` port (``service/core/ports.py``)
+``GrpcToolBackends`` implements the core's ``ToolBackends`` port (``service/core/ports/``)
 on ``grpc.aio`` channels to ``ballet.tracker.v1.TrackerService``,
 ``ballet.skills.v1.SkillsService`` and ``ballet.knowledge.v1.KnowledgeService``: one
 method per RPC, its request and response translated by ``backend_messages``.

@@ -1,5 +1,5 @@
 """What the tool backends hold, as the core sees it: the values of the ``ToolBackends``
-port (``service/core/ports.py``).
+port (``service/core/ports/backends.py``).
 
 Items, changesets and their operations (tracker), skills (skills), knowledge entries and
 search hits (knowledge), the requests that ask for them, and whom a call acts for. Our

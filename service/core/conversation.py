@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 from service.core.context import to_model_messages
 from service.core.model import Message, MessageKind
-from service.core.ports import ModelMessage
+from service.core.ports.model import ModelMessage
 
 #: Sessions whose conversation is kept, and model messages kept in all; past either the
 #: least recently used session goes first.

@@ -40,7 +40,7 @@ import math
 from collections.abc import Iterable
 
 from service.core.model import Message, MessageKind
-from service.core.ports import ToolDeclaration
+from service.core.ports.model import ToolDeclaration
 
 #: Tokens per ASCII letter of English text (calibrated: 0.2221).
 RATE_ENGLISH = 0.222

@@ -34,14 +34,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 from service.core.errors import HumanRequired, InvalidArgument, NotFound, PermissionDenied, echo
+from service.core.ids import new_session_id
 from service.core.model import Message, Session, Turn
 from service.core.outbound import CLIENT_MESSAGE_MAX_BYTES, message_for_client
 from service.core.pages import PageTokens, bad_page_token
@@ -53,8 +52,8 @@ from service.core.ports import (
     SessionCursor,
     SessionQuery,
     SessionStore,
-    ToolBackends,
 )
+from service.core.projects import ProjectDirectory
 
 #: The scope that lets a service principal read sessions of its organization
 #: (docs/spec/authority.md).
@@ -72,7 +71,6 @@ MESSAGES_PAGE_MAX = 1000
 #: timestamps and protobuf framing (an over-estimate; the transport passes an exact
 #: sizer).
 MESSAGE_OVERHEAD_BYTES = 256
-PROJECT_CACHE_MAX_ENTRIES = 10_000
 #: Longest session, turn or project id looked up at all: longer ones cannot exist (the
 #: planner's ids are UUIDs; Core's project ids are short), so they are not found without
 #: a query or a tracker call.
@@ -132,15 +130,12 @@ class SessionLimits:
 
     ``page_max_bytes``: most bytes of one ListMessages page (``limits.page_max_bytes``);
     ``client_message_max_bytes``: a message larger than this is listed truncated
-    (``limits.client_message_max_bytes``; ``service.core.outbound``);
-    ``project_cache_s``: reuse of a project check (``auth.project_check_cache_s``);
-    ``project_lookup_s``: deadline of one check (``dependencies.project_lookup_s``).
+    (``limits.client_message_max_bytes``; ``service.core.outbound``). How long a
+    project check is reused and its deadline belong to the ``ProjectDirectory``.
     """
 
     page_max_bytes: int = 1024 * 1024
     client_message_max_bytes: int = CLIENT_MESSAGE_MAX_BYTES
-    project_cache_s: float = 60.0
-    project_lookup_s: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -190,28 +185,14 @@ def estimated_message_bytes(message: Message) -> int:
 
 class ProjectAccess:
     """Whether a human may read a project, asked of the tracker as that human
-    (docs/spec/authority.md).
-
-    Positive answers are reused for ``cache_s`` seconds (at most 60) per (human,
-    project); refusals are never cached, so a new permission works at once. At most
-    ``max_entries`` answers are kept (least recently used dropped first).
+    (docs/spec/authority.md), through the process's one ``ProjectDirectory``: positive
+    answers are reused as long as the directory keeps them (at most 60 s per
+    organization, human and project); refusals are never reused, so a new permission
+    works at once.
     """
 
-    def __init__(
-        self,
-        backends: ToolBackends,
-        clock: Clock,
-        *,
-        cache_s: float = 60.0,
-        timeout_s: float = 5.0,
-        max_entries: int = PROJECT_CACHE_MAX_ENTRIES,
-    ) -> None:
-        self._backends = backends
-        self._clock = clock
-        self._cache_s = min(cache_s, 60.0)
-        self._timeout_s = timeout_s
-        self._max_entries = max_entries
-        self._cache: OrderedDict[tuple[str, str, str], tuple[float, ProjectInfo]] = OrderedDict()
+    def __init__(self, directory: ProjectDirectory) -> None:
+        self._directory = directory
 
     async def check(self, caller: Caller, project_id: str, session_id: str = "") -> ProjectInfo:
         """The project, if ``caller`` (a human) may read it in their organization.
@@ -222,28 +203,12 @@ class ProjectAccess:
         """
         if len(project_id) > ID_MAX_CHARS:
             raise _project_not_found(project_id)
-        # The organization is part of the key: a token of the same subject in another
-        # organization must not reuse an answer given for this one.
-        key = (caller.organization_id, caller.subject, project_id)
-        now = self._clock.monotonic()
-        cached = self._cache.get(key)
-        if cached is not None and cached[0] > now:
-            self._cache.move_to_end(key)
-            return cached[1]
         try:
-            project = await self._backends.get_project(
-                caller.acting(session_id), project_id, self._timeout_s
-            )
+            project = await self._directory.project(caller.acting(session_id), project_id)
         except NotFound:
-            self._cache.pop(key, None)
             raise _project_not_found(project_id) from None
         if project.organization_id and project.organization_id != caller.organization_id:
             raise _project_not_found(project_id)
-        if self._cache_s > 0:
-            self._cache[key] = (now + self._cache_s, project)
-            self._cache.move_to_end(key)
-            while len(self._cache) > self._max_entries:
-                self._cache.popitem(last=False)
         return project
 
 
@@ -304,10 +269,6 @@ def _human_required() -> HumanRequired:
     )
 
 
-def _new_id() -> str:
-    return str(uuid.uuid4())
-
-
 class SessionRules:
     """The session use cases behind the unary RPCs and Chat ``open``.
 
@@ -327,7 +288,7 @@ class SessionRules:
         *,
         page_tokens: PageTokens,
         message_size: Callable[[Message], int] = estimated_message_bytes,
-        new_id: Callable[[], str] = _new_id,
+        new_id: Callable[[], str] = new_session_id,
     ) -> None:
         self._store = store
         self._pages = page_tokens

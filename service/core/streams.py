@@ -33,13 +33,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import uuid
 from collections.abc import Coroutine
 from datetime import timedelta
 from typing import Any, TypeVar
 
 from service.core.errors import ResourceExhausted, StoreConflict, StoreUnavailable, Unavailable
-from service.core.ports import Clock, OpenStream, StreamStore
+from service.core.ids import new_stream_id
+from service.core.ports.clock import Clock
+from service.core.ports.streams import OpenStream, StreamStore
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +148,7 @@ class StreamRegistry:
         the stream ends (``StreamSlot.release``; the Chat RPC ties it to the call's end).
         """
         stream = OpenStream(
-            stream_id=uuid.uuid4().hex,
+            stream_id=new_stream_id(),
             human_id=human_id,
             replica_id=self._replica,
             opened_at=self._clock.now(),

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from service.core.estimate import text_tokens
-from service.core.ports import FinishReason
+from service.core.ports.model import FinishReason
 
 #: Finishes after which an answer is whole.
 NORMAL_FINISHES = frozenset({FinishReason.STOP, FinishReason.UNSPECIFIED})

@@ -9,15 +9,15 @@ the command line.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 
 from prometheus_client import push_to_gateway
 from sqlalchemy.engine import make_url
 
+from service.adapters.clock import SystemClock
 from service.adapters.store import SqlSessionStore, make_engine, schema_status
 from service.adapters.store.database import Database
 from service.adapters.store.retention import SqlRetentionStore
@@ -132,14 +132,6 @@ class PurgeRequest:
     dry_run: bool = False
 
 
-class _WallClock:
-    def now(self) -> datetime:
-        return datetime.now(UTC)
-
-    def monotonic(self) -> float:
-        return time.monotonic()
-
-
 async def run_purge(
     settings: Settings, request: PurgeRequest, *, clock: Clock | None = None
 ) -> PassReport | ErasureReport:
@@ -150,7 +142,7 @@ async def run_purge(
     url = settings.database.url
     if settings.database.is_sqlite:
         _check_sqlite_file(url)
-    clock = clock or _WallClock()
+    clock = clock or SystemClock()
     engine = make_engine(url, pool_size=2, max_overflow=1)
     replica = f"purge-{settings.server.replica_id}"
     try:

@@ -31,7 +31,6 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 import grpc
@@ -47,6 +46,7 @@ from ballet_common.grpc.channels import ChannelTls, make_channel
 from ballet_common.tokens import DevSecretError
 from ballet_common.tracing import Tracing, TracingConfigError, tracing_from_environment
 from service.adapters.backends import GrpcToolBackends
+from service.adapters.clock import SystemClock
 from service.adapters.store import migrate, schema_status
 from service.adapters.store.database import Database, open_database
 from service.adapters.store.engine import prepare_sqlite_file
@@ -72,7 +72,7 @@ from service.core.tracing import NULL_TRACER
 from service.server.identity import page_token_keys, service_credentials, token_verifier
 from service.server.metrics import Metrics, MetricsInterceptor, MetricsServer, start_metrics_server
 from service.server.retention import retention_job
-from service.server.wiring import PlannerTurns, Wiring, build_turns
+from service.server.wiring import PlannerTurns, Wiring, build_turns, project_directory
 from service.transport import convert
 from service.transport.auth import Authenticator
 from service.transport.decoding import add_planner_service
@@ -109,18 +109,6 @@ class StartupError(RuntimeError):
     def __init__(self, message: str, *, setting: str = "") -> None:
         super().__init__(message)
         self.setting = setting
-
-
-class SystemClock:
-    """``Clock`` on the machine's clocks: UTC wall time, monotonic seconds."""
-
-    def now(self) -> datetime:
-        """The current UTC time, timezone aware."""
-        return datetime.now(UTC)
-
-    def monotonic(self) -> float:
-        """Seconds of a monotonic clock, for deadlines and caches."""
-        return time.monotonic()
 
 
 # --------------------------------------------------------------------------- the app
@@ -541,15 +529,10 @@ async def _start_planner(
                 knowledge_credential=credentials["knowledge"].token,
             )
         authenticator = Authenticator(verifier)
-        projects = ProjectAccess(
-            backends,
-            clock,
-            cache_s=settings.auth.project_check_cache_s,
-            timeout_s=settings.dependencies.project_lookup_s,
-        )
+        projects = project_directory(settings, backends, clock)
         rules = SessionRules(
             store,
-            projects,
+            ProjectAccess(projects),
             clock,
             SessionLimits(
                 page_max_bytes=settings.limits.page_max_bytes,
@@ -571,6 +554,7 @@ async def _start_planner(
                 metrics=metrics,
                 streams=database.streams,
                 tracer=OtelTracer(tracing.tracer) if tracing else NULL_TRACER,
+                projects=projects,
             )
         )
 

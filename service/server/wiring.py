@@ -23,6 +23,7 @@ from service.core.ports import (
     ToolBackends,
     Tracer,
 )
+from service.core.projects import ProjectDirectory
 from service.core.sessions import SessionRules
 from service.core.streams import StreamRegistry
 from service.core.tools import ToolRunner, declarations
@@ -52,6 +53,20 @@ class Wiring:
     streams: StreamStore | None = None
     #: Spans of turns, rounds, model and tool calls; NULL_TRACER: off.
     tracer: Tracer = NULL_TRACER
+    #: The process's one project cache (``project_directory``), also behind ``rules``.
+    projects: ProjectDirectory | None = None
+
+
+def project_directory(settings: Settings, backends: ToolBackends, clock: Clock) -> ProjectDirectory:
+    """The process's one project cache: the session access checks and the turns' prompts
+    read projects and skills through it, reused ``auth.project_check_cache_s`` seconds,
+    each backend call within ``dependencies.project_lookup_s``."""
+    return ProjectDirectory(
+        backends,
+        clock,
+        cache_s=settings.auth.project_check_cache_s,
+        timeout_s=settings.dependencies.project_lookup_s,
+    )
 
 
 def build_turns(wiring: Wiring) -> PlannerTurns:
@@ -118,6 +133,7 @@ def build_turns(wiring: Wiring) -> PlannerTurns:
             declarations=declarations(),
             observer=PrometheusTurnObserver(wiring.metrics),
             tracer=wiring.tracer,
+            projects=wiring.projects,
         )
     )
     metrics = wiring.metrics

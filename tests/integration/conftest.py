@@ -5,6 +5,10 @@ from ``pg_url``) and on SQLite (a file in ``tmp_path``), since the planner suppo
 (docs/spec/storage.md); on PostgreSQL twice, once with the stores on SQLAlchemy alone and once
 with the hot path on psycopg (``postgresql-hot``, decision 0113), which is what ``serve``
 runs. ``engine`` migrates the database first, as ``serve`` would expect.
+
+``session_store`` adds the in-memory store of the unit tests (``tests/memory_store.py``)
+to those three, for the ``SessionStore`` contract tests: the fake keeps the contract the
+SQL stores keep.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from service.adapters.store import SqlSessionStore, make_engine, migrate
 from service.adapters.store.pg import PgSessionStore, PgStreamStore, make_pool
 from service.adapters.store.streams import SqlStreamStore
+from service.core.ports import SessionStore
 from tests.integration.store_support import REPLICA
+from tests.memory_store import MemoryStore
 
 HOT = "postgresql-hot"
 DATABASES = [
@@ -28,13 +34,22 @@ DATABASES = [
 ]
 
 
-@pytest.fixture(params=DATABASES)
-def db_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The SQLAlchemy URL of an empty database: PostgreSQL or SQLite."""
+MEMORY = "memory"
+
+
+def _empty_database(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> str:
     if request.param in ("postgresql", HOT):
         url: str = request.getfixturevalue("pg_url")
         return url
     return f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('sqlite') / 'planner.db'}"
+
+
+@pytest.fixture(params=DATABASES)
+def db_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The SQLAlchemy URL of an empty database: PostgreSQL or SQLite."""
+    return _empty_database(request, tmp_path_factory)
 
 
 @pytest.fixture
@@ -83,3 +98,28 @@ def streams(engine: AsyncEngine, hot_pool: AsyncConnectionPool | None) -> SqlStr
     if hot_pool is not None:
         return PgStreamStore(engine, hot_pool)
     return SqlStreamStore(engine)
+
+
+@pytest.fixture(params=[*DATABASES, pytest.param(MEMORY)])
+async def session_store(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[SessionStore]:
+    """A ``SessionStore`` of replica ``replica-a`` on an empty, migrated database, once
+    per database of ``db_url`` and once in memory."""
+    if request.param == MEMORY:
+        yield MemoryStore()
+        return
+    url = _empty_database(request, tmp_path_factory)
+    await migrate(url)
+    engine = make_engine(url)
+    pool = make_pool(url, max_size=20, timeout_s=10) if request.param == HOT else None
+    try:
+        if pool is None:
+            yield SqlSessionStore(engine, REPLICA)
+        else:
+            await pool.open(wait=True)
+            yield PgSessionStore(engine, pool, REPLICA)
+    finally:
+        if pool is not None:
+            await pool.close()
+        await engine.dispose()

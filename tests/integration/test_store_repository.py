@@ -1,5 +1,6 @@
-"""``SqlSessionStore`` against the ``SessionStore`` port's contract, on PostgreSQL and
-SQLite (every test runs on both; see ``conftest.db_url``).
+"""The ``SessionStore`` port's contract: ``SqlSessionStore`` on PostgreSQL (with and
+without the psycopg hot path) and SQLite, and the tests' in-memory store; every test runs
+on each (``conftest.session_store``), except the one that reads the tables.
 
 Tests assert on stored state read back through the store (and, for the cascade, on the
 tables themselves), never on SQL.
@@ -37,6 +38,7 @@ from service.core.ports import (
     RunningLimits,
     SessionCursor,
     SessionQuery,
+    SessionStore,
     StartOutcomeKind,
     SummaryUpdate,
     TurnCommit,
@@ -55,14 +57,21 @@ from tests.integration.store_support import (
     turn_start,
 )
 
+
+@pytest.fixture
+def store(session_store: SessionStore) -> SessionStore:
+    """The store under contract: each SQL database, and memory."""
+    return session_store
+
+
 # ---------------------------------------------------------------------- sessions
 
 
-async def test_ping_answers(store: SqlSessionStore) -> None:
+async def test_ping_answers(store: SessionStore) -> None:
     await store.ping()
 
 
-async def test_created_session_reads_back(store: SqlSessionStore) -> None:
+async def test_created_session_reads_back(store: SessionStore) -> None:
     created = await store.create_session(new_session("s1", title="Q3 planning"))
 
     assert await store.get_session("s1") == created
@@ -76,7 +85,7 @@ async def test_created_session_reads_back(store: SqlSessionStore) -> None:
 
 
 async def test_create_session_is_idempotent_per_owner_and_request_id(
-    store: SqlSessionStore,
+    store: SessionStore,
 ) -> None:
     first = await store.create_session(
         new_session("s1", request_id="r1", request_hash="h1", title="A")
@@ -103,7 +112,7 @@ async def test_create_session_is_idempotent_per_owner_and_request_id(
 
 
 async def test_concurrent_creates_with_one_request_id_make_one_session(
-    store: SqlSessionStore,
+    store: SessionStore,
 ) -> None:
     made = await asyncio.gather(
         *(
@@ -114,7 +123,7 @@ async def test_concurrent_creates_with_one_request_id_make_one_session(
     assert len({session.session_id for session in made}) == 1
 
 
-async def test_update_session_title(store: SqlSessionStore) -> None:
+async def test_update_session_title(store: SessionStore) -> None:
     await store.create_session(new_session("s1", title="Old"))
     later = T0 + timedelta(minutes=5)
 
@@ -127,7 +136,7 @@ async def test_update_session_title(store: SqlSessionStore) -> None:
 
 
 async def test_list_sessions_walks_every_session_once_newest_first(
-    store: SqlSessionStore,
+    store: SessionStore,
 ) -> None:
     # 250 sessions over 50 distinct times: five share each time, so ties by id matter.
     expected = []
@@ -155,7 +164,7 @@ async def test_list_sessions_walks_every_session_once_newest_first(
     assert seen == expected
 
 
-async def test_list_sessions_of_one_owner(store: SqlSessionStore) -> None:
+async def test_list_sessions_of_one_owner(store: SessionStore) -> None:
     await store.create_session(new_session("a1", owner="alice"))
     await store.create_session(new_session("b1", owner="bob", now=T0 + timedelta(seconds=1)))
 
@@ -165,28 +174,13 @@ async def test_list_sessions_of_one_owner(store: SqlSessionStore) -> None:
     assert cursor is None
 
 
-async def test_delete_session_removes_everything_of_it(
-    store: SqlSessionStore, engine: AsyncEngine
-) -> None:
-    await store.create_session(new_session("s1", request_id="create-1", request_hash="h"))
-    await store.create_session(new_session("keep"))
-    await store.start_turn(turn_start("s1", "t1"))
-    await store.commit(
-        TurnCommit("s1", "t1", T0, events=tool_round_events("s1", "t1"), owner=REPLICA)
-    )
-    await store.start_turn(turn_start("keep", "tk"))
-
-    assert await store.delete_session("s1") is True
-
+async def test_delete_session_removes_everything_of_it(store: SessionStore) -> None:
+    await _two_sessions_one_deleted(store)
     assert await store.get_session("s1") is None
     assert await store.get_turn("t1") is None
     assert await store.list_messages("s1", 0, 100) == []
-    async with engine.connect() as conn:
-        for table in (messages, session_events, turns):
-            left = await conn.scalar(
-                select(func.count()).select_from(table).where(table.c.session_id == "s1")
-            )
-            assert left == 0, table.name
+    assert await store.events_after("s1", 0, 100) == []
+    assert await store.turn_messages("t1") == []
     assert await store.get_turn("tk") is not None
     assert await store.delete_session("s1") is False
     # The idempotency key went with the session: the same request id creates anew.
@@ -196,10 +190,31 @@ async def test_delete_session_removes_everything_of_it(
     assert again.session_id == "s1-again"
 
 
+async def test_delete_session_leaves_no_row(engine: AsyncEngine) -> None:
+    await _two_sessions_one_deleted(SqlSessionStore(engine, REPLICA))
+    async with engine.connect() as conn:
+        for table in (messages, session_events, turns):
+            left = await conn.scalar(
+                select(func.count()).select_from(table).where(table.c.session_id == "s1")
+            )
+            assert left == 0, table.name
+
+
+async def _two_sessions_one_deleted(store: SessionStore) -> None:
+    await store.create_session(new_session("s1", request_id="create-1", request_hash="h"))
+    await store.create_session(new_session("keep"))
+    await store.start_turn(turn_start("s1", "t1"))
+    await store.commit(
+        TurnCommit("s1", "t1", T0, events=tool_round_events("s1", "t1"), owner=REPLICA)
+    )
+    await store.start_turn(turn_start("keep", "tk"))
+    assert await store.delete_session("s1") is True
+
+
 # ---------------------------------------------------------------------- starting turns
 
 
-async def test_start_turn_stores_the_message_and_opens_the_turn(store: SqlSessionStore) -> None:
+async def test_start_turn_stores_the_message_and_opens_the_turn(store: SessionStore) -> None:
     await store.create_session(new_session("s1"))
     start = turn_start("s1", "t1", text="What is runnable? ✓")
 
@@ -221,13 +236,13 @@ async def test_start_turn_stores_the_message_and_opens_the_turn(store: SqlSessio
     assert session.context.pending_tokens == message_tokens(start.message)
 
 
-async def test_start_turn_in_a_missing_session(store: SqlSessionStore) -> None:
+async def test_start_turn_in_a_missing_session(store: SessionStore) -> None:
     with pytest.raises(NotFound) as refused:
         await store.start_turn(turn_start("nope", "t1"))
     assert refused.value.reason == "SESSION_NOT_FOUND"
 
 
-async def test_two_concurrent_starts_one_wins(store: SqlSessionStore) -> None:
+async def test_two_concurrent_starts_one_wins(store: SessionStore) -> None:
     await store.create_session(new_session("s1"))
 
     results = await asyncio.gather(
@@ -247,7 +262,7 @@ async def test_two_concurrent_starts_one_wins(store: SqlSessionStore) -> None:
     assert [e.turn_id for e in await store.events_after("s1", 0, 10)] == [winner, winner]
 
 
-async def test_a_running_turn_refuses_the_next(store: SqlSessionStore) -> None:
+async def test_a_running_turn_refuses_the_next(store: SessionStore) -> None:
     await store.create_session(new_session("s1"))
     await store.start_turn(turn_start("s1", "t1"))
 
@@ -259,7 +274,7 @@ async def test_a_running_turn_refuses_the_next(store: SqlSessionStore) -> None:
     assert session is not None and session.last_sequence == 2
 
 
-async def test_duplicate_request_id_returns_the_original(store: SqlSessionStore) -> None:
+async def test_duplicate_request_id_returns_the_original(store: SessionStore) -> None:
     await store.create_session(new_session("s1"))
     original = await store.start_turn(turn_start("s1", "t1", request_id="r1", request_hash="h1"))
 
@@ -281,7 +296,7 @@ async def test_duplicate_request_id_returns_the_original(store: SqlSessionStore)
     assert session is not None and session.last_sequence == 3
 
 
-async def test_request_id_reused_with_another_payload(store: SqlSessionStore) -> None:
+async def test_request_id_reused_with_another_payload(store: SessionStore) -> None:
     await store.create_session(new_session("s1"))
     await store.start_turn(turn_start("s1", "t1", request_id="r1", request_hash="h1"))
 
@@ -292,7 +307,7 @@ async def test_request_id_reused_with_another_payload(store: SqlSessionStore) ->
     assert await store.get_turn("t2") is None
 
 
-async def test_expired_lease_then_close_then_start(store: SqlSessionStore) -> None:
+async def test_expired_lease_then_close_then_start(store: SessionStore) -> None:
     await store.create_session(new_session("s1"))
     await store.start_turn(turn_start("s1", "t1", owner="replica-dead"))
     later = T0 + LEASE + timedelta(seconds=1)
@@ -328,7 +343,7 @@ async def test_expired_lease_then_close_then_start(store: SqlSessionStore) -> No
     )
 
 
-async def test_running_turn_limits(store: SqlSessionStore) -> None:
+async def test_running_turn_limits(store: SessionStore) -> None:
     limits = RunningLimits(per_human=2, per_project=3)
     for i in range(4):
         await store.create_session(new_session(f"s{i}", owner="alice"))
@@ -356,7 +371,7 @@ async def test_running_turn_limits(store: SqlSessionStore) -> None:
 # ---------------------------------------------------------------------- commits
 
 
-async def test_commit_numbers_events_and_patches_the_turn(store: SqlSessionStore) -> None:
+async def test_commit_numbers_events_and_patches_the_turn(store: SessionStore) -> None:
     await store.create_session(new_session("s1"))
     start = await store.start_turn(turn_start("s1", "t1"))
     round_events = tool_round_events("s1", "t1")
@@ -400,7 +415,7 @@ async def test_commit_numbers_events_and_patches_the_turn(store: SqlSessionStore
     assert await store.turn_messages("t1") == transcript
 
 
-async def test_ending_a_turn_frees_the_session(store: SqlSessionStore) -> None:
+async def test_ending_a_turn_frees_the_session(store: SessionStore) -> None:
     await store.create_session(new_session("s1"))
     await store.start_turn(turn_start("s1", "t1"))
     end_time = T0 + timedelta(seconds=3)
@@ -421,7 +436,7 @@ async def test_ending_a_turn_frees_the_session(store: SqlSessionStore) -> None:
     assert started.kind is StartOutcomeKind.STARTED
 
 
-async def test_commit_conditions_refuse_and_store_nothing(store: SqlSessionStore) -> None:
+async def test_commit_conditions_refuse_and_store_nothing(store: SessionStore) -> None:
     await store.create_session(new_session("s1"))
     await store.start_turn(turn_start("s1", "t1"))
 
@@ -459,7 +474,7 @@ async def test_commit_conditions_refuse_and_store_nothing(store: SqlSessionStore
     assert turn is not None and turn.rounds == 1
 
 
-async def test_commit_refuses_events_of_another_session(store: SqlSessionStore) -> None:
+async def test_commit_refuses_events_of_another_session(store: SessionStore) -> None:
     await store.create_session(new_session("s1"))
     await store.start_turn(turn_start("s1", "t1"))
 
@@ -467,7 +482,7 @@ async def test_commit_refuses_events_of_another_session(store: SqlSessionStore) 
         await store.commit(TurnCommit("s1", "t1", T0, events=tool_round_events("s2", "t1")))
 
 
-async def test_commit_stores_summary_and_context(store: SqlSessionStore) -> None:
+async def test_commit_stores_summary_and_context(store: SessionStore) -> None:
     await store.create_session(new_session("s1"))
     await store.start_turn(turn_start("s1", "t1"))
     await store.commit(TurnCommit("s1", "t1", T0, events=tool_round_events("s1", "t1")))
@@ -503,7 +518,7 @@ async def test_commit_stores_summary_and_context(store: SqlSessionStore) -> None
     assert await store.load_context("nope") is None
 
 
-async def test_twenty_concurrent_commits_get_gapless_sequences(store: SqlSessionStore) -> None:
+async def test_twenty_concurrent_commits_get_gapless_sequences(store: SessionStore) -> None:
     await store.create_session(new_session("s1"))
     await store.start_turn(turn_start("s1", "t1"))
 
@@ -532,7 +547,7 @@ async def test_twenty_concurrent_commits_get_gapless_sequences(store: SqlSession
 # ---------------------------------------------------------------------- reading
 
 
-async def test_events_after_round_trips_every_event_kind(store: SqlSessionStore) -> None:
+async def test_events_after_round_trips_every_event_kind(store: SessionStore) -> None:
     await store.create_session(new_session("s1"))
     start = await store.start_turn(turn_start("s1", "t1"))
     stored = [*start.events]
@@ -553,7 +568,7 @@ async def test_events_after_round_trips_every_event_kind(store: SqlSessionStore)
     assert await store.events_after("s1", len(stored), 10) == []
 
 
-async def test_list_messages_pages_in_sequence_order(store: SqlSessionStore) -> None:
+async def test_list_messages_pages_in_sequence_order(store: SessionStore) -> None:
     await store.create_session(new_session("s1"))
     await store.start_turn(turn_start("s1", "t1"))
     for _ in range(3):
@@ -567,7 +582,7 @@ async def test_list_messages_pages_in_sequence_order(store: SqlSessionStore) -> 
     assert everything[2].usage is None
 
 
-async def test_running_turns_and_leases(store: SqlSessionStore) -> None:
+async def test_running_turns_and_leases(store: SessionStore) -> None:
     for session_id in ("s1", "s2", "s3"):
         await store.create_session(new_session(session_id))
     await store.start_turn(turn_start("s1", "t1", owner="replica-a"))
@@ -588,7 +603,7 @@ async def test_running_turns_and_leases(store: SqlSessionStore) -> None:
     assert not (await store.renew_lease("nope", "replica-a", T0 + LEASE)).held
 
 
-async def test_request_cancel(store: SqlSessionStore) -> None:
+async def test_request_cancel(store: SessionStore) -> None:
     await store.create_session(new_session("s1"))
     await store.start_turn(turn_start("s1", "t1"))
 
@@ -602,7 +617,7 @@ async def test_request_cancel(store: SqlSessionStore) -> None:
     assert await store.request_cancel("nope") is None
 
 
-async def test_stored_times_are_aware_utc(store: SqlSessionStore) -> None:
+async def test_stored_times_are_aware_utc(store: SessionStore) -> None:
     await store.create_session(new_session("s1"))
     await store.start_turn(turn_start("s1", "t1"))
 
@@ -618,7 +633,7 @@ async def test_stored_times_are_aware_utc(store: SqlSessionStore) -> None:
         await store.commit(TurnCommit("s1", "t1", T0.replace(tzinfo=None)))
 
 
-async def test_human_message_of_another_turn_is_refused(store: SqlSessionStore) -> None:
+async def test_human_message_of_another_turn_is_refused(store: SessionStore) -> None:
     await store.create_session(new_session("s1"))
     start = turn_start("s1", "t1")
     stray = message("s1", "t9", MessageKind.HUMAN, text="hi")

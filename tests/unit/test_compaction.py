@@ -56,7 +56,8 @@ from service.core.summaries import check_summary
 from service.core.tools import ToolRunner, declarations
 from service.core.turn import NullObserver, SendRequest, TurnDependencies, TurnService
 from service.core.turn import TurnSettings as Settings
-from tests.unit.fakes import BackendCall, FakeBackends, FakeClock, FakeStore, ScriptedGateway
+from tests.memory_store import MemoryStore
+from tests.unit.fakes import BackendCall, FakeBackends, FakeClock, ScriptedGateway
 
 NOW = datetime(2026, 12, 1, tzinfo=UTC)
 REFUSAL = "I'm sorry, but I can't help with that request."
@@ -283,7 +284,7 @@ class TrackerBackends(FakeBackends):
 @dataclass
 class Rig:
     service: TurnService
-    store: FakeStore
+    store: MemoryStore
     gateway: ScriptedGateway
     backends: TrackerBackends
     observer: Recorder
@@ -310,7 +311,7 @@ class Rig:
 
 
 def make(script: Callable[[ModelRequest], dict[str, Any]], **settings: Any) -> Rig:
-    store, clock = FakeStore(), FakeClock()
+    store, clock = MemoryStore(), FakeClock()
     store.add_session(Session("s1", "demo", "acme", "alice", "t", clock.now(), clock.now()))
     gateway, backends, observer = ScriptedGateway(script), TrackerBackends(), Recorder()
     service = TurnService(

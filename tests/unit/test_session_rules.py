@@ -12,6 +12,7 @@ import pytest
 
 from service.core.errors import ECHO_MAX_CHARS, InvalidArgument, NotFound, PermissionDenied
 from service.core.pages import PageTokens
+from service.core.projects import ProjectDirectory
 from service.core.sessions import (
     READ_SCOPE,
     Caller,
@@ -19,7 +20,8 @@ from service.core.sessions import (
     SessionLimits,
     SessionRules,
 )
-from tests.unit.session_fakes import FakeTracker, ManualClock, MemorySessionStore
+from tests.memory_store import MemoryStore
+from tests.unit.session_fakes import FakeTracker, ManualClock
 
 ALICE = Caller("alice", "acme", token="alice-token")
 BOB = Caller("bob", "acme", token="bob-token")
@@ -31,13 +33,14 @@ KEYS = [b"page-token-key-for-the-unit-tests-0001"]
 
 class World:
     def __init__(self, *, page_max_bytes: int = 1024 * 1024) -> None:
-        self.store = MemorySessionStore()
+        self.store = MemoryStore()
         self.tracker = FakeTracker()
         self.clock = ManualClock()
         self.tracker.allow("alice", "demo")
         self.tracker.allow("bob", "demo")
         ids = (f"s{n:04d}" for n in itertools.count(1))
-        self.projects = ProjectAccess(self.tracker, self.clock, cache_s=60, timeout_s=5)  # type: ignore[arg-type]
+        directory = ProjectDirectory(self.tracker, self.clock, cache_s=60, timeout_s=5)  # type: ignore[arg-type]
+        self.projects = ProjectAccess(directory)
         self.rules = SessionRules(
             self.store,  # type: ignore[arg-type]
             self.projects,
@@ -163,7 +166,8 @@ async def test_a_service_principal_reads_within_its_organization() -> None:
     world = World()
     session = await world.create()
     world.store.add_turn(session.session_id, "t1")
-    assert (await world.rules.get_session(READER, session.session_id)) == session
+    read = await world.rules.get_session(READER, session.session_id)
+    assert read == dataclasses.replace(session, running_turn_id="t1")
     assert (await world.rules.get_turn(READER, session.session_id, "t1")).turn_id == "t1"
     page = await world.rules.list_sessions(READER, project_id="demo", page_size=0, page_token="")
     assert [s.session_id for s in page.sessions] == [session.session_id]
@@ -405,7 +409,7 @@ async def test_update_and_delete_by_the_owner() -> None:
     world.clock.advance(5)
     updated = await world.rules.update_title(ALICE, session.session_id, "New title")
     assert (updated.title, updated.update_time) == ("New title", world.clock.now())
-    world.store.sessions[session.session_id] = dataclasses.replace(updated, running_turn_id="t9")
+    world.store.add_turn(session.session_id, "t9")
     await world.rules.delete_session(ALICE, session.session_id)
     assert world.store.cancelled == ["t9"]
     await _raises(world.rules.get_session(ALICE, session.session_id))

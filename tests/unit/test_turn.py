@@ -37,10 +37,10 @@ from service.core.turn import (
     TurnService,
     TurnSettings,
 )
+from tests.memory_store import MemoryStore
 from tests.unit.fakes import (
     FakeBackends,
     FakeClock,
-    FakeStore,
     ScriptedGateway,
     last_role,
     tool_results_in_turn,
@@ -50,7 +50,7 @@ from tests.unit.fakes import (
 @dataclass
 class Rig:
     service: TurnService
-    store: FakeStore
+    store: MemoryStore
     gateway: ScriptedGateway
     backends: FakeBackends
     hub: Hub
@@ -83,7 +83,7 @@ class Rig:
 
 def make_rig(script: Any, *, observer: TurnObserver | None = None, **settings: Any) -> Rig:
     """The turn service over the fakes; ``observer`` records its metrics hooks."""
-    store = FakeStore()
+    store = MemoryStore()
     clock = FakeClock()
     session = store.add_session(
         Session(

@@ -22,15 +22,16 @@ from service.core.ports import ModelRequest, Role, TurnCommit
 from service.core.tools import ToolRunner, declarations
 from service.core.turn import TurnDependencies, TurnService, TurnSettings
 from service.core.turn.service import STOP_MARGIN_S
-from tests.unit.fakes import FakeBackends, FakeClock, FakeStore, ScriptedGateway, last_role
+from tests.memory_store import MemoryStore
+from tests.unit.fakes import FakeBackends, FakeClock, ScriptedGateway, last_role
 from tests.unit.test_turn import Rig
 
 CANCEL_GRACE_S = 0.2
 
 
-def make_rig(script: Any, *, store: FakeStore | None = None, **settings: Any) -> Rig:
+def make_rig(script: Any, *, store: MemoryStore | None = None, **settings: Any) -> Rig:
     """``tests.unit.test_turn``'s rig, on ``store`` when given."""
-    store = store or FakeStore()
+    store = store or MemoryStore()
     clock = FakeClock()
     session = store.add_session(
         Session(
@@ -129,7 +130,7 @@ async def test_turns_end_on_their_own_while_the_period_leaves_room() -> None:
     assert rig.store.turns[turn_id].end_reason is TurnEndReason.COMPLETED
 
 
-class StuckEnding(FakeStore):
+class StuckEnding(MemoryStore):
     """A store whose first commit that ends a turn never returns (a run stuck there)."""
 
     stuck = False

@@ -29,13 +29,14 @@ from service.core.turn import (
     TurnService,
     TurnSettings,
 )
-from tests.unit.fakes import FakeBackends, FakeClock, FakeStore, ScriptedGateway, last_role
+from tests.memory_store import MemoryStore
+from tests.unit.fakes import FakeBackends, FakeClock, ScriptedGateway, last_role
 
 
 @dataclass
 class StepRig:
     service: TurnService
-    store: FakeStore
+    store: MemoryStore
     gateway: ScriptedGateway
     backends: FakeBackends
     steps: dict[str, list[Step]] = field(default_factory=dict)
@@ -70,7 +71,7 @@ def make(
     backends: FakeBackends | None = None,
     **settings: Any,
 ) -> StepRig:
-    store = FakeStore()
+    store = MemoryStore()
     clock = FakeClock()
     store.add_session(Session("s1", "demo", "acme", "alice", "t", clock.now(), clock.now()))
     gateway = ScriptedGateway(script)

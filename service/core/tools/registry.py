@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 from jsonschema import Draft202012Validator
 
-from service.core.ports import ToolDeclaration
+from service.core.ports.model import ToolDeclaration
 from service.core.tools import knowledge, skills, tracker
 from service.core.tools.unit import Tool
 

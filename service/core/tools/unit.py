@@ -16,7 +16,7 @@ from typing import Any
 
 from service.core.backend_types import Acting
 from service.core.model import JsonObject
-from service.core.ports import ToolBackends
+from service.core.ports.backends import ToolBackends
 
 # The permissions tools need (docs/spec/authority.md).
 TRACKER_READ = "tracker.read"

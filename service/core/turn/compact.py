@@ -24,7 +24,6 @@ reported usage for its request, for ``ballet_planner_context_estimate_ratio``.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -198,7 +197,7 @@ class Compactor:
                 messages=[ModelMessage(Role.USER, COMPACTION_REQUEST)],
                 tools=(),
             )
-            started = time.monotonic()
+            started = deps.clock.monotonic()
             streamed = await stream_answer(deps, state, request, relay=False)
             answer = streamed.answer
             if answer.usage is not None:
@@ -213,7 +212,7 @@ class Compactor:
             if streamed.failure is not None:
                 folded.rejection = Rejection(
                     "model",
-                    f"{streamed.failure.reason} after {time.monotonic() - started:.1f} s",
+                    f"{streamed.failure.reason} after {deps.clock.monotonic() - started:.1f} s",
                 )
                 return folded
             replaced = text_tokens(folded.summary) + text_tokens(chunk)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from service.core.ids import new_id
+from service.core.ids import new_message_id
 from service.core.model import (
     ChangesetProposedData,
     CompactedData,
@@ -28,7 +28,7 @@ from service.core.model import (
     TurnStartedData,
     Usage,
 )
-from service.core.ports import Clock
+from service.core.ports.clock import Clock
 from service.core.tools import ToolOutcome
 
 
@@ -182,7 +182,7 @@ class EventBuilder:
         message = Message(
             session_id=self.session_id,
             turn_id=self.turn_id,
-            message_id=message_id or new_id("msg"),
+            message_id=message_id or new_message_id(),
             kind=message_kind,
             create_time=now,
             human_id=self.human_id,

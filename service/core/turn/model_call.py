@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from service.core import tracing
 from service.core.errors import ModelFailure
-from service.core.ids import new_id
+from service.core.ids import new_call_id, new_message_id, new_model_request_id
 from service.core.model import TextDelta, ToolCallProgress
-from service.core.ports import (
+from service.core.ports.model import (
     FinishChunk,
     ModelDeadlines,
     ModelMessage,
@@ -85,7 +84,7 @@ def model_request(
         system_prompt=system,
         messages=messages,
         tools=tools,
-        request_id=new_id("gen"),
+        request_id=new_model_request_id(),
         deadlines=ModelDeadlines(
             first_delta_s=min(settings.model_first_delta_s, left),
             idle_s=min(settings.model_idle_s, left),
@@ -134,16 +133,16 @@ async def _stream_answer(
     deps: TurnDependencies, state: TurnState, request: ModelRequest, *, relay: bool
 ) -> Streamed:
     handle = state.handle
-    answer = Answer(message_id=new_id("msg"))
+    answer = Answer(message_id=new_message_id())
     if handle.stopping:
         return Streamed(answer, stopped=True)
-    started = time.monotonic()
+    started = deps.clock.monotonic()
     first_output: list[float] = []
 
     async def consume() -> None:
         async for chunk in deps.gateway.stream(request):
             if not first_output:
-                first_output.append(time.monotonic() - started)
+                first_output.append(deps.clock.monotonic() - started)
             if isinstance(chunk, TextChunk):
                 offset = answer.add_text(chunk.text)
                 if relay and chunk.text:
@@ -216,7 +215,7 @@ async def _stream_answer(
     deps.observer.model_called(
         request.purpose.value,
         outcome,
-        time.monotonic() - started,
+        deps.clock.monotonic() - started,
         answer.usage,
         first_output[0] if first_output else None,
     )
@@ -245,7 +244,7 @@ def _call_at(answer: Answer, index: int, name: str, *, completing: bool = False)
         return call
     if call is not None:
         index = max(answer.calls) + 1
-    call = PendingCall(call_id=new_id("call"), name=_short_name(name))
+    call = PendingCall(call_id=new_call_id(), name=_short_name(name))
     answer.calls[index] = call
     return call
 

@@ -19,8 +19,8 @@ import logging
 from typing import Any
 
 from service.core.context import PendingChangeset, PendingChangesets
-from service.core.ids import new_id
-from service.core.ports import ToolCall
+from service.core.ids import new_call_id
+from service.core.ports.model import ToolCall
 from service.core.tools import ToolContext
 from service.core.turn.model_call import time_left
 from service.core.turn.settings import TurnDependencies
@@ -75,7 +75,7 @@ async def _read(deps: TurnDependencies, state: TurnState) -> PendingChangesets:
         arguments: dict[str, Any] = {"status": "proposed", "page_size": PAGE_SIZE}
         if token:
             arguments["page_token"] = token
-        call = ToolCall(new_id("call"), "list_changesets", json.dumps(arguments))
+        call = ToolCall(new_call_id(), "list_changesets", json.dumps(arguments))
         outcome = await deps.tools.run(call, context)
         page = _page(outcome.content)
         if outcome.is_error or page is None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -28,9 +27,10 @@ from service.core.errors import (
     StoreUnavailable,
     Unavailable,
 )
-from service.core.ids import new_id, request_hash
+from service.core.ids import new_turn_id, request_hash
 from service.core.model import Session, SessionEvent, Turn, TurnState
 from service.core.ports import Acting, StartOutcomeKind, TurnStart
+from service.core.projects import ProjectDirectory
 from service.core.sessions import check_request_id
 from service.core.turn import ending as endings
 from service.core.turn.ending import Ending, close_stored_turn
@@ -87,13 +87,14 @@ class TurnService:
     ) -> None:
         settings = deps.settings
         self._deps = deps
-        self._prompts = PromptSource(
+        directory = deps.projects or ProjectDirectory(
             deps.backends,
             deps.clock,
-            model=settings.model,
-            declarations=deps.declarations,
-            ttl_s=settings.prompt_cache_s,
+            cache_s=settings.prompt_cache_s,
             timeout_s=settings.dependency_timeout_s,
+        )
+        self._prompts = PromptSource(
+            directory, model=settings.model, declarations=deps.declarations
         )
         self._conversations = Conversations()
         self._handles: dict[str, TurnHandle] = {}
@@ -137,7 +138,7 @@ class TurnService:
         stop) skips to the stop at once and shortens the writes' grace.
         """
         self._accepting = False
-        deadline = time.monotonic() + grace_s
+        deadline = self._deps.clock.monotonic() + grace_s
         settings = self._deps.settings
 
         await self._wait_for_runs(deadline - settings.cancel_grace_s - STOP_MARGIN_S)
@@ -163,11 +164,11 @@ class TurnService:
 
     async def _wait_for_runs(self, until: float) -> None:
         """Wait until no message is being accepted and no turn runs here, or until the
-        ``time.monotonic()`` value ``until``; turns launched meanwhile are waited for
-        too."""
+        clock's ``monotonic()`` reads ``until`` (seconds); turns launched meanwhile are
+        waited for too."""
         while True:
             waiting = set(self._accepting_tasks) | set(self._tasks.values())
-            timeout_s = until - time.monotonic()
+            timeout_s = until - self._deps.clock.monotonic()
             if not waiting or timeout_s <= 0:
                 return
             await asyncio.wait(waiting, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
@@ -221,7 +222,7 @@ class TurnService:
         settings = self._deps.settings
         for _attempt in range(_START_ATTEMPTS):
             now = self._deps.clock.now()
-            turn_id = new_id("turn")
+            turn_id = new_turn_id()
             events = EventBuilder(session.session_id, turn_id, request.human_id, self._deps.clock)
             accepted = events.message_accepted(request.text, request.request_id)
             assert accepted.message is not None
@@ -312,9 +313,9 @@ class TurnService:
                 await self._close(turn, endings.INTERRUPTED, lease_expired_before=now)
             else:
                 await store.request_cancel(turn_id)
-                started = time.monotonic()
+                started = self._deps.clock.monotonic()
                 delay = 0.02
-                while time.monotonic() - started < deadline:
+                while self._deps.clock.monotonic() - started < deadline:
                     current = await store.get_turn(turn_id)
                     if current is None or current.state is TurnState.ENDED:
                         break

@@ -19,6 +19,7 @@ from service.core.ports import (
     ToolDeclaration,
     Tracer,
 )
+from service.core.projects import ProjectDirectory
 from service.core.tools import ToolRunner
 from service.core.tools.cut import MAX_ARGUMENT_BYTES, MAX_RESULT_BYTES
 from service.core.tracing import NULL_TRACER
@@ -164,3 +165,6 @@ class TurnDependencies:
     observer: TurnObserver = field(default_factory=NullObserver)
     #: Spans of turns, rounds, model calls and tool calls; off by default.
     tracer: Tracer = NULL_TRACER
+    #: The process's one project cache, shared with the session access checks; None:
+    #: the turns keep their own (``prompt_cache_s``, ``dependency_timeout_s``).
+    projects: ProjectDirectory | None = None

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -94,14 +93,14 @@ class ToolRound:
             async with semaphore:
                 self._started.add(call.call_id)
                 with self._deps.tracer.span(*_tool_span(call)) as span:
-                    begin = time.monotonic()
+                    begin = self._deps.clock.monotonic()
                     outcome = await self._deps.tools.run(
                         ToolCall(call.call_id, call.name, call.arguments), context
                     )
                     span.set_attributes({tracing.OUTCOME: outcome.error_reason or "ok"})
                     if outcome.error_reason:
                         span.fail(outcome.error_reason)
-                return outcome, time.monotonic() - begin
+                return outcome, self._deps.clock.monotonic() - begin
 
         loop = asyncio.get_running_loop()
         pending = {loop.create_task(one(call)): call for call in calls}
