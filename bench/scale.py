@@ -109,6 +109,14 @@ class _Window:
     end: float = 0.0
     commits: int = 0
     writes: int = 0
+    #: /proc/loadavg's 1-minute figure at the end of the window.
+    load: str = ""
+
+
+def _load_average() -> str:
+    """The 1-minute load average (``/proc/loadavg``): other engineers share the machine."""
+    with open("/proc/loadavg") as file:
+        return file.read().split()[0]
 
 
 async def _commits(probe: psycopg.AsyncConnection[tuple[object, ...]], dbname: str) -> int:
@@ -302,6 +310,7 @@ async def _load(
         # Stats reach pg_stat_database when a backend goes idle, at most a second late.
         window.commits = await _commits(probe, env.planner_db) - commits0
         window.writes = await _next_xid(probe) - xid0
+        window.load = _load_average()
         stop.set()
         if stall is not None:
             await stall.release()
@@ -322,10 +331,11 @@ def _rows(label: str, key: str, window: _Window, stall: Stall | None) -> list[Ro
     # window started counts too.
     started = [lat for start, end, lat in window.turns if start < window.end and end > window.start]
     section = f"{label}{', NOTIFY stalled in the cluster' if stall else ''}"
-    bad = sum(n for reason, n in window.reasons.items() if reason != "TURN_END_REASON_COMPLETED")
+    failed = [reason for reason in window.reasons if reason != "TURN_END_REASON_COMPLETED"]
+    bad = sum(window.reasons[reason] for reason in failed)
     rows = [
         Row(section, f"{key}.rate", "turns/s completed in the window", "turns/s", len(done) / span,
-            samples=f"{span:.0f} s ({len(done)} turns)"),
+            samples=f"{span:.0f} s ({len(done)} turns)", note=f"load average {window.load}"),
         Row(section, f"{key}.commits", "commits/s, planner database (xact_commit)", "commits/s",
             window.commits / span, samples=f"{span:.0f} s",
             note=f"{window.commits / max(1, len(done)):.1f} per completed turn"),
@@ -347,7 +357,7 @@ def _rows(label: str, key: str, window: _Window, stall: Stall | None) -> list[Ro
     rows.append(
         Row(section, f"{key}.errors", "errors, and turns that did not complete", "count",
             len(window.errors) + bad, samples=str(len(window.turns)),
-            note="; ".join(sorted(set(window.errors)))[:200]),
+            note="; ".join(sorted({*window.errors, *failed}))[:200]),
     )  # fmt: skip
     return rows
 
