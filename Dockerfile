@@ -44,7 +44,7 @@ WORKDIR /var/lib/ballet-planner
 VOLUME ["/var/lib/ballet-planner"]
 USER 10001:10001
 EXPOSE 50051 9464
-# Readiness: exits 0 only while the service reports SERVING (SPEC section 8). It reads
+# Readiness: exits 0 only while the service reports SERVING (docs/spec/operations.md). It reads
 # the same environment as serve, so it asks the configured address (a wildcard host is
 # asked on loopback) with the configured TLS settings.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=20s --retries=3 \

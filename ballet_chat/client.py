@@ -1,7 +1,7 @@
-"""``ballet-planner chat``: the terminal client of the ``Chat`` RPC (SPEC section 9;
+"""``ballet-planner chat``: the terminal client of the ``Chat`` RPC (README.md and
 docs/decisions/0051-chat-client.md, 0165-chat-client.md).
 
-One Chat stream carries one session (SPEC section 3). ``run_chat`` either
+One Chat stream carries one session (docs/spec/api-and-streams.md). ``run_chat`` either
 
 - sends one message (``--message``) in a new session of ``--project`` (or in
   ``--session``), prints the turn as it streams and returns 0 when the turn ended
@@ -232,7 +232,8 @@ class ChatClient:
     async def _close_stream(self) -> None:
         call, self._call = self._call, None
         if call is not None:
-            # A client disconnect is not a cancel (SPEC section 3): a running turn goes on.
+            # A client disconnect is not a cancel (docs/spec/api-and-streams.md): a running turn
+            # goes on.
             call.cancel()
 
     async def open(self, *, session_id: str = "", title: str = "", after: int = 0) -> None:
@@ -283,7 +284,7 @@ class ChatClient:
         call = self._call
         assert call is not None
         try:
-            response: chat_pb2.ChatResponse = await call.read()
+            response = await call.read()
         except grpc.aio.AioRpcError as error:
             if error.code() == grpc.StatusCode.CANCELLED and self._call is not call:
                 return End.CLOSED  # we closed it ourselves (/new, /open)
@@ -296,8 +297,12 @@ class ChatClient:
             raise self._fail(error, "the chat stream ended") from None
         if response is grpc.aio.EOF:
             return End.CLOSED
+        assert isinstance(response, chat_pb2.ChatResponse)
+        if response.WhichOneof("event") == "heartbeat":
+            # Keeps proxies from cutting an idle stream; nothing to show or track.
+            return await self.next_event()
         if response.sequence > self.last_sequence + 1:
-            # An event was missed (SPEC section 3: a stream that sees a gap reopens).
+            # An event was missed (docs/spec/api-and-streams.md: a stream that sees a gap reopens).
             return End.REOPEN
         claimed = ""
         if response.WhichOneof("event") == "message_accepted":
@@ -323,7 +328,7 @@ class ChatClient:
         """The request id of this client's message that ``response`` (a
         ``message_accepted``) accepts, or ``""`` when it is another client's.
 
-        A duplicate's reply echoes the request id (SPEC section 3, AIP-155); the event
+        A duplicate's reply echoes the request id (docs/spec/api-and-streams.md, AIP-155); the event
         every stream of the session hears does not, so while a message of ours waits,
         ``GetTurn`` tells the accepted turn's request id. Should that read fail, the
         oldest message waiting claims the turn: one turn runs per session, so a message

@@ -1,4 +1,4 @@
-"""The interactive loop of ``ballet-planner chat`` (SPEC section 9; docs/decisions/0051 and
+"""The interactive loop of ``ballet-planner chat`` (README.md; docs/decisions/0051 and
 0165): lines in, commands, the session's stream pumped meanwhile.
 
 A new session is created with the first message typed (its text is the title), never

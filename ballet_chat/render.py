@@ -1,4 +1,5 @@
-"""What ``ballet-planner chat`` shows (SPEC sections 3 and 9; docs/decisions/0051).
+"""What ``ballet-planner chat`` shows (docs/spec/api-and-streams.md and README.md;
+docs/decisions/0051).
 
 Text deltas as they arrive, stitched by message id and character offset (a delta already
 shown is skipped; the ``assistant_message`` completes what is missing); for each tool
@@ -41,7 +42,7 @@ def _counted(count: int, key: str) -> str:
 
 
 class TextStitcher:
-    """Stitches text deltas by message id and character offset (SPEC section 3).
+    """Stitches text deltas by message id and character offset (docs/spec/api-and-streams.md).
 
     ``add`` returns the part of a delta not shown yet ("" for a repeat, e.g. after a
     reopen); ``finish`` returns what the full text adds to what was shown: the rest, or,

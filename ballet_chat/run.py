@@ -41,7 +41,7 @@ async def run_chat(
     client = ChatClient(options, out or sys.stdout, err or sys.stderr)
     if not is_loopback(options.address):
         # The client speaks plaintext gRPC, which the planner's own rules allow only on
-        # this machine (SPEC section 4); a tunnel is what reaches one elsewhere.
+        # this machine (docs/spec/authority.md); a tunnel is what reaches one elsewhere.
         raise ChatError(
             f"--address {options.address}: chat reaches a planner on this machine only "
             "(127.0.0.1:PORT, localhost:PORT or [::1]:PORT; it has no TLS); for one "

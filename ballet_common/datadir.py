@@ -1,8 +1,7 @@
 """The data directory (``data_dir``): the dev token secret and the SQLite database live
-there (SPEC sections 4, 8). A new user's first problem is often this folder, so every
-way it can be unusable becomes one ``DataDirError`` line that names the folder, says
-what is wrong and how to choose another, never a traceback (issue 16, First-run
-errors)."""
+there (docs/spec/authority.md and docs/spec/storage.md). A new user's first problem is often this
+folder, so every way it can be unusable becomes one ``DataDirError`` line that names the folder,
+says what is wrong and how to choose another, never a traceback."""
 
 from __future__ import annotations
 
@@ -38,7 +37,7 @@ def prepare(path: Path, how: str = HOW_TO_CHOOSE) -> Path:
     be created, or it is not writable.
     """
     try:
-        # Owner-only, whatever the umask: it holds transcripts and secrets (issue 14).
+        # Owner-only, whatever the umask: it holds transcripts and secrets.
         private_directory(path)
     except (FileExistsError, NotADirectoryError):
         raise DataDirError(

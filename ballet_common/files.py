@@ -1,7 +1,7 @@
 """Local files that hold transcripts or secrets: owner-only, whatever the umask.
 
 The planner's ``planner.db``, the devstack's ``devstack.db``, the dev token secret and the
-page-token key are created ``0600`` in a ``0700`` directory (issue 14). A process's umask
+page-token key are created ``0600`` in a ``0700`` directory. A process's umask
 only ever removes bits, so a umask of ``000`` would leave ``open(..., 0o600)`` alone but a
 plain ``mkdir``/``sqlite3.connect`` world-readable; each mode is therefore set with
 ``fchmod``/``chmod`` after creation, not left to the umask.
@@ -16,7 +16,7 @@ file is open to other users, for a warning.
 
 ``check_sqlite_file`` asks SQLite whether an existing database file is one, so that a
 damaged ``planner.db`` or ``devstack.db`` is one line at start-up naming the file and what
-to do, not a traceback from deep inside the first migration (issue 16, First-run errors).
+to do, not a traceback from deep inside the first migration.
 """
 
 from __future__ import annotations

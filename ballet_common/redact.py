@@ -1,4 +1,4 @@
-"""Provider error text made safe to log, store, send over the gateway or show (issue 11).
+"""Provider error text made safe to log, store, send over the gateway or show.
 
 A model provider's error body is text we do not control: a 401 from some servers echoes
 the API key it was sent, a proxy may quote the ``Authorization`` header, and a body can be

@@ -1,4 +1,4 @@
-"""Bearer tokens, shared by the planner and the devstack (SPEC section 4).
+"""Bearer tokens, shared by the planner and the devstack (docs/spec/authority.md).
 
 Every service verifies tokens the same way and checks its own audience; both kinds of
 principal are told apart by proof, never by a claim anyone could add:

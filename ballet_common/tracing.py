@@ -1,4 +1,4 @@
-"""OpenTelemetry tracing for the planner and the devstack (issue 16; decision 0190).
+"""OpenTelemetry tracing for the planner and the devstack (decision 0190).
 
 ``tracing_from_environment`` reads the process's standard ``OTEL_*`` variables (the
 SDK's exporter and sampler read them there too) and returns a
@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 
 #: Either of these set (to an endpoint) turns tracing on, exporting OTLP over gRPC.
 ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
-#: The OTLP transport; only ``grpc`` is supported (issue 16: OTLP over gRPC).
+#: The OTLP transport; only ``grpc`` is supported.
 PROTOCOL_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
 #: The values of ``OTEL_TRACES_EXPORTER`` understood here (a comma-separated list).
 EXPORTERS = ("otlp", "console", "none")
@@ -403,9 +403,7 @@ class _MetadataGetter(Getter[Iterable[Any]]):
     """Reads ``traceparent`` and friends from gRPC invocation metadata (pairs)."""
 
     def get(self, carrier: Iterable[Any], key: str) -> list[str] | None:
-        values = [
-            value for name, value in carrier if name == key and isinstance(value, str)
-        ]
+        values = [value for name, value in carrier if name == key and isinstance(value, str)]
         return values or None
 
     def keys(self, carrier: Iterable[Any]) -> list[str]:
@@ -440,7 +438,9 @@ def _rpc_attributes(method: str | bytes) -> tuple[str, dict[str, Any]]:
 # --------------------------------------------------------------------------- server
 
 
-def _server_code(context: Any, default: grpc.StatusCode) -> grpc.StatusCode:
+def _server_code(
+    context: grpc.aio.ServicerContext[Any, Any], default: grpc.StatusCode
+) -> grpc.StatusCode:
     try:
         code = context.code()
     except Exception:  # the context may be gone with the call; the default stands
@@ -463,7 +463,7 @@ class _Active:
     task: asyncio.Task[Any] | None
 
 
-class TracingServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+class TracingServerInterceptor(grpc.aio.ServerInterceptor):
     """A SERVER span per RPC: named ``pkg.Service/Method``, child of the W3C trace
     context in the call's metadata (an absent or malformed one starts a new trace),
     current while the handler runs (so what the handler starts, tasks included, is its
@@ -525,7 +525,7 @@ class TracingServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc
     def _unary(
         self, method: str, metadata: tuple[Any, ...], behaviour: Callable[..., Any]
     ) -> Callable[..., Any]:
-        async def traced(request: Any, context: Any) -> Any:
+        async def traced(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             active = self._start(method, metadata)
             code, error = grpc.StatusCode.UNKNOWN, ""
             try:
@@ -553,7 +553,9 @@ class TracingServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc
             # A handler that writes with context.write() and returns.
             return self._unary(method, metadata, behaviour)
 
-        async def traced(request: Any, context: Any) -> AsyncIterator[Any]:
+        async def traced(
+            request: Any, context: grpc.aio.ServicerContext[Any, Any]
+        ) -> AsyncIterator[Any]:
             active = self._start(method, metadata)
             code, error = grpc.StatusCode.UNKNOWN, ""
             try:
@@ -641,25 +643,21 @@ class _Client:
         span.end(end_time=ended)
 
 
-class _UnaryUnary(_Client, grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+class _UnaryUnary(_Client, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(
         self, continuation: Callable[..., Any], client_call_details: Any, request: Any
     ) -> Any:
-        return await self._call(
-            client_call_details, lambda details: continuation(details, request)
-        )
+        return await self._call(client_call_details, lambda details: continuation(details, request))
 
 
-class _UnaryStream(_Client, grpc.aio.UnaryStreamClientInterceptor):  # type: ignore[misc]
+class _UnaryStream(_Client, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(
         self, continuation: Callable[..., Any], client_call_details: Any, request: Any
     ) -> Any:
-        return await self._call(
-            client_call_details, lambda details: continuation(details, request)
-        )
+        return await self._call(client_call_details, lambda details: continuation(details, request))
 
 
-class _StreamUnary(_Client, grpc.aio.StreamUnaryClientInterceptor):  # type: ignore[misc]
+class _StreamUnary(_Client, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(
         self, continuation: Callable[..., Any], client_call_details: Any, requests: Any
     ) -> Any:
@@ -668,7 +666,7 @@ class _StreamUnary(_Client, grpc.aio.StreamUnaryClientInterceptor):  # type: ign
         )
 
 
-class _StreamStream(_Client, grpc.aio.StreamStreamClientInterceptor):  # type: ignore[misc]
+class _StreamStream(_Client, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(
         self, continuation: Callable[..., Any], client_call_details: Any, requests: Any
     ) -> Any:

@@ -1,4 +1,4 @@
-"""Benchmarks and load tests of the planner (SPEC section 11); not part of the test run.
+"""Benchmarks and load tests of the planner (docs/performance.md); not part of the test run.
 
 ``python -m bench`` runs everything in one process tree and one run, prints a markdown
 table and writes ``bench/results/latest.json`` and ``latest.md``. Module map:

@@ -11,7 +11,7 @@
   exchange on an open stream).
 
 Messages are raw bytes (no protobuf): these are the limits of grpc.aio on loopback with
-this process layout, the floor under every planner figure (SPEC section 11).
+this process layout, the floor under every planner figure (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -32,16 +32,20 @@ MESSAGE_BYTES = 32
 _PAYLOAD = b"x" * MESSAGE_BYTES
 
 
-async def _unary(request: bytes, context: Any) -> bytes:
+async def _unary(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
     return request
 
 
-async def _stream(request: bytes, context: Any) -> AsyncIterator[bytes]:
+async def _stream(
+    request: bytes, context: grpc.aio.ServicerContext[Any, Any]
+) -> AsyncIterator[bytes]:
     for _ in range(int(request)):
         yield _PAYLOAD
 
 
-async def _ping_pong(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
+async def _ping_pong(
+    requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
+) -> AsyncIterator[bytes]:
     async for request in requests:
         yield request
 

@@ -1,5 +1,5 @@
 """The benchmark's planner client: Chat streams driven the way Core's realtime gateway
-drives them (SPEC section 3), plus direct calls to the dependencies for comparison.
+drives them (docs/spec/api-and-streams.md), plus direct calls to the dependencies for comparison.
 
 Each ``ChatStream`` is one bidirectional ``Chat`` call carrying one session. A turn is
 timed from just before ``send_message`` is written to the moment its ``turn_ended``

@@ -152,7 +152,8 @@ _RESULT = (
     + '","acceptance_criteria":"- A session lasts 12 hours","blocked_by_ids":[],"blocks_ids":[]}}'
 )
 _ANSWER = "PAN-9 is open and has the highest priority. " * 6
-#: Messages the summary leaves out (SPEC 11, T3: "a summary covering all but the last 20").
+#: Messages the summary leaves out (docs/performance.md, T3: "a summary covering all but the last
+#: 20").
 KEPT = 20
 
 

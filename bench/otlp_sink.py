@@ -30,7 +30,9 @@ class OtlpSink(trace_service_pb2_grpc.TraceServiceServicer):  # type: ignore[mis
         self.batches = 0
 
     def Export(
-        self, request: trace_service_pb2.ExportTraceServiceRequest, context: Any
+        self,
+        request: trace_service_pb2.ExportTraceServiceRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
     ) -> trace_service_pb2.ExportTraceServiceResponse:
         spans = sum(
             len(scope.spans)

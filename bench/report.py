@@ -2,7 +2,7 @@
 
 A ``Row`` is one figure: its value, the min/median/max over repeated runs when it is a
 time or a rate, the sample size, the bare figure it is compared with and the ratio, and
-the SPEC section 11 target it answers with its verdict.
+the docs/performance.md target it answers with its verdict.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The benchmark run: start the process tree, measure every phase, report.
 
-Phases, in order (SPEC section 11; each planner figure is set beside the bare figures
+Phases, in order (docs/performance.md; each planner figure is set beside the bare figures
 measured in the same run with the same process layout):
 
 1. Bare baselines: grpc.aio unary echo, a new server-streaming call, a ping-pong on an
@@ -1276,7 +1276,7 @@ class Bench:
         judge(row, "0", not dropped)
 
     async def probe_stream_limit(self) -> None:
-        """Open streams of one human until the planner refuses one (SPEC 8: 16)."""
+        """Open streams of one human until the planner refuses one (docs/spec/operations.md: 16)."""
         streams: list[ChatStream] = []
         refused = ""
         try:

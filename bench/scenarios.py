@@ -1,4 +1,4 @@
-"""Scripted-model scenarios of the benchmark (SPEC section 10 format), zero latency.
+"""Scripted-model scenarios of the benchmark (devstack/gateway/scripted.py format), zero latency.
 
 One scenario serves every phase: the human message's first word picks the behaviour.
 

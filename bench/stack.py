@@ -6,13 +6,13 @@ on one loopback port, adds the benchmark's humans and projects, and prints
 ``{"address": "127.0.0.1:PORT"}`` when ready; it runs until SIGTERM.
 
 - Humans ``u000`` .. ``u<N-1>`` of organization ``acme``, each a maintainer of every
-  benchmark project: SPEC section 8 allows a human 4 running turns and 16 open Chat
+  benchmark project: docs/spec/operations.md allows a human 4 running turns and 16 open Chat
   streams, so 100 concurrent sessions and 1,000 idle streams need many humans.
 - Projects ``demo`` (the built-in demo project) and ``bench-p1`` .. ``bench-p<M-1>``,
   copies of its items whose planner skill is the organization skill ``ticket-writing``:
-  a project runs at most 20 turns at once (SPEC section 8).
-- The gateway's model is the scripted provider (SPEC section 10) at zero latency. A text
-  delta whose text is ``STAMP`` is sent as ``STAMP<monotonic ns>`` of the moment the
+  a project runs at most 20 turns at once (docs/spec/limits.md).
+- The gateway's model is the scripted provider (devstack/gateway/scripted.py) at zero latency. A
+  text delta whose text is ``STAMP`` is sent as ``STAMP<monotonic ns>`` of the moment the
   provider produced it: CLOCK_MONOTONIC is one clock for every process of the machine,
   so the driver can tell how long a delta took to reach it through the planner.
 
@@ -91,11 +91,13 @@ class Control:
         self.gateway: GatewayServicer | None = None
         self.stack: DevStack | None = None
 
-    async def set_scenario(self, request: bytes, context: Any) -> bytes:
+    async def set_scenario(
+        self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> bytes:
         self.provider.inner.set_scenario(json.loads(request))
         return b"{}"
 
-    async def stats(self, request: bytes, context: Any) -> bytes:
+    async def stats(self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
         assert self.stack is not None and self.gateway is not None
         calls = Counter(record.method for record in self.stack.call_log.records)
         answer = {"model": dict(self.provider.calls), "calls": dict(calls)}

@@ -1,4 +1,4 @@
-"""Reference implementations of the planner's dependencies (SPEC section 9).
+"""Reference implementations of the planner's dependencies (README.md).
 
 Who owns what:
 

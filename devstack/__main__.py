@@ -1,5 +1,5 @@
 """Run the devstack alone: the planner's dependencies for a ``ballet-planner serve``
-pointed at them (SPEC section 9).
+pointed at them (README.md).
 
 ``python -m devstack [--data-dir D] [--tracker F --project P] [--knowledge DIR]
 [--skills DIR] [--database-url URL] [--address HOST:PORT] [--provider scripted|openai]
@@ -48,7 +48,8 @@ TRACING_SERVICE = "ballet-devstack"
 TRACING_FLUSH_S = 2.0
 #: Seconds the stack's calls get to finish at a stop.
 STACK_GRACE_S = 1.0
-#: The planner's defaults (SPEC section 3 and its settings), to print only what differs.
+#: The planner's defaults (docs/spec/api-and-streams.md and its settings), to print only what
+#: differs.
 PLANNER_DATA_DIR = Path(".ballet-dev")
 DEPENDENCIES = ("TRACKER", "SKILLS", "KNOWLEDGE", "GATEWAY")
 

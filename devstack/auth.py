@@ -1,12 +1,12 @@
 """Who is calling a devstack backend: the human, and the actor the planner claims to be.
 
-SPEC section 4: every call carries the human's ``authorization: Bearer <JWT>``, checked
+docs/spec/authority.md: every call carries the human's ``authorization: Bearer <JWT>``, checked
 against *this* backend's audience and Core's human issuer; the planner adds
 ``x-ballet-actor: planner:<session>`` and its own service credential
 ``x-ballet-service-authorization: Bearer <JWT>``.
 
 - The credential must be a token of the service-token issuer for *this* backend's
-  audience alone (the planner holds one per dependency, issue 14): one that fails that
+  audience alone (the planner holds one per dependency): one that fails that
   (another audience, several audiences, another issuer, expired, forged) refuses the call
   ``UNAUTHENTICATED``/``SERVICE_CREDENTIAL_INVALID``, so what the LLM gateway or another
   backend receives cannot be replayed here.
@@ -15,7 +15,7 @@ against *this* backend's audience and Core's human issuer; the planner adds
   recorded as forged and ignored, so nothing is ever attributed to the planner on a
   client's say-so.
 
-The permissions are the seed's Needs column (Tools table); roles grant them per project
+The permissions are those the tools need (docs/spec/authority.md); roles grant them per project
 (see docs/decisions/0101-devstack-permission-model.md).
 """
 
@@ -43,7 +43,7 @@ KNOWLEDGE_READ = "knowledge.read"
 KNOWLEDGE_WRITE = "knowledge.write"
 ALL_PERMISSIONS = (TRACKER_READ, TRACKER_WRITE, SKILL_READ, KNOWLEDGE_READ, KNOWLEDGE_WRITE)
 
-#: What each project role grants. ``maintainer`` is alice's role, ``viewer`` bob's (SPEC 9).
+#: What each project role grants. ``maintainer`` is alice's role, ``viewer`` bob's (README.md).
 ROLE_PERMISSIONS: dict[str, frozenset[str]] = {
     "maintainer": frozenset(ALL_PERMISSIONS),
     "viewer": frozenset({TRACKER_READ, SKILL_READ, KNOWLEDGE_READ}),
@@ -99,7 +99,7 @@ class Identification:
 class ServiceCredentialVerifier:
     """Checks the ``x-ballet-service-authorization`` credential of a call to one
     dependency (one audience): a token of the service-token issuer naming this audience
-    and no other (issue 14: one credential per audience)."""
+    and no other."""
 
     def __init__(self, trust: Trust, audience: str, *, leeway_s: float = 30.0) -> None:
         self._verifier: TokenVerifier | None = (

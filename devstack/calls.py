@@ -1,4 +1,4 @@
-"""The record of every backend call, for tests (SPEC section 9: "a record of every call's
+"""The record of every backend call, for tests (README.md: "a record of every call's
 human and actor that tests can read").
 
 Kept in memory by the running ``DevStack``; nothing here touches the database, so reading

@@ -1,5 +1,5 @@
 """``ballet-planner dev``: the devstack and the planner together, on loopback, in one
-process (SPEC section 9; issues 3, 5 and 10).
+process (README.md).
 
 This module belongs to the devstack, not to the planner: the planner's CLI reaches it
 through one lazy import (``service/cli.py``), so an image of the planner can leave the
@@ -80,7 +80,7 @@ __all__ = [
     "start_dev",
 ]
 
-#: The planner's default address (SPEC section 3); ``chat`` connects there by default.
+#: The planner's default address (docs/spec/api-and-streams.md); ``chat`` connects there by default.
 PLANNER_ADDRESS = "127.0.0.1:50051"
 DEMO_PROJECT = "demo"
 #: The devstack's dependency services, as reflection lists them.

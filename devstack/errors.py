@@ -1,9 +1,9 @@
 """The devstack backends' error family: one exception type per gRPC code, each with a reason.
 
 Raised by the store and the servicers alike and turned into a ``google.rpc.Status`` with
-exactly one ``ErrorInfo`` in one place (``devstack.rpc``), following AIP-193 as SPEC
-section 3 asks of every Ballet service. ``reason`` is a stable UPPER_SNAKE value that tests
-and the planner match on; ``metadata`` carries the ids that explain it (string values
+exactly one ``ErrorInfo`` in one place (``devstack.rpc``), following AIP-193 as
+docs/spec/api-and-streams.md asks of every Ballet service. ``reason`` is a stable UPPER_SNAKE value
+that tests and the planner match on; ``metadata`` carries the ids that explain it (string values
 only, as ``ErrorInfo.metadata`` requires).
 
 This module imports neither grpc nor SQLAlchemy, so the store can raise these errors
@@ -29,7 +29,7 @@ class BackendError(Exception):
 
 
 class Unauthenticated(BackendError):
-    """No valid bearer token for this backend's audience (SPEC section 4)."""
+    """No valid bearer token for this backend's audience (docs/spec/authority.md)."""
 
     code = "UNAUTHENTICATED"
 

@@ -1,7 +1,7 @@
 """Faults the tests inject into the devstack backends at run time: delays and errors.
 
 The planner's tests use them to make a tool backend exceed its deadline, fail with
-``UNAVAILABLE`` a few times (retries, SPEC section 5) or fail for good. A rule applies to
+``UNAVAILABLE`` a few times (retries, docs/spec/turn-loop.md) or fail for good. A rule applies to
 one RPC name (``GetItem``) or to every RPC of a service (``ballet.tracker.v1.TrackerService``
 or its short name ``TrackerService``); a method rule wins over a service rule.
 

@@ -1,10 +1,10 @@
 """The devstack's ``ballet.knowledge.v1.KnowledgeService``: the organization's knowledge base.
 
-Knowledge is organization-wide (seed: Tools): the token's organization scopes every call,
+Knowledge is organization-wide (docs/spec/turn-loop.md): the token's organization scopes every call,
 and ``knowledge.read`` / ``knowledge.write`` are the union of the human's role
 permissions over that organization's projects (docs/decisions/0101). Writes are
 idempotent on ``request_id`` (AIP-155) and attributed to the human (``author_id``) while
-``recorded_by`` names the honoured actor, e.g. ``planner:<session_id>`` (SPEC section 4).
+``recorded_by`` names the honoured actor, e.g. ``planner:<session_id>`` (docs/spec/authority.md).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import grpc
 from ballet.knowledge.v1 import knowledge_pb2, knowledge_pb2_grpc
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -107,7 +108,9 @@ class KnowledgeServicer(knowledge_pb2_grpc.KnowledgeServiceServicer):
         self._pages = pages
 
     async def SearchKnowledge(
-        self, request: knowledge_pb2.SearchKnowledgeRequest, context: Any
+        self,
+        request: knowledge_pb2.SearchKnowledgeRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
     ) -> knowledge_pb2.SearchKnowledgeResponse:
         """Keyword search (FTS5 bm25 / ts_rank) over the organization's entries, or newest
         first for an empty query; needs knowledge.read. Hits leave out the body."""
@@ -147,7 +150,9 @@ class KnowledgeServicer(knowledge_pb2_grpc.KnowledgeServiceServicer):
         return await self._rpc.run(context, "SearchKnowledge", work)
 
     async def GetKnowledgeEntry(
-        self, request: knowledge_pb2.GetKnowledgeEntryRequest, context: Any
+        self,
+        request: knowledge_pb2.GetKnowledgeEntryRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
     ) -> knowledge_pb2.GetKnowledgeEntryResponse:
         """One entry of the caller's organization; needs knowledge.read; NOT_FOUND
         (ENTRY_NOT_FOUND) for an unknown id or another organization's entry."""
@@ -163,7 +168,9 @@ class KnowledgeServicer(knowledge_pb2_grpc.KnowledgeServiceServicer):
         return await self._rpc.run(context, "GetKnowledgeEntry", work)
 
     async def CreateKnowledgeEntry(
-        self, request: knowledge_pb2.CreateKnowledgeEntryRequest, context: Any
+        self,
+        request: knowledge_pb2.CreateKnowledgeEntryRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
     ) -> knowledge_pb2.CreateKnowledgeEntryResponse:
         """Create an entry at version 1; needs knowledge.write; idempotent on request_id.
 
@@ -232,7 +239,9 @@ class KnowledgeServicer(knowledge_pb2_grpc.KnowledgeServiceServicer):
         )
 
     async def UpdateKnowledgeEntry(
-        self, request: knowledge_pb2.UpdateKnowledgeEntryRequest, context: Any
+        self,
+        request: knowledge_pb2.UpdateKnowledgeEntryRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
     ) -> knowledge_pb2.UpdateKnowledgeEntryResponse:
         """Change an entry; needs knowledge.write; the version read must be sent.
 

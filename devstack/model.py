@@ -1,5 +1,5 @@
-"""The model behind the devstack's LLM gateway, chosen on the command line (SPEC sections
-9 and 10).
+"""The model behind the devstack's LLM gateway, chosen on the command line (README.md and
+devstack/gateway/scripted.py).
 
 Both ``ballet-planner dev`` and the standalone ``python -m devstack`` take
 ``--provider scripted|openai`` and ``--scenario FILE``; ``make_provider`` turns them into

@@ -1,6 +1,6 @@
 """What every devstack RPC does around its own work: faults, identity, errors and the record.
 
-``Backend.run`` is the one place where a call is authenticated (SPEC section 4), delayed
+``Backend.run`` is the one place where a call is authenticated (docs/spec/authority.md), delayed
 or failed by the fault injector, recorded in the ``CallLog``, and where a
 ``BackendError`` becomes a ``google.rpc.Status`` with one ``ErrorInfo`` (AIP-193) sent with
 ``abort_with_status``. Servicer methods only convert requests and results.
@@ -58,7 +58,7 @@ class Backend:
 
     async def run(
         self,
-        context: Any,
+        context: grpc.aio.ServicerContext[Any, Any],
         method: str,
         work: Callable[[Caller], Awaitable[R]],
         *,

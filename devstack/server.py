@@ -1,10 +1,10 @@
 """``DevStack``: the tracker, skills and knowledge backends on one grpc.aio server.
 
-The composition root of the dependencies for development, tests and benchmarks (SPEC
-section 9). ``DevStack.start`` creates the schema, seeds the organizations and users,
-loads the demo project or imports a beads export, imports knowledge and skills, then
-serves the three backends with gRPC health and server reflection on one address. The
-LLM gateway (``devstack.gateway``) joins the same server through
+The composition root of the dependencies for development, tests and benchmarks (README.md).
+``DevStack.start`` creates the schema, seeds the organizations and users, loads the demo project or
+imports a beads export, imports knowledge and skills, then serves the three backends with gRPC
+health and server reflection on one address. The LLM gateway (``devstack.gateway``) joins the same
+server through
 ``DevStackConfig.extra_services``.
 
 Tests read ``calls`` (every RPC's human, actor and outcome) and ``writes`` (real writes
@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import grpc
 from ballet.knowledge.v1 import knowledge_pb2_grpc
@@ -79,9 +80,9 @@ class DevStackConfig:
       come from the service-token issuer for that backend's audience alone.
     - ``allow_non_loopback``: the devstack serves plaintext and, in dev mode, accepts
       tokens signed with a secret on disk, so it binds only loopback addresses unless this
-      is set (as SPEC section 4 asks of the planner's dev mode).
+      is set (as docs/spec/authority.md asks of the planner's dev mode).
     - ``token_leeway_s``: clock skew the backends allow on a token's ``exp`` (seconds,
-      at most 60 as in SPEC section 4); 0 lets a test see a token refused the moment it
+      at most 60 as in docs/spec/authority.md); 0 lets a test see a token refused the moment it
       expires.
     - ``extra_services``: called with the server before it starts, to add services, e.g.
       ``lambda server: add_gateway_service(server, provider)`` for the LLM gateway. The
@@ -260,7 +261,7 @@ class DevStack:
         names = [*SERVICE_NAMES]
         if config.extra_services is not None:
             recording = _RecordingServer(server)
-            config.extra_services(recording)
+            config.extra_services(cast(grpc.aio.Server, recording))
             names.extend(recording.service_names)
         names.extend(config.extra_service_names)
         service_names = tuple(dict.fromkeys(names))
@@ -390,7 +391,7 @@ class _RecordingServer:
         self._server = server
         self.service_names: list[str] = []
 
-    def add_generic_rpc_handlers(self, handlers: Iterable[object]) -> None:
+    def add_generic_rpc_handlers(self, handlers: Iterable[grpc.GenericRpcHandler]) -> None:
         handlers = tuple(handlers)
         for handler in handlers:
             # Generated ``add_*_to_server`` functions register handlers that know their

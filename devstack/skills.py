@@ -1,12 +1,13 @@
 """The devstack's ``ballet.skills.v1.SkillsService``: a project's effective skills.
 
-Both RPCs need ``skill.read`` in the project (seed: Tools, list_skills / read_skill).
+Both RPCs need ``skill.read`` in the project (docs/spec/turn-loop.md, list_skills / read_skill).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import grpc
 from ballet.skills.v1 import skills_pb2, skills_pb2_grpc
 
 from devstack.auth import SKILL_READ, Caller
@@ -49,7 +50,7 @@ class SkillsServicer(skills_pb2_grpc.SkillsServiceServicer):
         self._pages = pages
 
     async def ListSkills(
-        self, request: skills_pb2.ListSkillsRequest, context: Any
+        self, request: skills_pb2.ListSkillsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> skills_pb2.ListSkillsResponse:
         """A page of the project's effective skills by name (AIP-158); needs skill.read."""
 
@@ -83,7 +84,7 @@ class SkillsServicer(skills_pb2_grpc.SkillsServiceServicer):
         return await self._rpc.run(context, "ListSkills", work, project_id=request.project_id)
 
     async def ReadSkill(
-        self, request: skills_pb2.ReadSkillRequest, context: Any
+        self, request: skills_pb2.ReadSkillRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> skills_pb2.ReadSkillResponse:
         """The SKILL.md of the version the project resolves (its pin, else the latest);
         needs skill.read; NOT_FOUND (SKILL_NOT_FOUND) for a name the project lacks."""

@@ -1,14 +1,15 @@
 """The devstack's ``ballet.tracker.v1.TrackerService``: projects, items, search, changesets.
 
-Permissions follow the seed's Needs column: reads need ``tracker.read``, proposing needs
+Permissions follow what the tools need: reads need ``tracker.read``, proposing needs
 ``tracker.write``, and project search returns items with ``tracker.read`` and skills with
-``skill.read`` (SPEC section 4). Changesets stay ``PROPOSED``: no RPC applies them.
+``skill.read`` (docs/spec/authority.md). Changesets stay ``PROPOSED``: no RPC applies them.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import grpc
 from ballet.tracker.v1 import tracker_pb2, tracker_pb2_grpc
 from google.protobuf import json_format, timestamp_pb2
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -148,7 +149,7 @@ class TrackerServicer(tracker_pb2_grpc.TrackerServiceServicer):
         self._pages = pages
 
     async def GetProject(
-        self, request: tracker_pb2.GetProjectRequest, context: Any
+        self, request: tracker_pb2.GetProjectRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> tracker_pb2.GetProjectResponse:
         """The project, its settings and the caller's permissions; needs tracker.read."""
 
@@ -162,7 +163,7 @@ class TrackerServicer(tracker_pb2_grpc.TrackerServiceServicer):
         return await self._rpc.run(context, "GetProject", work, project_id=request.project_id)
 
     async def ListItems(
-        self, request: tracker_pb2.ListItemsRequest, context: Any
+        self, request: tracker_pb2.ListItemsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> tracker_pb2.ListItemsResponse:
         """A page of items by priority then id (AIP-158); needs tracker.read.
 
@@ -203,7 +204,7 @@ class TrackerServicer(tracker_pb2_grpc.TrackerServiceServicer):
         return await self._rpc.run(context, "ListItems", work, project_id=request.project_id)
 
     async def GetItem(
-        self, request: tracker_pb2.GetItemRequest, context: Any
+        self, request: tracker_pb2.GetItemRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> tracker_pb2.GetItemResponse:
         """One item with its dependencies; needs tracker.read; NOT_FOUND when not in the
         project (an item of another project is not found either)."""
@@ -219,7 +220,9 @@ class TrackerServicer(tracker_pb2_grpc.TrackerServiceServicer):
         return await self._rpc.run(context, "GetItem", work, project_id=request.project_id)
 
     async def ListRunnableTickets(
-        self, request: tracker_pb2.ListRunnableTicketsRequest, context: Any
+        self,
+        request: tracker_pb2.ListRunnableTicketsRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
     ) -> tracker_pb2.ListRunnableTicketsResponse:
         """A page of open tickets whose blockers are all closed; needs tracker.read."""
 
@@ -243,7 +246,7 @@ class TrackerServicer(tracker_pb2_grpc.TrackerServiceServicer):
         )
 
     async def SearchProject(
-        self, request: tracker_pb2.SearchProjectRequest, context: Any
+        self, request: tracker_pb2.SearchProjectRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> tracker_pb2.SearchProjectResponse:
         """Hybrid search: items with tracker.read, skills with skill.read, else
         PERMISSION_DENIED; INVALID_ARGUMENT for an empty query (docs/decisions/0103)."""
@@ -309,7 +312,9 @@ class TrackerServicer(tracker_pb2_grpc.TrackerServiceServicer):
         return await self._rpc.run(context, "SearchProject", work, project_id=request.project_id)
 
     async def ListChangesets(
-        self, request: tracker_pb2.ListChangesetsRequest, context: Any
+        self,
+        request: tracker_pb2.ListChangesetsRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
     ) -> tracker_pb2.ListChangesetsResponse:
         """A page of the project's changesets, newest first; needs tracker.read."""
 
@@ -338,7 +343,9 @@ class TrackerServicer(tracker_pb2_grpc.TrackerServiceServicer):
         return await self._rpc.run(context, "ListChangesets", work, project_id=request.project_id)
 
     async def ProposeChangeset(
-        self, request: tracker_pb2.ProposeChangesetRequest, context: Any
+        self,
+        request: tracker_pb2.ProposeChangesetRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
     ) -> tracker_pb2.ProposeChangesetResponse:
         """Store a PROPOSED changeset; needs tracker.write; idempotent on ``request_id``.
 
@@ -347,7 +354,7 @@ class TrackerServicer(tracker_pb2_grpc.TrackerServiceServicer):
         unknown ref or a wrong kind). The same ``request_id`` with the same payload returns
         the first changeset; with another payload INVALID_ARGUMENT/REQUEST_ID_REUSED (AIP-155).
         A planner-recorded call may not set an execution policy (PERMISSION_DENIED /
-        POLICY_CHANGE_NOT_ALLOWED, seed: Authority). Author = the human; recorded by = the
+        POLICY_CHANGE_NOT_ALLOWED, docs/spec/authority.md). Author = the human; recorded by = the
         honoured actor, else the human.
         """
 

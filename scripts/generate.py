@@ -1,6 +1,6 @@
 """Generate the Python protobuf and gRPC code in ``generated/`` from ``proto/``.
 
-The one way ``generated/`` is made (SPEC section 2). It pins grpcio-tools and
+The one way ``generated/`` is made (docs/architecture.md). It pins grpcio-tools and
 mypy-protobuf exactly, so everyone produces byte-identical output; ``--check`` regenerates
 into a temporary folder and fails when the committed tree differs (a stale ``generated/``
 fails CI).

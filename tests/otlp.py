@@ -1,4 +1,4 @@
-"""A real OTLP/gRPC trace receiver on loopback, for the tracing tests (issue 16).
+"""A real OTLP/gRPC trace receiver on loopback, for the tracing tests.
 
 ``OtlpReceiver`` serves ``opentelemetry.proto.collector.trace.v1.TraceService`` (the OTLP
 protocol's messages and service as the SDK's exporter package ships them) on a free
@@ -76,7 +76,9 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):  # type: ignore
         self.endpoint = ""
 
     def Export(
-        self, request: trace_service_pb2.ExportTraceServiceRequest, context: Any
+        self,
+        request: trace_service_pb2.ExportTraceServiceRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
     ) -> trace_service_pb2.ExportTraceServiceResponse:
         with self._changed:
             self.requests.append(request)

@@ -1,9 +1,10 @@
-"""Outbound gRPC channels to the planner's dependencies (SPEC sections 4 and 8).
+"""Outbound gRPC channels to the planner's dependencies (docs/spec/authority.md and
+docs/spec/limits.md).
 
 Every outbound channel takes TLS settings (CA, and for mTLS a client certificate and
 key); plaintext is allowed only to a loopback address or with an explicit
-``insecure = true`` (SPEC section 4, Identity and authority). Keepalive follows SPEC
-section 8: a ping every 60 s with a 20 s timeout.
+``insecure = true`` (docs/spec/authority.md, Identity and authority). Keepalive follows
+docs/spec/limits.md: a ping every 60 s with a 20 s timeout.
 
 Nothing here does I/O at import time; certificate files are read when a channel is made.
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import grpc
 
-#: Keepalive of every outbound channel, in milliseconds (SPEC section 8).
+#: Keepalive of every outbound channel, in milliseconds (docs/spec/limits.md).
 KEEPALIVE_TIME_MS = 60_000
 KEEPALIVE_TIMEOUT_MS = 20_000
 

@@ -1,2 +1,2 @@
 """The built-in demo of `ballet-planner dev`: the demo scenario of the scripted model
-(scenario.json, SPEC section 10) and the small demo project."""
+(scenario.json, devstack/gateway/scripted.py) and the small demo project."""

@@ -102,7 +102,7 @@ _ITEMS: list[tuple[str, str, str, str, int, str, str, str, tuple[str, ...], str,
      "Run the linters and the test suite on every pull request.", ""),
 ]  # fmt: skip
 
-#: An execution policy a human set on one ticket (only humans may; seed: Authority).
+#: An execution policy a human set on one ticket (only humans may; docs/spec/authority.md).
 _POLICIES = {"PAN-13": {"mode": "auto", "settings": {"agent": "chore-bot"}}}
 
 _KNOWLEDGE: list[dict[str, Any]] = [

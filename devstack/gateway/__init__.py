@@ -1,5 +1,5 @@
-"""The devstack's LLM gateway (SPEC section 9): `ballet.llm.v1.GatewayService` over a
-provider (`scripted`, SPEC section 10, or `openai`), with a per-project usage ledger.
+"""The devstack's LLM gateway (README.md): `ballet.llm.v1.GatewayService` over a
+provider (`scripted`, devstack/gateway/scripted.py, or `openai`), with a per-project usage ledger.
 
 Modules: `base` (the provider port: chunks, `ProviderError`), `scripted`, `openai_provider`
 (with `openai_stream`, the Chat Completions stream reader),

@@ -11,7 +11,7 @@ and meters the usage; providers know nothing of gRPC servicers, the ledger or th
 recorded requests.
 
 Failures are raised as `ProviderError`, which carries the gRPC status the gateway answers
-with and the `google.rpc.ErrorInfo` reason the planner dispatches on (SPEC section 5:
+with and the `google.rpc.ErrorInfo` reason the planner dispatches on (docs/spec/turn-loop.md:
 only `UNAVAILABLE`, and `RESOURCE_EXHAUSTED` with reason `RATE_LIMITED`, are retried).
 """
 
@@ -29,7 +29,8 @@ from ballet.llm.v1 import gateway_pb2
 from ballet_common.redact import scrub
 
 # ErrorInfo reasons a provider may set (google.rpc.ErrorInfo.reason, AIP-193). The planner
-# maps the last three to turn failures of the same name (SPEC section 3, TurnEndReason).
+# maps the last three to turn failures of the same name (docs/spec/api-and-streams.md,
+# TurnEndReason).
 REASON_RATE_LIMITED = "RATE_LIMITED"
 REASON_QUOTA_EXCEEDED = "QUOTA_EXCEEDED"
 REASON_CREDENTIAL_EXPIRED = "CREDENTIAL_EXPIRED"
@@ -106,7 +107,7 @@ class ToolCallDeltaChunk:
 class ToolCallChunk:
     """One tool call whose arguments came whole (the servicer sends it as a start and one
     delta): `arguments` is JSON text exactly as the model produced it, possibly invalid
-    (the planner turns bad JSON into an error result, SPEC section 5)."""
+    (the planner turns bad JSON into an error result, docs/spec/turn-loop.md)."""
 
     id: str
     name: str
@@ -182,7 +183,7 @@ class ProviderError(Exception):
 
 
 class Provider(Protocol):
-    """A model backend of the gateway (SPEC section 9: `scripted`, `openai`, room for more)."""
+    """A model backend of the gateway (README.md: `scripted`, `openai`, room for more)."""
 
     def generate(self, request: gateway_pb2.GenerateRequest) -> AsyncIterator[ProviderChunk]:
         """Answer one request as a stream of chunks.

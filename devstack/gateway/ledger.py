@@ -1,4 +1,4 @@
-"""The gateway's per-project usage ledger (SPEC section 9: "a per-project usage ledger
+"""The gateway's per-project usage ledger (README.md: "a per-project usage ledger
 that tests can read").
 
 One record per model call that finished (a call that failed produced no answer and is

@@ -1,4 +1,4 @@
-"""The `openai` provider: any OpenAI-compatible Chat Completions endpoint (SPEC section 9).
+"""The `openai` provider: any OpenAI-compatible Chat Completions endpoint (README.md).
 
 It speaks through the official SDK (`openai.AsyncOpenAI`), streaming, so it works with
 the OpenAI API and with local servers that copy it (vLLM, Ollama, llama.cpp).
@@ -44,15 +44,16 @@ that quotes the key never leaves the gateway.
   `insufficient_quota`;
 - HTTP 401 -> UNAUTHENTICATED / CREDENTIAL_EXPIRED: the provider refused the project's
   credential. The HTTP answer cannot tell expired from revoked or mistyped, and all need
-  the same fix (a new credential), which is the turn failure the planner reports (SPEC
-  section 3); UNAUTHENTICATED is not retried by the planner (SPEC section 5);
+  the same fix (a new credential), which is the turn failure the planner reports
+  (docs/spec/api-and-streams.md); UNAUTHENTICATED is not retried by the planner
+  (docs/spec/turn-loop.md);
 - HTTP 403 -> PERMISSION_DENIED; 404 -> NOT_FOUND (usually an unknown model or a wrong
   base URL); 400 and 422 -> INVALID_ARGUMENT (reason CONTEXT_LENGTH_EXCEEDED when the
   error code says so); 409 -> ABORTED; other statuses -> UNKNOWN;
 - an answer the SDK cannot parse -> INTERNAL.
 
-The SDK's own retries are off (`max_retries=0` by default): the planner retries per SPEC
-section 5, and two layers of retries would multiply the attempts and the latency.
+The SDK's own retries are off (`max_retries=0` by default): the planner retries per
+docs/spec/turn-loop.md, and two layers of retries would multiply the attempts and the latency.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The `scripted` provider: a test double with a contract (SPEC section 10).
+"""The `scripted` provider: a test double with a contract.
 
 A scenario is JSON: ``{"rules": [RULE, ...]}`` or a bare list of rules. The provider is
 stateless: for each request the first rule whose ``match`` fits wins and its ``reply`` is
@@ -68,7 +68,7 @@ Substitutions, in ``text``, ``raw_arguments`` and the string values of ``argumen
   with "…" when cut); empty when the request has no tool result.
 - ``{{match:N}}`` / ``{{match:NAME}}``: group N (0 = the whole match) or the named group of
   this rule's ``last_text_regex`` match; empty when the group did not participate. An
-  extension of SPEC section 10, so that a rule can pass an id from the human's question
+  extension, so that a rule can pass an id from the human's question
   to a tool; a rule using it must have ``last_text_regex`` with that group.
 
 The finish reason is ``finish_reason`` when given, else REFUSAL with a refusal,
@@ -306,7 +306,7 @@ def _called_name(earlier: Sequence[gateway_pb2.Message], call_id: str) -> str | 
 
 @dataclass(frozen=True, slots=True)
 class Scenario:
-    """A validated scenario: an ordered tuple of rules (SPEC section 10)."""
+    """A validated scenario: an ordered tuple of rules."""
 
     rules: tuple[Rule, ...]
     source: str = "<scenario>"
@@ -738,7 +738,7 @@ ScenarioData: TypeAlias = Scenario | Mapping[str, object] | Sequence[object]
 
 
 class ScriptedProvider:
-    """The `scripted` provider (SPEC section 10), from an in-memory scenario or a file.
+    """The `scripted` provider, from an in-memory scenario or a file.
 
     Args:
         scenario: a `Scenario`, or JSON-shaped data (a dict with `rules`, or a list of
@@ -911,7 +911,7 @@ def _render_call(call: ScriptedToolCall, substitute: _Substitution) -> ToolCallC
 
 
 def demo_scenario_path() -> Path:
-    """The built-in demo scenario shipped in `devstack.demo` (SPEC section 10, used by
+    """The built-in demo scenario shipped in `devstack.demo` (used by
     `ballet-planner dev` without `--scenario`)."""
     return Path(str(importlib.resources.files("devstack.demo").joinpath("scenario.json")))
 

@@ -1,10 +1,10 @@
-"""The devstack's `ballet.llm.v1.GatewayService` servicer (SPEC section 9).
+"""The devstack's `ballet.llm.v1.GatewayService` servicer (README.md).
 
 `Generate` serves only the planner: a call without the planner's service credential for
 the gateway's audience (`x-ballet-service-authorization`, a token of the service-token
 issuer naming `ballet-llm-gateway` alone) is refused UNAUTHENTICATED
 (`SERVICE_CREDENTIAL_MISSING`/`SERVICE_CREDENTIAL_INVALID`), another service's credential
-PERMISSION_DENIED (`PLANNER_REQUIRED`), as a production gateway would (issue 14). It
+PERMISSION_DENIED (`PLANNER_REQUIRED`), as a production gateway would. It
 refuses a request without `project_id` or `credential_ref`, with purpose
 unspecified, or with a message whose role is unspecified (INVALID_ARGUMENT); otherwise it
 streams the provider's answer as `GenerateResponse` chunks as they come (text deltas,
@@ -27,6 +27,7 @@ import logging
 import traceback
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from ballet.llm.v1 import gateway_pb2, gateway_pb2_grpc
@@ -171,7 +172,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     async def Generate(
         self,
         request: gateway_pb2.GenerateRequest,
-        context: grpc.aio.ServicerContext,
+        context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         """Stream one answer as it is made, then the complete calls of a whole answer,
         then the finish (always last); see the module docstring and proto
@@ -258,7 +259,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     async def _abort(
         self,
-        context: grpc.aio.ServicerContext,
+        context: grpc.aio.ServicerContext[Any, Any],
         request: gateway_pb2.GenerateRequest,
         error: ProviderError,
     ) -> None:

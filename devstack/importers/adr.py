@@ -1,4 +1,4 @@
-"""Import a folder of ADR markdown files as knowledge entries of kind decision (SPEC 9).
+"""Import a folder of ADR markdown files as knowledge entries of kind decision (README.md).
 
 Files named ``NNNN-title.md`` in Nygard format: ``# N. Title``, ``Date: YYYY-MM-DD``, a
 ``## Status`` section, then context, decision and consequences. The mapping

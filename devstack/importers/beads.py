@@ -1,4 +1,4 @@
-"""Import a beads ``issues.jsonl`` export as a tracker project (SPEC section 9).
+"""Import a beads ``issues.jsonl`` export as a tracker project (README.md).
 
 The mapping (docs/decisions/0102-devstack-beads-import.md):
 

@@ -3,8 +3,7 @@
 A new user's first import is often a file that is not what it should be (the wrong
 file, a hand-edited line, another encoding). Each way becomes one ``ImportFileError``
 line that says which import failed, names the file and, where there is one, the line,
-and what is wrong, never a traceback or a bare decoder message (issue 16, First-run
-errors).
+and what is wrong, never a traceback or a bare decoder message.
 """
 
 from __future__ import annotations

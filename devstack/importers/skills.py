@@ -1,4 +1,4 @@
-"""Import a folder of skills (``<name>/SKILL.md`` with YAML front matter) (SPEC section 9).
+"""Import a folder of skills (``<name>/SKILL.md`` with YAML front matter) (README.md).
 
 Each ``SKILL.md`` starts with ``---``, YAML with at least ``name`` and ``description``,
 ``---``, then markdown. Skills are imported as organization skills; the first import

@@ -5,8 +5,8 @@ The model (docs/decisions/0101-devstack-permission-model.md):
 - A human's permissions in a project are those of their role there (``ROLE_PERMISSIONS``).
   A project is visible only to humans with a role on it and only within the token's
   organization; anyone else gets ``NOT_FOUND`` for it, so its existence does not leak
-  (SPEC section 4). A visible project with a missing permission gives ``PERMISSION_DENIED``.
-- Knowledge is organization-wide (seed: Tools, "the organization's knowledge base"): a
+  (docs/spec/authority.md). A visible project with a missing permission gives ``PERMISSION_DENIED``.
+- Knowledge is organization-wide (docs/spec/turn-loop.md, "the organization's knowledge base"): a
   human's knowledge permissions in an organization are the union of their roles'
   permissions over the organization's projects.
 """
@@ -23,7 +23,7 @@ from devstack.store.schema import organizations, project_roles, projects, users
 
 #: The organizations of the dev stack: id -> name.
 ORGANIZATIONS = {"acme": "Acme Corp", "globex": "Globex"}
-#: The dev users: id -> (organization, display name). SPEC section 9 names alice and bob.
+#: The dev users: id -> (organization, display name). README.md names alice and bob.
 USERS = {
     "alice": ("acme", "Alice"),
     "bob": ("acme", "Bob"),

@@ -1,10 +1,10 @@
 """The devstack's database: engine, schema and units of work (SQLite or PostgreSQL).
 
 SQLite (aiosqlite) in the data directory is the default; a ``postgresql+psycopg://`` URL
-selects PostgreSQL (SPEC section 9: "the same database engine choice as the planner").
+selects PostgreSQL (README.md: "the same database engine choice as the planner").
 
-Each unit of work gets its own ``AsyncSession`` (STYLE 7). On SQLite, write units of work
-are serialized by an in-process lock: the devstack is one process, and SQLite allows one
+Each unit of work gets its own ``AsyncSession`` (docs/contributing.md). On SQLite, write units of
+work are serialized by an in-process lock: the devstack is one process, and SQLite allows one
 writer, so queueing writers in Python avoids ``database is locked`` errors and stale
 WAL snapshots that a deferred transaction would otherwise hit when it starts to write.
 On PostgreSQL, concurrent writers are arbitrated by constraints; ``run_write`` retries a

@@ -1,4 +1,4 @@
-"""AIP-155 request ids for the backends' write RPCs (SPEC section 4).
+"""AIP-155 request ids for the backends' write RPCs (docs/spec/authority.md).
 
 A key is ``(RPC name, human, request_id)`` and remembers a digest of the request (without
 its ``request_id``) and a reference to what the first request produced. The key row is
@@ -7,7 +7,7 @@ and of two concurrent requests with one id the second fails on the primary key a
 retried, replays the first.
 
 The same id with a different payload is refused with ``INVALID_ARGUMENT`` /
-``REQUEST_ID_REUSED``, as the planner's own API does (SPEC section 3); see
+``REQUEST_ID_REUSED``, as the planner's own API does (docs/spec/api-and-streams.md); see
 docs/decisions/0104-devstack-idempotent-writes.md. A refused request stores nothing, so
 its id may be used again.
 """

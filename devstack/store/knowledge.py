@@ -1,10 +1,10 @@
 """Knowledge entries: the organization's documents, decisions, notes and debt records.
 
-Entries are organization-wide (seed: Tools, "Search the organization's knowledge base"): a
-human of another organization never sees them, and gets ``NOT_FOUND`` for their ids.
+Entries are organization-wide (docs/spec/turn-loop.md, "Search the organization's knowledge base"):
+a human of another organization never sees them, and gets ``NOT_FOUND`` for their ids.
 Every change increments ``version`` and keeps the new version in
 ``ds_knowledge_versions``; an update must name the version it read and is ``ABORTED``
-(STALE_VERSION) otherwise (SPEC section 9). The check is a compare-and-set in the
+(STALE_VERSION) otherwise (README.md). The check is a compare-and-set in the
 ``UPDATE``'s ``WHERE`` clause, so two concurrent updates of one version cannot both win.
 """
 

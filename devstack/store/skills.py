@@ -2,8 +2,8 @@
 
 A project's effective skills are its own skills plus the organization's, where a project
 skill hides an organization skill of the same name (skills.proto ``SKILL_SCOPE_PROJECT``).
-The version a project resolves is its pin, else the latest version by number (seed:
-Instructions, "in the version the project resolves (pins apply)").
+The version a project resolves is its pin, else the latest version by number
+(docs/spec/turn-loop.md, "in the version the project resolves (pins apply)").
 """
 
 from __future__ import annotations

@@ -1,1 +1,1 @@
-"""Adapters: the gateway and backend clients, and the SQL storage (STYLE rule 1)."""
+"""Adapters: the gateway and backend clients, and the SQL storage (docs/contributing.md)."""

@@ -8,7 +8,7 @@ planner does not know is ``UNSPECIFIED``, an unset sub-message is an empty value
 NaN or infinite score is 0.0, and an operation or search hit of a kind this planner does
 not know is dropped. To a backend, a number its field cannot hold (``int32``/``int64``)
 is a ``ToolFailure`` (``INVALID_ARGUMENTS``) naming the field, never an error of the wire
-encoding (issue 14).
+encoding.
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def list_changesets_request(query: ChangesetQuery) -> tracker_pb2.ListChangesets
 
 def _operation_message(operation: ChangesetOperation) -> tracker_pb2.ChangesetOperation:
     # Field by field into messages whose policy stays unset: the domain types have no
-    # policy, and nothing else reaches the tracker (SPEC section 4).
+    # policy, and nothing else reaches the tracker (docs/spec/authority.md).
     if isinstance(operation, CreateItem):
         return tracker_pb2.ChangesetOperation(
             create_item=tracker_pb2.CreateItemOperation(

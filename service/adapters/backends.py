@@ -5,13 +5,13 @@ on ``grpc.aio`` channels to ``ballet.tracker.v1.TrackerService``,
 ``ballet.skills.v1.SkillsService`` and ``ballet.knowledge.v1.KnowledgeService``: one
 method per RPC, its request and response translated by ``backend_messages``.
 
-Authority (seed: Authority; SPEC section 4): every call carries the human's bearer token
-(``authorization``), the recorded actor (``x-ballet-actor: planner:<session_id>``) and the
+Authority (docs/spec/authority.md): every call carries the human's bearer
+token (``authorization``), the recorded actor (``x-ballet-actor: planner:<session_id>``) and the
 planner's own service credential for that backend (``x-ballet-service-authorization``;
-one credential per backend audience, issue 14), so a backend can honour the actor only
+one credential per backend audience), so a backend can honour the actor only
 when the caller proves it is the planner, and authorizes the human.
 
-Deadlines (SPEC section 5, Deadlines): every call has the deadline the caller passes in
+Deadlines (docs/spec/turn-loop.md, Deadlines): every call has the deadline the caller passes in
 seconds; it never comes from an inbound RPC, because a turn outlives the RPC that started
 it.
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import grpc
 from ballet.knowledge.v1 import knowledge_pb2, knowledge_pb2_grpc
@@ -62,15 +62,15 @@ from service.core.model import JsonObject
 from service.core.ports import ToolBackends
 from service.core.tools.tracker import full_item
 
-#: Metadata key of the recorded actor, ``planner:<session_id>`` (SPEC section 4).
+#: Metadata key of the recorded actor, ``planner:<session_id>`` (docs/spec/authority.md).
 ACTOR_HEADER = "x-ballet-actor"
-#: Metadata key of the planner's own service credential (SPEC section 4).
+#: Metadata key of the planner's own service credential (docs/spec/authority.md).
 SERVICE_AUTHORIZATION_HEADER = "x-ballet-service-authorization"
-#: Project settings the planner reads (seed: Instructions; SPEC section 5 step 2, 4).
+#: Project settings the planner reads (docs/spec/turn-loop.md step 2, 4).
 PLANNER_SKILL_SETTING = "planner.skill"
 MODEL_CREDENTIAL_SETTING = "planner.model_credential"
 
-# The one table from a backend's status to a tool call's error result (SPEC section 5
+# The one table from a backend's status to a tool call's error result (docs/spec/turn-loop.md
 # step 5: "any failure ... becomes an error result for the model"). INVALID_ARGUMENT and
 # FAILED_PRECONDITION keep the backend's message, since it tells the model what to fix.
 _TOOL_REASONS: dict[grpc.StatusCode, str] = {
@@ -88,10 +88,10 @@ _TOOL_REASONS: dict[grpc.StatusCode, str] = {
 def tool_failure(error: RpcFailure) -> ToolFailure:
     """Translate a backend's refusal into the ``ToolFailure`` the model sees.
 
-    ``ABORTED`` is ``STALE_VERSION`` (a knowledge update sent an old version; SPEC section
-    9), or ``CONFLICT`` when the backend's ``ErrorInfo`` names another race;
+    ``ABORTED`` is ``STALE_VERSION`` (a knowledge update sent an old version; README.md), or
+    ``CONFLICT`` when the backend's ``ErrorInfo`` names another race;
     ``UNAUTHENTICATED`` with reason ``TOKEN_EXPIRED`` is ``CREDENTIAL_EXPIRED``, which ends
-    the turn ``FAILED`` at the end of the round (SPEC section 4); anything unexpected is
+    the turn ``FAILED`` at the end of the round (docs/spec/authority.md); anything unexpected is
     ``BACKEND_ERROR``.
     """
     code = error.code
@@ -115,12 +115,13 @@ def tool_failure(error: RpcFailure) -> ToolFailure:
 
 
 def project_error(error: RpcFailure, project_id: str) -> PlannerError:
-    # NOT_FOUND and PERMISSION_DENIED look the same, so existence does not leak (SPEC 4).
+    # NOT_FOUND and PERMISSION_DENIED look the same, so existence does not leak
+    # (docs/spec/authority.md).
     if error.code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED):
         return NotFound(f"project {project_id!r} not found", reason="PROJECT_NOT_FOUND")
     if error.code == grpc.StatusCode.UNAUTHENTICATED:
         return Unauthenticated("the tracker refused the token", reason=error.reason or None)
-    # Anything else means the project cannot be fetched: SPEC section 5 step 2.
+    # Anything else means the project cannot be fetched: docs/spec/turn-loop.md step 2.
     return Unavailable(
         f"the tracker backend failed ({error.code.name})", reason="DEPENDENCY_UNAVAILABLE"
     )
@@ -156,8 +157,7 @@ class GrpcToolBackends:
     ``tracker``, ``skills`` and ``knowledge`` are ``grpc.aio`` channels (made by
     ``ballet_common.grpc.channels.make_channel``; the caller owns and closes them).
     ``tracker_credential``, ``skills_credential`` and ``knowledge_credential`` give the
-    planner's service credential for that backend's audience (issue 14: a credential one
-    dependency receives opens no other).
+    planner's service credential for that backend's audience.
     """
 
     def __init__(
@@ -170,18 +170,10 @@ class GrpcToolBackends:
         skills_credential: Credential,
         knowledge_credential: Credential,
     ) -> None:
-        # The stubs' overloads pick the async type from an aio channel; grpc has no type
-        # information here, so say which one it is.
-        self._tracker = cast(
-            "tracker_pb2_grpc.TrackerServiceAsyncStub", tracker_pb2_grpc.TrackerServiceStub(tracker)
-        )
-        self._skills = cast(
-            "skills_pb2_grpc.SkillsServiceAsyncStub", skills_pb2_grpc.SkillsServiceStub(skills)
-        )
-        self._knowledge = cast(
-            "knowledge_pb2_grpc.KnowledgeServiceAsyncStub",
-            knowledge_pb2_grpc.KnowledgeServiceStub(knowledge),
-        )
+        # The stubs' overloads pick the async type from the aio channel.
+        self._tracker = tracker_pb2_grpc.TrackerServiceStub(tracker)
+        self._skills = skills_pb2_grpc.SkillsServiceStub(skills)
+        self._knowledge = knowledge_pb2_grpc.KnowledgeServiceStub(knowledge)
         self._tracker_credential = tracker_credential
         self._skills_credential = skills_credential
         self._knowledge_credential = knowledge_credential
@@ -195,7 +187,7 @@ class GrpcToolBackends:
         service_token = credential()
         if not service_token:
             # In production the planner may prove itself by its mTLS identity instead
-            # (SPEC section 4); an empty bearer header would only be a malformed one.
+            # (docs/spec/authority.md); an empty bearer header would only be a malformed one.
             return metadata
         return (*metadata, (SERVICE_AUTHORIZATION_HEADER, f"Bearer {service_token}"))
 
@@ -215,10 +207,10 @@ class GrpcToolBackends:
 
         Returns the project with its ``planner.skill`` and ``planner.model_credential``
         settings (empty when unset) and the human's permissions in it. Raises ``NotFound``
-        (``PROJECT_NOT_FOUND``: unknown, or not readable by the human; SPEC section 4),
+        (``PROJECT_NOT_FOUND``: unknown, or not readable by the human; docs/spec/authority.md),
         ``Unauthenticated`` (the tracker refused the token; its reason, e.g.
         ``TOKEN_EXPIRED``, is kept), ``Unavailable`` (``DEPENDENCY_UNAVAILABLE``: down,
-        too slow, or failed; SPEC section 5 step 2).
+        too slow, or failed; docs/spec/turn-loop.md step 2).
         """
         request = tracker_pb2.GetProjectRequest(project_id=project_id)
         try:
@@ -243,7 +235,7 @@ class GrpcToolBackends:
         self, acting: Acting, project_id: str, name: str, timeout_s: float
     ) -> SkillDocument:
         """``SkillsService.ReadSkill``: SKILL.md of ``name`` in the version the project
-        resolves, pins applied (seed: Instructions), within ``timeout_s`` seconds.
+        resolves, pins applied (docs/spec/turn-loop.md), within ``timeout_s`` seconds.
 
         Raises ``NotFound`` (``SKILL_NOT_FOUND``: unknown, or not readable by the human),
         ``Unauthenticated``, ``Unavailable`` (``DEPENDENCY_UNAVAILABLE``).
@@ -264,7 +256,8 @@ class GrpcToolBackends:
     # ----------------------------------------------------------------- the tools' RPCs
     # Each raises ToolFailure: a backend refusal as tool_failure translates it, or a
     # number the request's field cannot hold (backend_messages). Write RPCs carry the
-    # request_id of their domain request: the planner's id of the tool call (SPEC 4).
+    # request_id of their domain request: the planner's id of the tool call
+    # (docs/spec/authority.md).
 
     async def list_items(self, acting: Acting, query: ItemQuery, timeout_s: float) -> ItemPage:
         request = messages.list_items_request(query)
@@ -384,7 +377,7 @@ class GrpcToolBackends:
 
 
 if TYPE_CHECKING:
-    # mypy checks here that the class implements the port, method by method (issue 10).
+    # mypy checks here that the class implements the port, method by method.
     _PORT: type[ToolBackends] = GrpcToolBackends
 
 

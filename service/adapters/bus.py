@@ -1,4 +1,5 @@
-"""Cross-replica signals: the receiving side of PostgreSQL LISTEN/NOTIFY (SPEC section 3).
+"""Cross-replica signals: the receiving side of PostgreSQL LISTEN/NOTIFY
+(docs/spec/api-and-streams.md).
 
 ``SqlSessionStore`` sends, in the transactions that store the events (delivered only if
 they commit):
@@ -12,7 +13,7 @@ both channels, and passes what other replicas sent to the callbacks (its own eve
 skipped: the replica that stored them has already published them in-process; cancels
 are passed whichever replica sent them, the receiver's handling is idempotent). An idle
 process costs nothing: no poll, no timer, one blocked read on one socket. Events reach
-other replicas within the 1 s of SPEC 3 as long as the callbacks are quick.
+other replicas within the 1 s of docs/spec/api-and-streams.md as long as the callbacks are quick.
 
 When the connection drops (a database restart, a network failure), the notifier
 reconnects with exponential backoff and jitter, and after each reconnect calls
@@ -20,8 +21,8 @@ reconnects with exponential backoff and jitter, and after each reconnect calls
 sessions they named, so the receiver re-reads every session it follows. TCP keepalives
 find a silently dead peer in about a minute.
 
-``NullNotifier`` is the SQLite variant: SQLite means a single process (SPEC 8), so there
-is nobody to hear from.
+``NullNotifier`` is the SQLite variant: SQLite means a single process (docs/spec/operations.md), so
+there is nobody to hear from.
 """
 
 from __future__ import annotations

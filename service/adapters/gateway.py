@@ -1,8 +1,8 @@
 """The ``ballet.llm.v1`` gateway client: the core's ``ModelGateway`` port.
 
-Owns what the loop must not know (STYLE, Pydantic AI's split): the proto conversion, the
+Owns what the loop must not know (docs/contributing.md): the proto conversion, the
 three model deadlines, the bounded retries, and the translation of upstream
-``AioRpcError``s into ``ModelFailure`` (SPEC section 5, Deadlines and Retries; issue 11):
+``AioRpcError``s into ``ModelFailure`` (docs/spec/turn-loop.md, Deadlines and Retries):
 
 - **Deadlines.** The first-output deadline runs until the first progress of any kind
   (text, a tool-call start or argument fragment, reasoning activity), the idle deadline
@@ -96,7 +96,7 @@ _WHOLE = frozenset({FinishReason.STOP, FinishReason.TOOL_CALLS, FinishReason.UNS
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """How the client retries a model call (SPEC section 5, Retries). Seconds.
+    """How the client retries a model call (docs/spec/turn-loop.md, Retries). Seconds.
 
     The n-th retry waits ``max(backoff_floor_s, min(backoff_max_s, backoff_base_s *
     2**(n-1)) * jitter)`` with jitter uniform in [0, 1), and at least the gateway's

@@ -1,4 +1,4 @@
-"""The core's ``Tracer`` on OpenTelemetry (issue 16; decision 0190).
+"""The core's ``Tracer`` on OpenTelemetry (decision 0190).
 
 ``OtelTracer`` opens spans on an OpenTelemetry tracer (``ballet_common.tracing``): each
 current inside its ``with`` through OpenTelemetry's context, which asyncio tasks copy

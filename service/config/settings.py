@@ -1,4 +1,5 @@
-"""The planner's configuration: one frozen ``Settings``, loaded once at start-up (SPEC 7).
+"""The planner's configuration: one frozen ``Settings``, loaded once at start-up
+(docs/configuration.md).
 
 Sources, later ones winning:
 
@@ -15,9 +16,9 @@ Sources, later ones winning:
 
 Every problem raises ``ConfigError`` naming the key: an unknown key (in the file or the
 environment), a value of the wrong type, a value out of range, and the start-up checks
-that involve several keys (the context budget of SPEC 7, dev mode on a non-loopback
-address and plaintext off loopback of SPEC 4). ``docs/configuration.md`` documents every
-key; a test checks that it names them all.
+that involve several keys (the context budget of docs/configuration.md, dev mode on a non-loopback
+address and plaintext off loopback of docs/spec/authority.md). ``docs/configuration.md`` documents
+every key; a test checks that it names them all.
 
 Nothing here does I/O at import time; ``load_settings`` reads the file and the
 environment it is given.
@@ -45,12 +46,12 @@ from service.config.loading import apply_environment, build
 ENV_PREFIX = "BALLET_PLANNER__"
 KiB = 1024
 MiB = 1024 * KiB
-#: The devstack's default address (SPEC section 3): every dependency defaults to it.
+#: The devstack's default address (docs/spec/api-and-streams.md): every dependency defaults to it.
 DEVSTACK_ADDRESS = "127.0.0.1:50052"
 #: Tokens budgeted for one model answer of a round (its text and tool-call arguments) in
 #: the context budget check; a round also brings one tool result of at most
-#: ``planner.tool_result_max_bytes`` bytes, about 4 bytes per token (seed: Context
-#: compaction).
+#: ``planner.tool_result_max_bytes`` bytes, about 4 bytes per token
+#: (docs/spec/compaction.md).
 ROUND_ANSWER_TOKENS = 1024
 
 DEFAULT_SUMMARY_INSTRUCTIONS = (
@@ -87,8 +88,8 @@ def _key(
 
 @dataclass(frozen=True)
 class PlannerSettings:
-    """``[planner]``: the turn loop and compaction (seed: Limits, Context compaction;
-    SPEC sections 5 and 6). Durations are seconds."""
+    """``[planner]``: the turn loop and compaction (docs/spec/turn-loop.md and
+    docs/spec/compaction.md). Durations are seconds."""
 
     model: str = _key("gpt-4o-mini", doc="Model name the LLM gateway is asked for.")
     model_context_tokens: int = _key(
@@ -108,6 +109,12 @@ class PlannerSettings:
     )
     max_replay_events: int = _key(
         1000, ge=1, doc="Most session events an open with after_sequence replays."
+    )
+    stream_heartbeat_s: float = _key(
+        20.0,
+        ge=0,
+        doc="Seconds a Chat stream may have nothing to send before it gets a heartbeat "
+        "(under the common 60 s proxy idle timeouts); 0 turns heartbeats off.",
     )
     summary_instructions: str = _key(
         DEFAULT_SUMMARY_INSTRUCTIONS, doc="Instructions of the compaction call."
@@ -140,7 +147,8 @@ class PlannerSettings:
 
 @dataclass(frozen=True)
 class ServerSettings:
-    """``[server]``: the gRPC server, metrics endpoint and shutdown (SPEC sections 4, 8)."""
+    """``[server]``: the gRPC server, metrics endpoint and shutdown (docs/spec/authority.md and
+    docs/spec/operations.md)."""
 
     address: str = _key(
         "127.0.0.1:50051", doc="host:port the gRPC server binds; port 0 picks a free port."
@@ -185,7 +193,8 @@ class ServerSettings:
 
 @dataclass(frozen=True)
 class LimitsSettings:
-    """``[limits]``: sizes and counts per human, project and stream (SPEC sections 3, 8)."""
+    """``[limits]``: sizes and counts per human, project and stream (docs/spec/api-and-streams.md
+    and docs/spec/limits.md)."""
 
     message_max_bytes: int = _key(32 * KiB, ge=1, doc="Largest human message, UTF-8 bytes.")
     turns_per_human: int = _key(4, ge=1, doc="Running turns per human, across replicas.")
@@ -213,7 +222,7 @@ class LimitsSettings:
 
 @dataclass(frozen=True)
 class DatabaseSettings:
-    """``[database]``: where sessions live (SPEC section 8)."""
+    """``[database]``: where sessions live (docs/spec/storage.md)."""
 
     url: str = _key(
         "",
@@ -244,7 +253,8 @@ class DatabaseSettings:
 
 @dataclass(frozen=True)
 class ChannelSettings:
-    """One outbound gRPC channel: ``[dependencies.<name>]`` (SPEC sections 4, 8)."""
+    """One outbound gRPC channel: ``[dependencies.<name>]`` (docs/spec/authority.md and
+    docs/spec/storage.md)."""
 
     address: str = _key(DEVSTACK_ADDRESS, doc="host:port of the dependency.")
     tls: bool = _key(False, doc="Use TLS (system roots unless tls_ca is set).")
@@ -277,8 +287,8 @@ def _gateway_channel() -> ChannelSettings:
 @dataclass(frozen=True)
 class DependenciesSettings:
     """``[dependencies]``: the LLM gateway and tool backends (each with the planner's
-    credential for its audience) and their deadlines (SPEC sections 4, 5). Durations are
-    seconds."""
+    credential for its audience) and their deadlines (docs/spec/authority.md and
+    docs/spec/turn-loop.md). Durations are seconds."""
 
     tracker: ChannelSettings = _key(factory=ChannelSettings, doc="Tracker backend channel.")
     skills: ChannelSettings = _key(factory=ChannelSettings, doc="Skills backend channel.")
@@ -306,7 +316,7 @@ class DependenciesSettings:
 
 @dataclass(frozen=True)
 class AuthSettings:
-    """``[auth]``: bearer token verification (SPEC section 4)."""
+    """``[auth]``: bearer token verification (docs/spec/authority.md)."""
 
     jwks_path: Path | None = _key(
         None, doc="JWKS file of Core's signing keys; empty: dev mode (HS256 dev secret)."
@@ -335,7 +345,7 @@ class AuthSettings:
 
 @dataclass(frozen=True)
 class LoggingSettings:
-    """``[logging]``: structured logs (SPEC section 8)."""
+    """``[logging]``: structured logs (docs/spec/operations.md)."""
 
     level: str = _key("INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), doc="Log level.")
     format: str = _key("json", choices=("json", "text"), doc="JSON lines or key=value text.")
@@ -345,7 +355,8 @@ class LoggingSettings:
 
     @property
     def content_enabled(self) -> bool:
-        """Content is logged only with both ``log_content`` and level DEBUG (SPEC 8)."""
+        """Content is logged only with both ``log_content`` and level DEBUG
+        (docs/spec/operations.md)."""
         return self.log_content and self.level == "DEBUG"
 
 
@@ -396,12 +407,14 @@ class Settings:
 
     @property
     def dev_mode(self) -> bool:
-        """True without a key set: tokens are checked with the HS256 dev secret (SPEC 4)."""
+        """True without a key set: tokens are checked with the HS256 dev secret
+        (docs/spec/authority.md)."""
         return self.auth.jwks_path is None
 
 
 #: What a shutdown needs of ``server.grace_s`` besides ``planner.cancel_grace`` (decision
-#: 0181): 1 s for the turns stopped after their writes' grace to store their end (SPEC 5:
+#: 0181): 1 s for the turns stopped after their writes' grace to store their end
+#: (docs/spec/turn-loop.md:
 #: ``turn_ended`` within ``cancel_grace`` + 1 s), 0.5 s for the streams to deliver their
 #: end, 0.5 s to close channels and pools.
 SHUTDOWN_OVERHEAD_S = 2.0
@@ -465,14 +478,14 @@ def _resolve(settings: Settings) -> Settings:
 def validate(settings: Settings) -> None:
     """The start-up checks that involve several keys; raises ``ConfigError``.
 
-    - the shutdown (SPEC 8; decision 0181): ``server.grace_s`` is at least
+    - the shutdown (docs/spec/operations.md; decision 0181): ``server.grace_s`` is at least
       ``planner.cancel_grace`` + ``SHUTDOWN_OVERHEAD_S``;
-    - the context budget (SPEC 7): ``compact_at_tokens`` plus ``max_rounds`` full rounds
-      (``PlannerSettings.round_budget_tokens`` each) fits ``model_context_tokens``, and
+    - the context budget (docs/configuration.md): ``compact_at_tokens`` plus ``max_rounds`` full
+      rounds (``PlannerSettings.round_budget_tokens`` each) fits ``model_context_tokens``, and
       ``compaction_input_max_tokens`` fits it too;
     - the server's addresses parse as ``host:port``; dev mode binds only loopback, and
-      the server speaks plaintext only on loopback or with ``insecure = true`` (SPEC 4;
-      outbound channels are checked where they are made);
+      the server speaks plaintext only on loopback or with ``insecure = true``
+      (docs/spec/authority.md; outbound channels are checked where they are made);
     - TLS files come in pairs; mTLS needs a CA; production needs ``auth.issuers``, a
       page-token key file, and a credential for each dependency (its token file, or a
       client certificate on its channel); service issuers never overlap human ones.

@@ -14,7 +14,7 @@ score is a finite float. Requests hold what the planner sends; the adapter refus
 number the backend's field cannot hold (``ToolFailure``/``INVALID_ARGUMENTS``, naming the
 field) rather than let it fail in the wire encoding.
 
-No I/O and no grpc, protobuf or SQLAlchemy here (STYLE rule 1).
+No I/O and no grpc, protobuf or SQLAlchemy here (docs/contributing.md).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from enum import StrEnum
 
 @dataclass(frozen=True)
 class Acting:
-    """Whom a backend call acts for (seed: Authority; SPEC section 4).
+    """Whom a backend call acts for (docs/spec/authority.md).
 
     Every call carries ``token`` (the human's bearer token), ``x-ballet-actor:
     planner:<session_id>`` and the planner's own service credential.
@@ -84,7 +84,7 @@ class ItemState(StrEnum):
 
 @dataclass(frozen=True)
 class ExecutionPolicy:
-    """How an agent may execute an item; only humans set it (SPEC section 4)."""
+    """How an agent may execute an item; only humans set it (docs/spec/authority.md)."""
 
     mode: str
     settings: Mapping[str, str]
@@ -176,7 +176,7 @@ class ProjectHit:
 @dataclass(frozen=True)
 class ProjectSearchResult:
     """Project search hits, best first, and which halves were searched: items need
-    ``tracker.read``, skills ``skill.read`` (SPEC section 4)."""
+    ``tracker.read``, skills ``skill.read`` (docs/spec/authority.md)."""
 
     hits: tuple[ProjectHit, ...]
     items_searched: bool
@@ -196,8 +196,8 @@ class ChangesetStatus(StrEnum):
 class CreateItem:
     """Create an item; ``ref`` names it for later operations of the same changeset.
 
-    There is no policy field: the planner cannot set execution policies (SPEC section
-    4), so no value of this type can carry one to the tracker.
+    There is no policy field: the planner cannot set execution policies (docs/spec/authority.md), so
+    no value of this type can carry one to the tracker.
     """
 
     kind: ItemKind
@@ -275,7 +275,7 @@ class ChangesetPage:
 @dataclass(frozen=True)
 class ChangesetProposal:
     """``ProposeChangeset``; ``request_id`` is the planner's id of the tool call, so a
-    repeated request returns the first changeset (AIP-155; SPEC section 4)."""
+    repeated request returns the first changeset (AIP-155; docs/spec/authority.md)."""
 
     request_id: str
     project_id: str

@@ -1,5 +1,5 @@
-"""Context compaction: the estimate and the policy (seed: Context compaction; SPEC 6;
-decisions 0060, 0170 to 0172).
+"""Context compaction: the estimate and the policy (docs/spec/compaction.md; decisions 0060, 0170 to
+0172).
 
 Pure functions; the compaction step (``service/core/turn/compact.py``) makes the model
 calls and the commit.
@@ -19,7 +19,8 @@ calls and the commit.
   chunks that fit, each call taking the summary so far and the next chunk; a tool call
   and its result are one block, never split between chunks.
 - The summarizer gets the material as delimited data in its system prompt, never in the
-  human's role: the conversation holds tool output, and tool output is data (SPEC 4).
+  human's role: the conversation holds tool output, and tool output is data
+  (docs/spec/authority.md).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ _MATERIAL = (
 
 
 def estimate_tokens(context: ContextEstimate, *, fixed_tokens: int) -> int:
-    """The context the model would see, in tokens (SPEC 6).
+    """The context the model would see, in tokens (docs/spec/compaction.md).
 
     ``fixed_tokens`` is the current size of what every request carries besides the
     messages: the system prompt with the summary and pending changesets, and the tool
@@ -80,7 +81,8 @@ def plan_compaction(
     """Plan a compaction of the context ``messages`` (those after the current summary).
 
     Returns None when it would not move ``up_to`` forward: nothing but the current turn
-    is in the context (SPEC 6: then no call is made and ``max_rounds`` bounds the turn).
+    is in the context (docs/spec/compaction.md: then no call is made and ``max_rounds`` bounds the
+    turn).
     """
     covered = tuple(m for m in messages if m.sequence < human_sequence)
     if not any(m.kind is not MessageKind.COMPACTION for m in covered):

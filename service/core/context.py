@@ -1,5 +1,6 @@
 """What the model sees: the system prompt, the system-side context, and the conversation
-(seed: Instructions; SPEC sections 4 to 6; decisions 0012 and 0172). Pure functions.
+(docs/spec/turn-loop.md, docs/spec/authority.md and docs/spec/compaction.md;
+decisions 0012 and 0172). Pure functions.
 
 After a compaction the model gets, after the fixed system prompt, one delimited block of
 data: the summary of the earlier conversation (written from the conversation, tool
@@ -32,7 +33,7 @@ _MAX_TITLE_CHARS = 160
 
 
 def build_system_prompt(project: ProjectInfo, skill: SkillDocument | None) -> str:
-    """The system prompt (seed: Instructions): the built-in instructions, the project
+    """The system prompt (docs/spec/turn-loop.md): the built-in instructions, the project
     and organization, and the planner skill's SKILL.md when the project uses one."""
     parts = [
         prompts.instructions(),
@@ -84,8 +85,8 @@ class PendingChangesets:
 
 
 def context_block(summary: str, pending: PendingChangesets | None) -> str:
-    """The system-side context after a compaction (SPEC 6; decision 0172): the summary
-    and the pending changesets, each delimited; "" when there is no summary."""
+    """The system-side context after a compaction (docs/spec/compaction.md; decision 0172): the
+    summary and the pending changesets, each delimited; "" when there is no summary."""
     if not summary:
         return ""
     parts = [

@@ -1,5 +1,4 @@
-"""The conversation the model sees, kept between model calls (issue 15: a turn's cost
-must not grow with the session's earlier turns).
+"""The conversation the model sees, kept between model calls.
 
 ``context.to_model_messages`` converts a session's messages after the summary into the
 model's messages: O(n) in the messages, on both model calls of every round. Without a
@@ -7,7 +6,8 @@ compaction (a model that reports small usage, or a large ``compact_at_tokens``) 
 session of 1,000 turns made every model call convert about 5,000 messages again.
 
 The messages of turns that have ended never change: only the running turn adds messages
-(one running turn per session, SPEC 3), and its first message is the human's. So
+(one running turn per session, docs/spec/api-and-streams.md), and its first message is the human's.
+So
 ``Conversations`` keeps, per session, the converted messages of everything before the
 running turn's human message, and converts only the running turn's messages on each
 call. The kept part is valid while the messages before the running turn are the same:

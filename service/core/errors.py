@@ -6,9 +6,9 @@ Three families (after Pydantic AI's split):
   ``service/transport/errors.py`` maps each class to one gRPC code with one ``ErrorInfo``
   (domain ``planner.ballet``); nothing else chooses status codes.
 - ``ToolFailure``: a tool call that failed; it becomes an error result for the model and
-  the conversation goes on (seed: Authority, "A failing tool call ...").
+  the conversation goes on (docs/spec/authority.md, "A failing tool call ...").
 - ``ModelFailure``: a model call that failed after the gateway's retries; it ends the turn
-  ``FAILED`` with its reason (SPEC section 5, Deadlines).
+  ``FAILED`` with its reason (docs/spec/turn-loop.md, Deadlines).
 
 The store raises ``StoreUnavailable`` (a ``PlannerError``: ``DATABASE_UNAVAILABLE``, the
 same status wherever it surfaces) and ``StoreConflict`` (a conditional write lost; the
@@ -137,7 +137,7 @@ class ModelFailure(Exception):
 
     Reasons: ``MODEL_UNAVAILABLE``, ``QUOTA_EXCEEDED``, ``CREDENTIAL_EXPIRED``,
     ``MODEL_TIMEOUT``, ``MODEL_ERROR``. ``retryable`` marks ``UNAVAILABLE`` and
-    ``RATE_LIMITED`` refusals (SPEC section 5, Retries), with ``retry_after_s`` from a
+    ``RATE_LIMITED`` refusals (docs/spec/turn-loop.md, Retries), with ``retry_after_s`` from a
     ``RetryInfo`` when the gateway sent one.
     """
 

@@ -1,6 +1,6 @@
 """The calibrated token estimator: how many tokens a text costs the model, without its
-tokenizer (seed: Context compaction, "about four characters per token when no usage is
-known"; SPEC section 6, "calibrated by script"; decision 0171).
+tokenizer (docs/spec/compaction.md, "about four characters per token when no usage is
+known"; docs/spec/compaction.md, "calibrated by script"; decision 0171).
 
 UTF-8 bytes / 4 is 18% over a cl100k count on English prose and 27-35% under on Chinese,
 Japanese and Korean. The estimator counts by script class instead, each with its own

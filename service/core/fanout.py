@@ -1,4 +1,4 @@
-"""In-process fan-out of session events to attached Chat streams (SPEC section 3).
+"""In-process fan-out of session events to attached Chat streams (docs/spec/api-and-streams.md).
 
 One ``Hub`` per process. The turn runner publishes events here after their commit; the
 cross-replica notifier calls ``on_remote_events`` when another replica committed some,
@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from service.core.errors import NotFound, PlannerError, ResourceExhausted
-from service.core.model import EventKind, SessionEvent, TextDelta, ToolCallProgress
+from service.core.model import EventKind, Session, SessionEvent, TextDelta, ToolCallProgress
 from service.core.outbound import CLIENT_MESSAGE_MAX_BYTES, delta_for_client, event_for_client
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,47 @@ class StreamEnd:
     error: PlannerError | None
 
 
+@dataclass(frozen=True)
+class SessionOpened:
+    """The reply to ``open``: the stream is attached to ``session``."""
+
+    session: Session
+    request_id: str
+
+
+@dataclass(frozen=True)
+class ErrorReply:
+    """A client message was refused; the stream goes on. ``error`` is mapped to its
+    status by the transport's one error table."""
+
+    error: Exception
+    request_id: str
+    session_id: str
+
+
+@dataclass(frozen=True)
+class AcceptedAgain:
+    """A duplicate ``send_message``: the original ``message_accepted`` again, for the
+    sending stream alone, echoing its ``request_id`` (AIP-155)."""
+
+    event: SessionEvent
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """Sent on a stream that had nothing to send for ``heartbeat_s``: data on an idle
+    stream, so proxies with an idle timeout keep it open (clients ignore it)."""
+
+
+HEARTBEAT = Heartbeat()
+
+#: What goes only to the stream whose client message it answers (``sequence`` 0).
+Reply = SessionOpened | ErrorReply | AcceptedAgain
+#: Everything a stream's queue hands out, in the order the stream sends it.
+Outbound = SessionEvent | TextDelta | ToolCallProgress | Reply | Heartbeat | StreamEnd
+
+
 @dataclass(eq=False, slots=True)
 class _Batch:
     """Items queued by one publish (or one reply, delta or progress), and their bytes."""
@@ -73,10 +114,11 @@ class _Batch:
 class StreamQueue:
     """The bounded outbound queue of one Chat stream attached to one session.
 
-    Items are ``SessionEvent`` (in sequence order), ``TextDelta``, ``StreamEnd`` and
-    replies (any other object, passed through). ``last_sequence`` is the newest session
-    event accepted into the queue; ``delivered_sequence`` the newest one taken out by
-    ``get`` (the stream has it, or is sending it), which an overflow reports.
+    Items are the ``Outbound`` values: ``SessionEvent`` (in sequence order),
+    ``TextDelta``, ``ToolCallProgress``, the replies, ``Heartbeat`` and, last,
+    ``StreamEnd``. ``last_sequence`` is the newest session event accepted into the
+    queue; ``delivered_sequence`` the newest one taken out by ``get`` (the stream has
+    it, or is sending it), which an overflow reports.
 
     Bounds (decision 0220): at most ``max_events`` items queued, and at most
     ``max_bytes`` bytes queued beyond the oldest batch, the one the stream is delivering.
@@ -84,6 +126,9 @@ class StreamQueue:
     each reply, delta and progress item is one of its own. A batch that arrives at an
     empty queue is taken whatever its size; one that arrives behind others counts, and
     a session event that does not fit ends the stream ``SLOW_CONSUMER``.
+
+    A stream that waits ``heartbeat_s`` seconds (0: never) on an empty queue gets a
+    ``Heartbeat``: one timer while it waits, none while items flow.
     """
 
     session_id: str
@@ -91,7 +136,8 @@ class StreamQueue:
     last_sequence: int
     max_events: int = 1000
     max_bytes: int = 1 << 20
-    _items: deque[tuple[object, int, _Batch]] = field(default_factory=deque)
+    heartbeat_s: float = 0.0
+    _items: deque[tuple[Outbound, int, _Batch]] = field(default_factory=deque)
     _batches: deque[_Batch] = field(default_factory=deque)
     _bytes: int = 0
     _pending: dict[int, SessionEvent] = field(default_factory=dict)
@@ -109,7 +155,7 @@ class StreamQueue:
         """Bytes queued beyond the batch the stream is delivering (the oldest queued)."""
         return self._bytes - self._batches[0].bytes if self._batches else 0
 
-    def put_reply(self, reply: object) -> None:
+    def put_reply(self, reply: Reply) -> None:
         """Queue a reply for this stream only (not counted against the bounds)."""
         if not self.closed:
             self._append(reply, 0, self._new_batch())
@@ -135,7 +181,7 @@ class StreamQueue:
                 return False
         return bool(self._pending)
 
-    def offer_transient(self, item: object) -> None:
+    def offer_transient(self, item: ToolCallProgress) -> None:
         """Accept an item that is neither stored nor replayed (tool-call progress); it is
         dropped when the queue is at its bounds, never ending the stream."""
         if self.closed:
@@ -176,6 +222,10 @@ class StreamQueue:
         if self._fits(size):
             self._append(delta, size, self._new_batch())
 
+    def _beat(self) -> None:
+        if not self.closed and not self._items:
+            self._append(HEARTBEAT, 0, self._new_batch())
+
     def end(self, error: PlannerError | None) -> None:
         """End the stream after what is queued (or at once for an overflow)."""
         if self.closed:
@@ -195,7 +245,7 @@ class StreamQueue:
         self._batches.append(batch)
         return batch
 
-    def _append(self, item: object, size: int, batch: _Batch) -> None:
+    def _append(self, item: Outbound, size: int, batch: _Batch) -> None:
         self._items.append((item, size, batch))
         batch.items += 1
         batch.bytes += size
@@ -225,11 +275,22 @@ class StreamQueue:
         self._append(event, size, batch)
         return batch
 
-    async def get(self) -> object:
-        """Wait for and return the next item."""
-        while not self._items:
-            self._ready.clear()
-            await self._ready.wait()
+    async def get(self) -> Outbound:
+        """Wait for and return the next item (a ``Heartbeat`` after ``heartbeat_s`` of
+        waiting)."""
+        if not self._items:
+            timer = (
+                asyncio.get_running_loop().call_later(self.heartbeat_s, self._beat)
+                if self.heartbeat_s > 0
+                else None
+            )
+            try:
+                while not self._items:
+                    self._ready.clear()
+                    await self._ready.wait()
+            finally:
+                if timer is not None:
+                    timer.cancel()
         item, size, batch = self._items.popleft()
         batch.items -= 1
         batch.bytes -= size
@@ -270,8 +331,12 @@ class Hub:
         max_events: int = 1000,
         max_bytes: int = 1 << 20,
         client_message_max_bytes: int = CLIENT_MESSAGE_MAX_BYTES,
+        heartbeat_s: float = 0.0,
     ) -> None:
+        """``heartbeat_s``: idle seconds after which a stream gets a ``Heartbeat`` (0:
+        never)."""
         self._read = read_events
+        self._heartbeat_s = heartbeat_s
         self._max_events = max_events
         self._max_bytes = max_bytes
         self._client_max = client_message_max_bytes
@@ -282,6 +347,10 @@ class Hub:
         self._answers: dict[str, tuple[TextDelta, list[str]]] = {}
         self._filling: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        # Set by ``close_idle`` (shutdown): a stream ends with it once its session's turn
+        # has ended and everything before the end is queued.
+        self._closing: PlannerError | None = None
+        self._shutting_down = False
 
     # ----------------------------------------------------------------- streams
 
@@ -296,6 +365,7 @@ class Hub:
             after_sequence,
             max_events=self._max_events,
             max_bytes=self._max_bytes,
+            heartbeat_s=self._heartbeat_s,
         )
         self._queues.setdefault(session_id, set()).add(queue)
         self._streams.add(queue)
@@ -309,7 +379,14 @@ class Hub:
 
     def new_queue(self, human_id: str) -> StreamQueue:
         """A queue for a stream not yet attached to any session (replies only)."""
-        queue = StreamQueue("", human_id, 0, max_events=self._max_events, max_bytes=self._max_bytes)
+        queue = StreamQueue(
+            "",
+            human_id,
+            0,
+            max_events=self._max_events,
+            max_bytes=self._max_bytes,
+            heartbeat_s=self._heartbeat_s,
+        )
         self._streams.add(queue)
         return queue
 
@@ -327,11 +404,12 @@ class Hub:
         """Queue the stored events after the queue's position: up to ``until_sequence``
         (the last sequence when the caller read the session) and on to the newest, since
         events committed between that read and ``bind`` were published before the queue
-        was attached and would be missed (SPEC 3: ``after_sequence`` replays them).
+        was attached and would be missed (docs/spec/api-and-streams.md: ``after_sequence`` replays
+        them).
 
         Each event waits for room in the queue (the stream taking what is queued), so a
         replay within ``max_replay_events`` never overflows a stream that reads. Then, if
-        an answer is streaming, one text delta with the text so far (SPEC 3).
+        an answer is streaming, one text delta with the text so far (docs/spec/api-and-streams.md).
         """
         while not queue.closed:
             wanted = until_sequence - queue.last_sequence
@@ -353,8 +431,12 @@ class Hub:
             queue.offer_delta(delta_for_client(so_far, self._client_max))
 
     def stream_count(self, human_id: str | None = None) -> int:
-        """Open streams in this process, of one human when given."""
-        return sum(1 for q in self._streams if human_id is None or q.human_id == human_id)
+        """Streams attached to a session in this process, of one human when given."""
+        return sum(
+            1
+            for q in self._streams
+            if q.session_id and (human_id is None or q.human_id == human_id)
+        )
 
     # --------------------------------------------------------------- publishing
 
@@ -379,9 +461,14 @@ class Hub:
                     event_for_client(event, self._client_max)
                 )
         for session_id, batch in sessions.items():
+            ended = self._shutting_down and any(e.kind is EventKind.TURN_ENDED for e in batch)
             for queue in tuple(queues.get(session_id, ())):
                 if queue.offer_batch(batch):
                     self._schedule_fill(session_id)
+                if ended and not queue.has_gap:
+                    # Shutting down: the session's turn has ended and its stream has
+                    # everything up to the end; it closes now, not with the last turn.
+                    queue.end(self._closing)
 
     def publish_delta(self, delta: TextDelta) -> None:
         """Deliver a text delta to this process's streams of the session."""
@@ -434,8 +521,11 @@ class Hub:
             queue.end(error)
 
     def close_idle(self, error: PlannerError | None, busy: Collection[str]) -> None:
-        """End every stream but those attached to a session in ``busy`` (shutdown: the
-        streams of a session whose turn still runs here wait for its end)."""
+        """Shutdown: end every stream but those attached to a session in ``busy`` (whose
+        turn still runs here) now, and each of those as soon as its session's turn ends
+        (its ``turn_ended`` queued, nothing missing before it). ``close_all`` ends what
+        is left."""
+        self._closing, self._shutting_down = error, True
         for queue in tuple(self._streams):
             if queue.session_id not in busy:
                 queue.end(error)

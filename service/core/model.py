@@ -1,6 +1,6 @@
 """The planner's domain types: sessions, messages, turns, session events and usage.
 
-No I/O and no grpc, protobuf or SQLAlchemy here (STYLE rule 1). Values are frozen
+No I/O and no grpc, protobuf or SQLAlchemy here (docs/contributing.md). Values are frozen
 dataclasses; the store and the transport translate them at their edges.
 """
 
@@ -17,7 +17,7 @@ _T = TypeVar("_T")
 
 
 class MessageKind(StrEnum):
-    """The kind of a transcript message (SPEC section 3, "The transcript")."""
+    """The kind of a transcript message (docs/spec/api-and-streams.md, "The transcript")."""
 
     HUMAN = "human"
     ASSISTANT = "assistant"
@@ -34,7 +34,8 @@ class TurnState(StrEnum):
 
 
 class TurnEndReason(StrEnum):
-    """Why a turn ended (seed: Limits; SPEC section 3, ``TurnEndReason``)."""
+    """Why a turn ended (docs/spec/turn-loop.md and docs/spec/api-and-streams.md,
+    ``TurnEndReason``)."""
 
     COMPLETED = "completed"
     MAX_ROUNDS = "max_rounds"
@@ -44,7 +45,8 @@ class TurnEndReason(StrEnum):
 
 
 class EventKind(StrEnum):
-    """The kinds of stored session event (SPEC section 3, "Two kinds of server event")."""
+    """The kinds of stored session event (docs/spec/api-and-streams.md, "Two kinds of server
+    event")."""
 
     MESSAGE_ACCEPTED = "message_accepted"
     TURN_STARTED = "turn_started"
@@ -93,7 +95,7 @@ class Session:
 
     ``summary``/``summary_up_to`` hold the latest compaction (empty/0 when none);
     ``last_sequence`` is the per-session event counter; ``context`` is the running
-    context estimate (SPEC section 6). ``create_request_id`` is the AIP-155 key of the
+    context estimate (docs/spec/compaction.md). ``create_request_id`` is the AIP-155 key of the
     ``CreateSession`` that made it.
     """
 
@@ -114,8 +116,8 @@ class Session:
 
 @dataclass(frozen=True)
 class ContextEstimate:
-    """The running context estimate of a session, in tokens (seed: Context compaction;
-    SPEC 6; decision 0171).
+    """The running context estimate of a session, in tokens (docs/spec/compaction.md; decision
+    0171).
 
     ``base_tokens`` is the usage (input + output) reported for the latest turn-purpose
     answer: everything that request sent and the answer, the system prompt and tool
@@ -133,7 +135,7 @@ class ContextEstimate:
 
 @dataclass(frozen=True)
 class Message:
-    """One transcript message (SPEC section 3, "The transcript and sessions").
+    """One transcript message (docs/spec/api-and-streams.md, "The transcript and sessions").
 
     ``sequence`` is the sequence of the session event that stored it. Tool calls carry
     ``tool_call_id`` (the planner's own id for the call, unique in the session: results
@@ -232,7 +234,7 @@ class KnowledgeWrittenData:
 
 @dataclass(frozen=True)
 class CompactedData:
-    """Payload of ``compacted`` (the seed's ``planner.compacted`` event)."""
+    """Payload of ``compacted`` (the ``planner.compacted`` event of docs/spec/compaction.md)."""
 
     up_to: int
     estimated_tokens: int
@@ -245,11 +247,13 @@ EventData: TypeAlias = (
 
 @dataclass(frozen=True)
 class SessionEvent:
-    """A stored session event (SPEC section 3).
+    """A stored session event (docs/spec/api-and-streams.md).
 
     ``sequence`` is 0 until the store assigns it (per session, from 1, no gaps, in the
     transaction that stores the event). Message events carry their ``message``; the
-    others carry ``data``.
+    others carry ``data``. ``request_id`` is the client's request id of a
+    ``message_accepted`` as this process published it live (never stored, never read
+    back): the sending stream's copy of the event echoes it.
     """
 
     session_id: str
@@ -259,6 +263,7 @@ class SessionEvent:
     sequence: int = 0
     message: Message | None = None
     data: EventData | None = None
+    request_id: str = field(default="", compare=False)
 
     def with_sequence(self, sequence: int) -> SessionEvent:
         """Return a copy numbered ``sequence``, its message numbered the same."""
@@ -280,7 +285,8 @@ def _copied(value: _T, **changes: object) -> _T:
 
 @dataclass(frozen=True)
 class TextDelta:
-    """A piece of an answer as it streams: not stored, never replayed (SPEC 3).
+    """A piece of an answer as it streams: not stored, never replayed
+    (docs/spec/api-and-streams.md).
 
     ``offset`` is the piece's offset in the answer text, in characters; ``message_id``
     the id the assistant message will have.
@@ -308,7 +314,8 @@ class ToolCallProgress:
 
 @dataclass(frozen=True)
 class Turn:
-    """One turn (SPEC section 3, ``GetTurn``; section 5, ownership and recovery).
+    """One turn (docs/spec/api-and-streams.md, ``GetTurn``; docs/spec/turn-loop.md, ownership across
+    replicas).
 
     ``owner``/``lease_expires_at`` name the replica running it and until when its lease
     holds; ``cancel_requested`` is set by a cancel from any replica.

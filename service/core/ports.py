@@ -1,4 +1,4 @@
-"""The core's ports: what the turn loop needs from the world, as Protocols (STYLE rule 3).
+"""The core's ports: what the turn loop needs from the world, as Protocols (docs/contributing.md).
 
 ``service/adapters/`` implements them (SQL storage, the gateway and backend clients, the
 cross-replica notifier); tests use in-memory fakes or the real adapters on the devstack.
@@ -50,7 +50,7 @@ class NewSession:
 
 @dataclass(frozen=True)
 class SessionCursor:
-    """Where a page of sessions ends: newest first, ties by id (SPEC section 3)."""
+    """Where a page of sessions ends: newest first, ties by id (docs/spec/api-and-streams.md)."""
 
     create_time: datetime
     session_id: str
@@ -69,7 +69,7 @@ class SessionQuery:
 
 @dataclass(frozen=True)
 class RunningLimits:
-    """Running turns allowed at once, across replicas (SPEC section 8)."""
+    """Running turns allowed at once, across replicas (docs/spec/limits.md)."""
 
     per_human: int = 4
     per_project: int = 20
@@ -147,7 +147,7 @@ class SummaryUpdate:
 
 @dataclass(frozen=True)
 class TurnCommit:
-    """One transaction of a running turn (SPEC section 5; at most 4 per one-round turn).
+    """One transaction of a running turn (docs/spec/turn-loop.md; at most 4 per one-round turn).
 
     The store numbers ``events`` from the session counter, inserts them and their
     messages, applies ``turn_patch``, sets ``summary`` and ``context`` on the session, and
@@ -182,14 +182,15 @@ class LeaseStatus:
 @dataclass(frozen=True)
 class ContextSnapshot:
     """What the model will see: the session (summary, estimate) and the messages after
-    the summary's ``up_to``, in sequence order (SPEC section 6)."""
+    the summary's ``up_to``, in sequence order (docs/spec/compaction.md)."""
 
     session: Session
     messages: Sequence[Message]
 
 
 class SessionStore(Protocol):
-    """Sessions, transcripts, turns and events (SPEC sections 3, 5, 8).
+    """Sessions, transcripts, turns and events (docs/spec/api-and-streams.md, docs/spec/turn-loop.md
+    and docs/spec/storage.md).
 
     Every method is one unit of work. Failures to reach the database raise
     ``StoreUnavailable``; domain refusals raise ``PlannerError`` subclasses with the
@@ -287,7 +288,7 @@ class SessionStore(Protocol):
 
 @dataclass(frozen=True)
 class OpenStream:
-    """One open Chat stream as the cross-replica count sees it (SPEC section 8)."""
+    """One open Chat stream as the cross-replica count sees it (docs/spec/limits.md)."""
 
     stream_id: str
     human_id: str
@@ -296,10 +297,10 @@ class OpenStream:
 
 
 class StreamStore(Protocol):
-    """The open Chat streams of every replica, counted per human across replicas (SPEC
-    section 8: at most 16 per human), as rows rather than connections: an idle stream
-    costs a row, never a database connection (docs/decisions/0080-cross-replica-stream-
-    count.md). A replica's rows count only while its heartbeat lease holds."""
+    """The open Chat streams of every replica, counted per human across replicas
+    (docs/spec/limits.md: at most 16 per human), as rows rather than connections: an idle stream
+    costs a row, never a database connection (docs/decisions/0080-cross-replica-stream- count.md). A
+    replica's rows count only while its heartbeat lease holds."""
 
     async def heartbeat(self, replica_id: str, lease_expires_at: datetime) -> bool:
         """Extend ``replica_id``'s lease, creating its row when missing; False when the
@@ -429,7 +430,7 @@ class ModelDeadlines:
 @dataclass(frozen=True)
 class ModelRequest:
     """One model call through the gateway, metered to ``project_id`` with the
-    project's ``credential_ref`` (seed: Limits; SPEC section 5 step 4)."""
+    project's ``credential_ref`` (docs/spec/turn-loop.md step 4)."""
 
     project_id: str
     credential_ref: str
@@ -507,7 +508,7 @@ class ModelGateway(Protocol):
     """The LLM gateway (``ballet.llm.v1``).
 
     ``stream`` yields chunks and ends after a ``FinishChunk``. It raises ``ModelFailure``
-    after its own bounded retries (only before the first delta; SPEC section 5).
+    after its own bounded retries (only before the first delta; docs/spec/turn-loop.md).
     """
 
     def stream(self, request: ModelRequest) -> AsyncIterator[ModelChunk]: ...
@@ -519,15 +520,15 @@ class ModelGateway(Protocol):
 class ToolBackends(Protocol):
     """The tracker, skills and knowledge backends, acting for a human: one method per RPC
     the tools and the system prompt use, in the types of ``service/core/backend_types.py``.
-    Every call acts as ``acting`` (seed: Authority; SPEC section 4) within ``timeout_s``
-    seconds (SPEC section 5, Deadlines).
+    Every call acts as ``acting`` (docs/spec/authority.md) within
+    ``timeout_s`` seconds (docs/spec/turn-loop.md, Deadlines).
 
     ``get_project`` (the project, its ``planner.*`` settings and the human's permissions)
-    and ``read_skill`` (SKILL.md in the version the project resolves; seed: Instructions)
+    and ``read_skill`` (SKILL.md in the version the project resolves; docs/spec/turn-loop.md)
     serve the system prompt and raise ``PlannerError``s: ``NotFound``
     (``PROJECT_NOT_FOUND``/``SKILL_NOT_FOUND``: unknown or not readable, so existence does
     not leak), ``Unauthenticated`` (its reason, e.g. ``TOKEN_EXPIRED``, kept) and
-    ``Unavailable`` (``DEPENDENCY_UNAVAILABLE``; SPEC section 5 step 2).
+    ``Unavailable`` (``DEPENDENCY_UNAVAILABLE``; docs/spec/turn-loop.md step 2).
 
     The tools' methods raise ``ToolFailure`` with the reason the model sees:
     ``PERMISSION_DENIED``, ``NOT_FOUND``, ``INVALID_ARGUMENTS`` (the backend's explanation,

@@ -1,10 +1,10 @@
 """Session rules: who may see and change which session, pagination, project checks.
 
-The unary session RPCs (SPEC section 3) and the Chat ``open`` call these; the transport
-converts requests and results, nothing more. No grpc, protobuf or SQLAlchemy here
-(STYLE rule 1).
+The unary session RPCs (docs/spec/api-and-streams.md) and the Chat ``open`` call these; the
+transport converts requests and results, nothing more. No grpc, protobuf or SQLAlchemy here
+(docs/contributing.md).
 
-Authority (seed: Authority; SPEC section 4):
+Authority (docs/spec/authority.md):
 
 - A session belongs to one project and to the human who created it. Only that human may
   chat in it or change it (``SendMessage``, ``CancelTurn``, ``UpdateSession``,
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -55,9 +56,10 @@ from service.core.ports import (
     ToolBackends,
 )
 
-#: The scope that lets a service principal read sessions of its organization (SPEC 4).
+#: The scope that lets a service principal read sessions of its organization
+#: (docs/spec/authority.md).
 READ_SCOPE = "planner.sessions.read"
-#: AIP-155 request ids are at most 64 characters (SPEC section 3).
+#: AIP-155 request ids are at most 64 characters (docs/spec/api-and-streams.md).
 REQUEST_ID_MAX_CHARS = 64
 TITLE_MAX_CHARS = 256
 #: ListSessions: 0 means 50; at most 100 (proto ``ListSessionsRequest.page_size``).
@@ -83,12 +85,13 @@ _TIME_MAX_CHARS = 64
 
 @dataclass(frozen=True)
 class Caller:
-    """The verified caller of an RPC (SPEC section 4).
+    """The verified caller of an RPC (docs/spec/authority.md).
 
     ``subject`` is the human id, or a service's name for a service principal;
     ``service`` is True only for a token of the service-token issuer (proven by its
     keys, docs/decisions/0150-service-principals.md), and only then do ``scopes`` count;
-    ``token`` is the raw bearer token, forwarded when acting for the human.
+    ``token`` is the raw bearer token, forwarded when acting for the human;
+    ``expires_at`` its ``exp`` in seconds since the epoch (open streams check it).
     """
 
     subject: str
@@ -96,6 +99,12 @@ class Caller:
     service: bool = False
     scopes: frozenset[str] = frozenset()
     token: str = field(default="", repr=False)
+    expires_at: float = math.inf
+
+    def expired(self, now: float) -> bool:
+        """True once the token's ``exp`` has passed at ``now`` (seconds since the epoch;
+        no leeway)."""
+        return now >= self.expires_at
 
     @property
     def is_service(self) -> bool:
@@ -180,7 +189,8 @@ def estimated_message_bytes(message: Message) -> int:
 
 
 class ProjectAccess:
-    """Whether a human may read a project, asked of the tracker as that human (SPEC 4).
+    """Whether a human may read a project, asked of the tracker as that human
+    (docs/spec/authority.md).
 
     Positive answers are reused for ``cache_s`` seconds (at most 60) per (human,
     project); refusals are never cached, so a new permission works at once. At most
@@ -380,7 +390,7 @@ class SessionRules:
 
     async def recheck_project(self, caller: Caller, session: Session) -> ProjectInfo | None:
         """Re-check that a human caller may still read the session's project (cached at
-        most 60 s; SPEC 4), for a session already read with ``owned_session`` or
+        most 60 s; docs/spec/authority.md), for a session already read with ``owned_session`` or
         ``readable_session``. Service principals are not re-checked: None. Raises
         ``NotFound``/``PROJECT_NOT_FOUND``."""
         if caller.is_service:
@@ -429,7 +439,7 @@ class SessionRules:
     async def list_sessions(
         self, caller: Caller, *, project_id: str, page_size: int, page_token: str
     ) -> SessionPage:
-        """``ListSessions`` of one project, newest first, ties by id (SPEC 3).
+        """``ListSessions`` of one project, newest first, ties by id (docs/spec/api-and-streams.md).
 
         A human sees their own sessions, while they may still read the project
         (re-checked, cached); a service principal with the read scope sees every session
@@ -452,7 +462,7 @@ class SessionRules:
             position = self._pages.decode(page_token, "sessions", query)
             after = _cursor_of(position)
         if not caller.is_service:
-            # Even their own sessions: their summaries quote the project (SPEC 4).
+            # Even their own sessions: their summaries quote the project (docs/spec/authority.md).
             await self._projects.check(caller, project_id)
         sessions, cursor = await self._store.list_sessions(
             SessionQuery(
@@ -482,9 +492,9 @@ class SessionRules:
 
     async def delete_session(self, caller: Caller, session_id: str) -> None:
         """``DeleteSession`` by the owner: cancel a running turn, then remove the session
-        with its messages, events, turns and idempotency keys in one transaction (SPEC 3).
-        What the planner wrote to the project stays. Raises ``NotFound``
-        (``SESSION_NOT_FOUND``, ``PROJECT_NOT_FOUND``), ``PermissionDenied``/
+        with its messages, events, turns and idempotency keys in one transaction
+        (docs/spec/api-and-streams.md). What the planner wrote to the project stays. Raises
+        ``NotFound`` (``SESSION_NOT_FOUND``, ``PROJECT_NOT_FOUND``), ``PermissionDenied``/
         ``HUMAN_REQUIRED``."""
         session = await self.owned_session(caller, session_id)
         if session.running_turn_id:

@@ -1,4 +1,4 @@
-"""Open Chat streams per human, counted across replicas (SPEC section 8: at most 16).
+"""Open Chat streams per human, counted across replicas (docs/spec/limits.md: at most 16).
 
 ``StreamRegistry`` is the replica's side of the count (docs/decisions/0080-cross-replica-
 stream-count.md). Each open stream is one row in the ``StreamStore`` (stream id, human,
@@ -7,7 +7,7 @@ and the insert run in one transaction serialized per human, so two replicas open
 human's seventeenth stream at once cannot both succeed. An idle stream holds a row, not
 a database connection, timer or poll.
 
-Taking and giving back a slot is cancellation-safe by construction (issue 12; decision
+Taking and giving back a slot is cancellation-safe by construction (decision
 0182): ``open`` returns a ``StreamSlot`` at once and admits it in a task this registry
 owns; ``StreamSlot.release`` is synchronous and idempotent, so the Chat RPC ties it to
 the call's end (its done callback), and a slot released while its admission is in
@@ -294,8 +294,8 @@ class StreamSlot:
     async def admitted(self) -> None:
         """Wait for the admission. Raises ``ResourceExhausted``/``TOO_MANY_STREAMS``
         (with ``retry_after_s``) when the human already has ``per_human`` streams open on
-        live replicas (SPEC 8), ``Unavailable`` (``DATABASE_UNAVAILABLE`` when the count
-        cannot be read, ``SHUTTING_DOWN``). A caller cancelled here leaves the admission
+        live replicas (docs/spec/limits.md), ``Unavailable`` (``DATABASE_UNAVAILABLE`` when the
+        count cannot be read, ``SHUTTING_DOWN``). A caller cancelled here leaves the admission
         to finish; ``release`` then deletes what it stored."""
         if not await asyncio.shield(self._admission):
             registry = self._registry

@@ -1,6 +1,6 @@
-"""Whether a compaction answer may become the session's summary (SPEC 6: "a summary is
-accepted only if its call finished normally ... and the text is not a refusal, an error
-or implausibly short"; issue 13; decision 0170).
+"""Whether a compaction answer may become the session's summary (docs/spec/compaction.md: "a summary
+is accepted only if its call finished normally ... and the text is not a refusal, an error
+or implausibly short"; decision 0170).
 
 A summary replaces the conversation it covers in the model's context for good, so a bad
 one loses the session's history: a refusal ("I'm sorry, but I can't help with that
@@ -28,7 +28,7 @@ for thousands of tokens. ``check_summary`` rejects, in this order:
    bare heading standing for a long history is rejected.
 
 A rejection's ``reason`` is a bounded label for the failure counter; nothing here logs or
-returns the text itself (SPEC section 8).
+returns the text itself (docs/spec/operations.md).
 """
 
 from __future__ import annotations

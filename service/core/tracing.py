@@ -1,11 +1,11 @@
 """The core's tracing port: spans of turns, rounds, model calls, tool calls and store
-units of work, without OpenTelemetry (STYLE rule 1; issue 16; decision 0190).
+units of work, without OpenTelemetry (docs/contributing.md; decision 0190).
 
 ``Tracer`` is what the turn loop and the store see; ``service.adapters.tracing`` puts it
 on OpenTelemetry, and ``NULL_TRACER`` (the default everywhere) does nothing, so a planner
 that traces nothing pays an attribute lookup and an empty ``with`` per span.
 
-What a span may carry (SPEC section 8; decision 0190): names from the fixed set below, a
+What a span may carry (docs/spec/storage.md; decision 0190): names from the fixed set below, a
 tool's name only when it is one of the twelve, counts, reasons (stable UPPER_SNAKE
 codes, never messages), the configured model, and of the ids only the session's and the
 turn's (and the planner's own tool-call ids). Never text of any kind: no human or
@@ -26,7 +26,7 @@ Attributes = Mapping[str, AttributeValue]
 
 # Span names: a fixed set, whatever the data (names are indexed; content never is).
 TURN_SPAN = "planner.turn"
-#: A model answer with tool calls and the running of its calls (SPEC 5, step 6), with
+#: A model answer with tool calls and the running of its calls (docs/spec/turn-loop.md step 6), with
 #: the compaction check before it.
 ROUND_SPAN = "planner.round"
 #: The turn's last model call when it made no round: the answer, a failure or a stop.

@@ -1,12 +1,12 @@
-"""The planner's own service credentials: one per dependency audience (SPEC section 4).
+"""The planner's own service credentials: one per dependency audience (docs/spec/authority.md).
 
 Every call to a dependency carries ``x-ballet-service-authorization: Bearer <token>``, so
 that a backend honours ``x-ballet-actor: planner:<session>`` only from the planner, and
 the LLM gateway serves only the planner. Each dependency gets a credential for its own
 audience alone (tracker ``ballet-tracker``, skills ``ballet-skills``, knowledge
 ``ballet-knowledge``, gateway ``ballet-llm-gateway``): a dependency that logs or leaks
-what it receives cannot replay it to another (issue 14;
-docs/decisions/0153-one-credential-per-audience.md, which also gives the rotation path).
+what it receives cannot replay it to another (docs/decisions/0153-one-credential-per-audience.md,
+which also gives the rotation path).
 
 - Production: ``dependencies.<name>.service_token_file``, a file an operator or the
   platform rotates; it is re-read when its modification time changes, and a token whose

@@ -2,7 +2,7 @@
 and the keys of its page tokens. Built once at start-up by the composition root.
 
 - ``token_verifier``: Core's human issuer and the service-token issuer, each with its own
-  ``iss`` values and keys (SPEC section 4; docs/decisions/0150-service-principals.md).
+  ``iss`` values and keys (docs/spec/authority.md and docs/decisions/0150-service-principals.md).
 - ``service_credentials``: one credential per dependency audience (``service.server.credentials``;
   docs/decisions/0153-one-credential-per-audience.md).
 - ``page_token_keys``: the HMAC keys of page tokens (``service.server.page_keys``;

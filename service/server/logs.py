@@ -1,4 +1,4 @@
-"""Structured logs (SPEC section 8): JSON lines or key=value text on stderr.
+"""Structured logs (docs/spec/operations.md): JSON lines or key=value text on stderr.
 
 Context fields ride on the standard ``logging`` calls, either per call
 (``log.info("turn ended", extra={"session": s, "turn": t})``) or for a whole task with

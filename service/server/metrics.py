@@ -1,4 +1,4 @@
-"""Every Prometheus metric of the planner, in one place (SPEC section 8).
+"""Every Prometheus metric of the planner, in one place (docs/spec/operations.md).
 
 ``Metrics`` owns its own ``CollectorRegistry`` (nothing is registered globally, so tests
 and several planners in one process never collide); the composition root makes one and
@@ -63,7 +63,7 @@ class Metrics:
 
     Counters (``_total`` is added by prometheus_client):
 
-    - ``ballet_planner_compactions_total``: compactions stored (seed: Context compaction);
+    - ``ballet_planner_compactions_total``: compactions stored (docs/spec/compaction.md);
       ``ballet_planner_compaction_failures_total{reason}``: failed ones (logged, nothing
       stored but the turn's compaction usage), by ``service.core.summaries`` reason.
     - ``ballet_planner_turns_total{reason}``: turns ended, by ``TurnEndReason`` value
@@ -135,7 +135,7 @@ class Metrics:
         self.build_info.info({"version": version(), "python": platform.python_version()})
         self.compactions = Counter(
             "ballet_planner_compactions",
-            "Context compactions stored (seed: Context compaction).",
+            "Context compactions stored.",
             registry=registry,
         )
         self.compaction_failures = Counter(
@@ -382,7 +382,7 @@ class PurgeRunMetrics:
         )
 
 
-def _code_name(context: Any, default: grpc.StatusCode) -> str:
+def _code_name(context: grpc.aio.ServicerContext[Any, Any], default: grpc.StatusCode) -> str:
     try:
         code = context.code()
     except Exception:  # the context may be gone with the call; the default stands
@@ -396,7 +396,7 @@ def _code_name(context: Any, default: grpc.StatusCode) -> str:
     return str(default.name)
 
 
-def _reason(context: Any) -> str:
+def _reason(context: grpc.aio.ServicerContext[Any, Any]) -> str:
     """The ErrorInfo reason of the status a handler aborted with (``NONE`` without one)."""
     try:
         failure = from_trailers(context.trailing_metadata())
@@ -405,7 +405,7 @@ def _reason(context: Any) -> str:
     return bounded_reason(failure.reason) if failure is not None and failure.reason else "NONE"
 
 
-class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+class MetricsInterceptor(grpc.aio.ServerInterceptor):
     """Counts and times every RPC: ``grpc_server_started``/``handled``/``handling``, and
     ``grpc_server_errors`` by ErrorInfo reason.
 
@@ -458,7 +458,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             self._metrics.grpc_errors.labels(method, code, reason).inc()
 
     def _unary(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
-        async def wrapper(request: Any, context: Any) -> Any:
+        async def wrapper(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             self._metrics.grpc_started.labels(method).inc()
             started = time.perf_counter()
             code, reason = "UNKNOWN", "NONE"
@@ -483,7 +483,9 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             # A handler that writes with context.write() and returns: time the coroutine.
             return self._unary(method, behavior)
 
-        async def wrapper(request: Any, context: Any) -> AsyncIterator[Any]:
+        async def wrapper(
+            request: Any, context: grpc.aio.ServicerContext[Any, Any]
+        ) -> AsyncIterator[Any]:
             self._metrics.grpc_started.labels(method).inc()
             started = time.perf_counter()
             code, reason = "UNKNOWN", "NONE"

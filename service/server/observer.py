@@ -2,7 +2,7 @@
 
 Kept apart from the core (which only knows the ``TurnObserver`` Protocol) so the loop
 stays free of metric libraries; labels never carry session, turn, human or project ids
-(SPEC section 8).
+(docs/spec/operations.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The composition root: settings in, a running planner out (STYLE rule 1).
+"""The composition root: settings in, a running planner out (docs/contributing.md).
 
 ``start_planner(settings)`` wires everything and starts serving; ``service.server.serving.serve``
 does that, then waits for SIGTERM or SIGINT and shuts down gracefully. Nothing else in
@@ -14,7 +14,7 @@ clients; the session rules; the turn side (``service.server.wiring.build_turns``
 server with PlannerService, health and reflection; the health monitor; the metrics
 endpoint; the retention job, when ``[retention]`` asks for it (``service.server.retention``).
 
-Shutdown (SPEC section 8; decision 0181): health NOT_SERVING first, then the server stops
+Shutdown (docs/spec/operations.md; decision 0181): health NOT_SERVING first, then the server stops
 accepting calls; running turns end within the grace period (or are stopped and closed
 ``INTERRUPTED`` by the turn machinery), then every Chat stream ends
 ``UNAVAILABLE``/``SHUTTING_DOWN``; then the metrics endpoint, channels and the database
@@ -75,7 +75,7 @@ from service.server.wiring import PlannerTurns, Wiring, build_turns
 from service.transport import convert
 from service.transport.auth import Authenticator
 from service.transport.decoding import add_planner_service
-from service.transport.sessions import PlannerServicer
+from service.transport.servicer import PlannerServicer
 from service.version import version
 
 log = logging.getLogger(__name__)
@@ -291,7 +291,7 @@ class PlannerApp:
 
 
 def server_options(settings: Settings) -> list[tuple[str, int]]:
-    """The grpc.aio server options of SPEC section 8: receive limit, keepalive (ping
+    """The grpc.aio server options of docs/spec/operations.md: receive limit, keepalive (ping
     every 60 s, 20 s timeout), client pings allowed every 30 s, no max connection idle,
     HTTP/2 streams per connection."""
     server = settings.server
@@ -375,7 +375,7 @@ async def _open_database(settings: Settings, tracing: Tracing | None) -> Databas
     url = settings.database.url
     try:
         if settings.database.is_sqlite:
-            # Transcripts: 0600 in a 0700 directory whatever the umask (issue 14).
+            # Transcripts: 0600 in a 0700 directory whatever the umask.
             private_directory(settings.data_dir)
             try:
                 prepare_sqlite_file(url)
@@ -549,7 +549,7 @@ async def _start_planner(
         )
         metrics.grpc_max_concurrent_rpcs.set(settings.server.maximum_concurrent_rpcs)
         # Undecodable requests: INVALID_ARGUMENT, not UNKNOWN (service.transport.decoding).
-        add_planner_service(PlannerServicer(rules, authenticator, turns.endpoints), server)
+        add_planner_service(PlannerServicer(rules, authenticator, turns.chat), server)
         health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name

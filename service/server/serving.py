@@ -1,5 +1,5 @@
 """``ballet-planner serve`` as a process: start the planner, serve until SIGTERM or
-SIGINT, then stop within ``server.grace_s`` (SPEC section 8; decision 0181), or at once
+SIGINT, then stop within ``server.grace_s`` (docs/spec/operations.md; decision 0181), or at once
 on a second signal (``ballet_common.signals``; decision 0185).
 """
 
@@ -16,7 +16,7 @@ log = logging.getLogger(__name__)
 
 async def serve(settings: Settings) -> int:
     """Run the planner until SIGTERM or SIGINT, then shut down within
-    ``server.grace_s`` (SPEC section 8; decision 0181). A second signal during the
+    ``server.grace_s`` (docs/spec/operations.md; decision 0181). A second signal during the
     shutdown skips to its end (``ballet_common.signals``; decision 0185). Returns the
     exit code: 0, or ``128 + signum`` when a second signal hurried the stop."""
     app = await start_planner(settings, tracing=planner_tracing(settings))

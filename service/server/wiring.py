@@ -11,6 +11,7 @@ from typing import Any
 from service.adapters.bus import NullNotifier, PgNotifier
 from service.adapters.gateway import GrpcModelGateway
 from service.config import Settings
+from service.core.chat import ChatLimits, ChatService
 from service.core.errors import Unavailable
 from service.core.fanout import Hub
 from service.core.ports import (
@@ -31,8 +32,6 @@ from service.server.credentials import ServiceCredentials
 from service.server.metrics import Metrics
 from service.server.observer import PrometheusTurnObserver
 from service.transport.auth import Authenticator
-from service.transport.chat import ChatLimits, TurnRpcs
-from service.transport.sessions import TurnEndpoints
 
 
 @dataclass(frozen=True)
@@ -49,9 +48,9 @@ class Wiring:
     rules: SessionRules
     clock: Clock
     metrics: Metrics
-    #: Open Chat streams across replicas (SPEC 8); None: this process's count only.
+    #: Open Chat streams across replicas (docs/spec/operations.md); None: this process's count only.
     streams: StreamStore | None = None
-    #: Spans of turns, rounds, model and tool calls (issue 16); NULL_TRACER: off.
+    #: Spans of turns, rounds, model and tool calls; NULL_TRACER: off.
     tracer: Tracer = NULL_TRACER
 
 
@@ -67,8 +66,9 @@ def build_turns(wiring: Wiring) -> PlannerTurns:
         max_events=limits.stream_queue_events,
         max_bytes=limits.stream_queue_bytes,
         client_message_max_bytes=limits.client_message_max_bytes,
+        heartbeat_s=planner.stream_heartbeat_s,
     )
-    # The gateway gets the credential for its audience alone (issue 14).
+    # The gateway gets the credential for its audience alone.
     gateway = GrpcModelGateway(
         wiring.gateway_channel,
         metadata=wiring.service_credentials["gateway"].metadata,
@@ -133,12 +133,12 @@ def build_turns(wiring: Wiring) -> PlannerTurns:
         if wiring.streams is not None
         else None
     )
-    rpcs = TurnRpcs(
+    chat = ChatService(
         rules=wiring.rules,
-        authenticator=wiring.authenticator,
         turns=turns,
         hub=hub,
         store=store,
+        clock=wiring.clock,
         limits=ChatLimits(
             open_timeout_s=limits.open_timeout_s,
             max_replay_events=planner.max_replay_events,
@@ -154,7 +154,7 @@ def build_turns(wiring: Wiring) -> PlannerTurns:
         if url.startswith("postgresql")
         else NullNotifier()
     )
-    return PlannerTurns(turns, hub, notifier, rpcs, registry)
+    return PlannerTurns(turns, hub, notifier, chat, registry)
 
 
 @dataclass
@@ -167,20 +167,16 @@ class PlannerTurns:
     turns: TurnService
     hub: Hub
     notifier: Notifier
-    rpcs: TurnRpcs
+    #: ``Chat``, ``SendMessage`` and ``CancelTurn`` as the servicer calls them.
+    chat: ChatService
     streams: StreamRegistry | None = None
-
-    @property
-    def endpoints(self) -> TurnEndpoints:
-        """``SendMessage``, ``CancelTurn`` and ``Chat``."""
-        return self.rpcs
 
     def sessions_deleted(self, session_ids: Sequence[str]) -> None:
         """Sessions were deleted by this process's retention job: stop their turns here
         and end the streams attached here with ``NOT_FOUND``, as after ``DeleteSession``
         (other replicas hear the store's notification)."""
         for session_id in session_ids:
-            self.rpcs.session_deleted(session_id)
+            self.chat.session_deleted(session_id)
 
     async def start(self) -> None:
         """Start the notifier (other replicas' events and cancels), then the turns."""

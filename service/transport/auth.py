@@ -1,9 +1,9 @@
-"""Who is calling: bearer token verification for every PlannerService call (SPEC 4).
+"""Who is calling: bearer token verification for every PlannerService call (docs/spec/authority.md).
 
 Each PlannerService method calls ``Authenticator.authenticate(context)`` first; the Chat
-servicer calls it once when the stream starts and then checks ``claims.expired()`` on
-every client message. Health checking and reflection are separate services and never
-call it, so they need no token.
+stream authenticates once when it starts, and the core then checks ``Caller.expired``
+on every client message (``service.core.chat``). Health checking and reflection are
+separate services and never call it, so they need no token.
 
 Humans and service principals are told apart by the issuer that signed the token
 (``ballet_common.tokens``; docs/decisions/0150-service-principals.md), never by a claim:
@@ -17,11 +17,10 @@ A failure raises ``service.core.errors.Unauthenticated`` with the reason of the
 
 from __future__ import annotations
 
-from typing import Any
-
 from ballet_common.tokens import Claims, TokenError, TokenVerifier, bearer
 from service.core.errors import Unauthenticated
 from service.core.sessions import Caller
+from service.transport.errors import Context
 
 
 class Authenticator:
@@ -39,10 +38,10 @@ class Authenticator:
         """True when tokens are checked with the dev secret."""
         return self._verifier.dev_mode
 
-    def authenticate(self, context: Any) -> Claims:
+    def authenticate(self, context: Context) -> Claims:
         """Verify the call's bearer token and return its claims.
 
-        ``context`` is the call's ``grpc.aio.ServicerContext``. Raises ``Unauthenticated``
+        Raises ``Unauthenticated``
         with reason ``TOKEN_MISSING`` (no or empty header, or a scheme other than
         ``Bearer``), ``TOKEN_EXPIRED``, ``TOKEN_INVALID`` (malformed, forged, unknown key
         or issuer, no organization), ``WRONG_AUDIENCE`` or ``SCOPE_NOT_ALLOWED`` (a human
@@ -54,12 +53,12 @@ class Authenticator:
         except TokenError as error:
             raise Unauthenticated(error.message, reason=error.reason) from None
         if not claims.organization_id:
-            # Service principals read "only within the token's org" (SPEC 4): one without
-            # an organization has nothing it could read.
+            # Service principals read "only within the token's org" (docs/spec/authority.md): one
+            # without an organization has nothing it could read.
             raise Unauthenticated("the token has no organization", reason="TOKEN_INVALID")
         return claims
 
-    def caller(self, context: Any) -> Caller:
+    def caller(self, context: Context) -> Caller:
         """``authenticate``, then the caller as the session rules see it."""
         return caller_from_claims(self.authenticate(context))
 
@@ -73,4 +72,5 @@ def caller_from_claims(claims: Claims) -> Caller:
         service=claims.service,
         scopes=claims.scopes,
         token=claims.raw,
+        expires_at=claims.expires_at,
     )

@@ -1,7 +1,7 @@
-"""Domain values to ``ballet.planner.v1`` messages (STYLE rule 2: servicers stay thin).
+"""Domain values to ``ballet.planner.v1`` messages (docs/contributing.md servicers stay thin).
 
 Sessions, messages, turns, usage, stored session events and text deltas become the proto
-resources and ``ChatResponse`` events of SPEC section 3. Domain datetimes are timezone
+resources and ``ChatResponse`` events of docs/spec/api-and-streams.md. Domain datetimes are timezone
 aware; naive ones are taken as UTC.
 """
 
@@ -202,7 +202,8 @@ def event_to_proto(event: SessionEvent) -> chat_pb2.ChatResponse:
 
 
 def tool_call_progress_to_proto(progress: ToolCallProgress) -> chat_pb2.ChatResponse:
-    """A ``tool_call_progress`` event: not stored, sequence 0 (SPEC 3, like text deltas)."""
+    """A ``tool_call_progress`` event: not stored, sequence 0 (docs/spec/api-and-streams.md, like
+    text deltas)."""
     response = chat_pb2.ChatResponse(session_id=progress.session_id, turn_id=progress.turn_id)
     response.tool_call_progress.tool_call_id = progress.tool_call_id
     response.tool_call_progress.tool_name = progress.tool_name
@@ -250,5 +251,6 @@ def _data(data: object, cls: type[_T], event: SessionEvent) -> _T:
 
 def encoded_message_bytes(message: Message) -> int:
     """The bytes ``message`` adds to a ``ListMessagesResponse``: its encoding plus the
-    repeated field's tag and length (at most 5 bytes), for the page byte cap (SPEC 3)."""
+    repeated field's tag and length (at most 5 bytes), for the page byte cap
+    (docs/spec/api-and-streams.md)."""
     return message_to_proto(message).ByteSize() + 5

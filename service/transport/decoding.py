@@ -3,7 +3,7 @@
 gRPC's Python server decodes a request with the method's ``request_deserializer`` before
 any handler runs; protobuf refuses a ``string`` field that is not UTF-8 (proto3), and an
 exception there ends the call ``UNKNOWN`` with no ``ErrorInfo``, logged at ERROR before
-anyone is authenticated (issue 12). ``add_planner_service`` therefore registers
+anyone is authenticated. ``add_planner_service`` therefore registers
 PlannerService with a deserializer that never raises: a message protobuf refuses becomes
 an ``Undecodable`` value, which
 
@@ -104,7 +104,7 @@ def lenient(cls: type[message.Message]) -> Callable[[bytes], Any]:
 def add_planner_service(servicer: Any, server: Any) -> None:
     """Register ``servicer``'s PlannerService methods on a ``grpc.aio`` server with
     lenient request deserializers (see the module docstring)."""
-    handlers: dict[str, grpc.RpcMethodHandler] = {}
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
     for method in SERVICE.methods:
         request_cls = message_factory.GetMessageClass(method.input_type)
         response_cls = message_factory.GetMessageClass(method.output_type)
@@ -130,7 +130,7 @@ def add_planner_service(servicer: Any, server: Any) -> None:
 def _refusing_undecodable(
     name: str, behaviour: Callable[[Any, Any], Awaitable[Any]]
 ) -> Callable[[Any, Any], Awaitable[Any]]:
-    async def handle(request: Any, context: Any) -> Any:
+    async def handle(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         if isinstance(request, Undecodable):
             log.info(
                 "refused an undecodable request: method=%s field=%s",

@@ -1,4 +1,4 @@
-"""The one table from domain errors to gRPC status codes (AIP-193; STYLE rule 5).
+"""The one table from domain errors to gRPC status codes (AIP-193; docs/contributing.md).
 
 Every refusal leaves the planner as a ``google.rpc.Status`` with exactly one
 ``google.rpc.ErrorInfo`` (domain ``planner.ballet``, the error's stable reason, its
@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from types import TracebackType
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 from google.rpc import status_pb2
@@ -28,6 +28,13 @@ from ballet_common.tokens import TokenError
 from service.core import errors
 
 log = logging.getLogger(__name__)
+
+#: The servicer context of a planner call (grpc.aio), whatever its message types (the
+#: class is generic only in its type stubs).
+if TYPE_CHECKING:
+    Context = grpc.aio.ServicerContext[Any, Any]
+else:
+    Context = grpc.aio.ServicerContext
 
 INTERNAL_MESSAGE = "internal error"
 #: Bounds on what an error carries (UTF-8 bytes), whatever raised it: quoted identifiers
@@ -112,10 +119,10 @@ def status_of(error: Exception) -> status_pb2.Status:
     return failure_of(error).to_status()
 
 
-async def abort(context: Any, error: Exception) -> NoReturn:
+async def abort(context: Context, error: Exception) -> NoReturn:
     """End a call with ``error`` mapped by ``failure_of``; raises ``grpc.aio.AbortError``.
 
-    ``context`` is the call's ``grpc.aio.ServicerContext``. The code and message go in
+    The code and message go in
     the status line; the packed ``google.rpc.Status`` in ``grpc-status-details-bin``.
     """
     await context.abort_with_status(failure_of(error).to_grpc_status())
@@ -130,7 +137,7 @@ class rpc_errors:  # lower case: used like a function, ``async with rpc_errors(c
     pass through untouched.
     """
 
-    def __init__(self, context: Any) -> None:
+    def __init__(self, context: Context) -> None:
         self._context = context
 
     async def __aenter__(self) -> None:

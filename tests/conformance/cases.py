@@ -1,4 +1,4 @@
-"""The named behaviours of the provider conformance suite (issue 11), one ``Case`` each.
+"""The named behaviours of the provider conformance suite, one ``Case`` each.
 
 A case is what the OpenAI-compatible double answers (one ``Reply`` per request; the last
 repeats) and what must come out of it:

@@ -1,4 +1,4 @@
-"""Issue 11's Done-when cases through the real planner: ``start_planner`` on the devstack,
+"""The provider conformance cases through the real planner: ``start_planner`` on the devstack,
 whose gateway's ``openai`` provider is pointed at our OpenAI-compatible double, driven
 over ``Chat`` to the stored transcript (as tests/service/turn_support.py does with the
 scripted model).
@@ -155,7 +155,7 @@ def kinds_of(messages: list[resources_pb2.Message]) -> list[int]:
     return [m.kind for m in messages]
 
 
-# --------------------------------------------------------------------------- Done when 1
+# ---------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -218,7 +218,7 @@ async def test_silence_fails_model_timeout_at_the_first_output_deadline(planner:
     assert len(planner.double.received) == 1
 
 
-# --------------------------------------------------------------------------- Done when 2
+# ---------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("index", [0, None], ids=["shared-index-0", "no-index"])
@@ -251,7 +251,7 @@ async def test_ollama_parallel_calls_run_separately(planner: Planner, index: int
     assert [c["id"] for c in sent_calls] == tool_ids and len(set(tool_ids)) == 2
 
 
-# --------------------------------------------------------------------------- Done when 3
+# ---------------------------------------------------------------------------------------
 
 
 async def test_a_stream_cut_after_text_fails_truncated_and_keeps_the_text_cut(
@@ -305,7 +305,7 @@ async def test_length_and_content_filter_reach_the_client_as_a_cut_answer(
     assert stored == [assistant]
 
 
-# --------------------------------------------------------------------------- Done when 4
+# ---------------------------------------------------------------------------------------
 
 
 async def test_a_planted_key_reaches_no_client_log_line_or_database(

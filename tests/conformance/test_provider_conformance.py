@@ -1,4 +1,4 @@
-"""The provider conformance suite (issue 11): every named behaviour of an OpenAI-compatible
+"""The provider conformance suite: every named behaviour of an OpenAI-compatible
 server (tests/conformance/cases.py), played by our own double, run through the real
 devstack gateway (gRPC on loopback, the ``openai`` provider pointed at the double) and
 through the planner's ``GrpcModelGateway`` client on that gateway."""

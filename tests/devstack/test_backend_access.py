@@ -1,6 +1,6 @@
 """Every backend RPC checks the token (audience included) and the human's permissions.
 
-Issue 3, Done-when 3; SPEC section 4 (identity) and the seed's Needs column.
+docs/spec/authority.md (identity and the permissions tools need).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``ballet-planner dev``'s settings (devstack/dev.py; SPEC section 9, issue 5): the
+"""``ballet-planner dev``'s settings (devstack/dev.py; README.md): the
 file and the environment apply, dev overrides only the data directory, the planner's
 address, the database and the dependency addresses; with ``--provider openai``,
 ``BALLET_OPENAI_MODEL`` becomes ``planner.model``."""

@@ -1,5 +1,5 @@
 """The DevStack composition: fault injection, the call record, health, reflection, the
-extra-services hook, and ``python -m devstack`` as a user runs it. SPEC section 9."""
+extra-services hook, and ``python -m devstack`` as a user runs it. README.md."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""The devstack's LLM gateway checks the planner's credential like a production gateway
-(issue 14, devstack parity): only a token of the service-token issuer for the gateway's
-audience alone, whose subject is the planner, gets a model call; everything else is
-refused before the provider is asked, and the refusal is not metered."""
+"""The devstack's LLM gateway checks the planner's credential like a production gateway: only a
+token of the service-token issuer for the gateway's audience alone, whose subject is the planner,
+gets a model call; everything else is refused before the provider is asked, and the refusal is not
+metered."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The scripted provider (SPEC section 10), through a real grpc.aio server and client."""
+"""The scripted provider (devstack/gateway/scripted.py), through a real grpc.aio server and
+client."""
 
 from __future__ import annotations
 
@@ -560,14 +561,14 @@ async def test_demo_scenario_explains_itself_and_summarizes(start_gateway: Start
     answer = await gw.generate(request(human("Write me a poem")))
     assert "demo model" in answer.text
     assert "--provider openai" in answer.text
-    # Then it looks up the project's own items to suggest (issue 16; decision 0164).
+    # Then it looks up the project's own items to suggest (decision 0164).
     assert [call.name for call in answer.tool_calls] == ["list_runnable", "list_items"]
     summary = await gw.generate(request(human("q"), assistant("a"), purpose="compaction"))
     assert summary.text
     assert summary.finish.reason == gateway_pb2.FINISH_REASON_STOP
 
 
-# --- stream-shaping reply keys (issue 11) --------------------------------------------------
+# --- stream-shaping reply keys --------------------------------------------------
 
 
 async def test_reasoning_then_streamed_arguments_on_the_wire(start_gateway: StartGateway) -> None:

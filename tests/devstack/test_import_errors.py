@@ -1,4 +1,4 @@
-"""Input files the devstack's importers cannot import (issue 16, First-run errors): each is
+"""Input files the devstack's importers cannot import: each is
 one ``ImportFileError`` line naming the import, the file and the line, never a bare
 decoder message (``Expecting value: line 1 column 1``) or a traceback. The parsers touch
 no database, so these run without one; ``tests/e2e/test_first_run.py`` runs ``dev``."""

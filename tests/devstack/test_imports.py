@@ -1,4 +1,4 @@
-"""The importers against the real data in ../shared/data (issue 3, Done-when 2).
+"""The importers against the real data in ../shared/data.
 
 Expected numbers are computed here from the files with deliberately simple code that does
 not use the importers, then compared with what the backends serve over gRPC. The beads

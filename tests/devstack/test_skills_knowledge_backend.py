@@ -1,5 +1,6 @@
 """The skills and knowledge backends on the demo project: resolution and pins, knowledge
-versions (stale updates ABORTED), idempotent writes, attribution. SPEC sections 4 and 9."""
+versions (stale updates ABORTED), idempotent writes, attribution. docs/spec/authority.md and
+README.md."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The tracker backend on the demo project: items, pagination, runnable tickets, search,
-changesets (idempotency, validation, attribution). SPEC sections 4 and 9."""
+changesets (idempotency, validation, attribution). docs/spec/authority.md and README.md."""
 
 from __future__ import annotations
 
@@ -458,7 +458,7 @@ async def test_actor_is_honoured_only_with_the_planner_credential(
     refused = {
         # A human's token is no service credential, whatever it claims.
         "TOKEN_INVALID": demo_stack.token("bob"),
-        # The planner's credential for another dependency is refused here (issue 14).
+        # The planner's credential for another dependency is refused here.
         "WRONG_AUDIENCE": demo_stack.planner_credential(KNOWLEDGE_AUDIENCE),
         "TOKEN_INVALID ": "junk",
     }
@@ -495,7 +495,7 @@ async def test_the_planner_may_not_set_an_execution_policy(
         "POLICY_CHANGE_NOT_ALLOWED",
     )
     assert request.request_id not in demo_stack.writes
-    # A human may (seed: Authority, "applying or rejecting one needs the human").
+    # A human may (docs/spec/authority.md, "applying or rejecting one needs the human").
     response = await clients.tracker.ProposeChangeset(
         request, metadata=metadata(demo_stack, "alice")
     )

@@ -1,4 +1,4 @@
-"""``buf breaking`` runs against the committed API image (issue 16, Packaging):
+"""``buf breaking`` runs against the committed API image:
 ``scripts/api_image.py --check`` passes on the committed tree, fails once a field is
 renamed, and accepts an added field (AIP-180: additions only)."""
 

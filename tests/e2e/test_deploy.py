@@ -1,4 +1,4 @@
-"""``deploy/kubernetes/`` (issue 16, Deployment): valid against the Kubernetes schemas
+"""``deploy/kubernetes/``: valid against the Kubernetes schemas
 (the CI check), and consistent with the planner and its image: the ConfigMap is a
 configuration the planner accepts, the probes ask the health service, the pod's grace
 period outlasts the planner's (preStop included), the autoscaler owns the replicas within
@@ -159,7 +159,7 @@ def test_probes_are_native_grpc_on_the_health_service() -> None:
     container = pod_spec("deployment.yaml")["containers"][0]
     ports = {port["name"]: port["containerPort"] for port in container["ports"]}
     readiness, liveness = container["readinessProbe"], container["livenessProbe"]
-    assert readiness["grpc"] == {"port": ports["grpc"]}  # service "": readiness (SPEC 8)
+    assert readiness["grpc"] == {"port": ports["grpc"]}  # service "": readiness
     assert liveness["grpc"] == {"port": ports["grpc"], "service": LIVENESS_SERVICE}
     assert container["startupProbe"]["grpc"]["service"] == LIVENESS_SERVICE
 

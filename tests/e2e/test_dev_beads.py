@@ -1,5 +1,5 @@
-"""``ballet-planner dev`` on the real beads data, as a new engineer runs it (issue 3 Done
-when 1; issue 4 Done when 9; SPEC sections 9 and 10).
+"""``ballet-planner dev`` on the real beads data, as a new engineer runs it (README.md and
+devstack/gateway/scripted.py).
 
 One ``dev`` process for the module: the beads export, the ADRs and the skills of
 ``../shared/data``, the built-in demo scenario (no ``--scenario``), free ports. The

@@ -1,6 +1,5 @@
 """``ballet-planner dev --config FILE --scenario FILE`` and ``ballet-planner chat``, one-shot
-and interactive (issue 4 Done when 9; issue 5: dev applies the file's ``[planner]``
-settings; SPEC section 9).
+and interactive (README.md).
 
 One ``dev`` process for the module, on the demo project, with a configuration file
 (``max_rounds = 2``, ``compact_at_tokens = 20000``) and a scripted scenario written here.
@@ -138,8 +137,8 @@ def test_config_compact_at_tokens_triggers_a_compaction(dev: DevProcess) -> None
     assert second.returncode == 0, second.stdout + second.stderr
     replies = responses(second.stdout)
     (compacted,) = events(replies, "compacted")
-    # The estimate starts from the usage the first answer reported (seed: Context
-    # compaction).
+    # The estimate starts from the usage the first answer reported
+    # (docs/spec/compaction.md).
     assert int(compacted["estimatedTokens"]) > REPORTED_INPUT_TOKENS
     assert int(compacted["upTo"]) >= 1
     # Opened after the session's last event: nothing of the first turn is replayed.
@@ -279,7 +278,7 @@ def test_interactive_chat_in_a_terminal(dev: DevProcess) -> None:
         clean_env(),
     )
     try:
-        # No session until the first message (issue 16).
+        # No session until the first message.
         terminal.expect(r"project demo on \S+: a new session starts with your first message")
         terminal.expect(r"> ")
         terminal.send("What are the open epics?")
@@ -333,7 +332,7 @@ LEFT, UP, ENTER = "\x1b[D", "\x1b[A", "\r"
 
 
 def test_the_terminal_edits_the_line_and_recalls_history(dev: DevProcess) -> None:
-    # Issue 16, Done-when 4: in a real pty, arrow keys edit the line (they never reach
+    # In a real pty, arrow keys edit the line (they never reach
     # the message) and the up arrow recalls the previous message.
     terminal = Terminal(
         [*command(), "chat", "--address", dev.planner, "--user", "alice", "--data-dir", "data"],

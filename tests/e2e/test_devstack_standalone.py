@@ -1,4 +1,4 @@
-"""The standalone devstack (issue 16): ``python -m devstack`` serves the LLM gateway too,
+"""The standalone devstack: ``python -m devstack`` serves the LLM gateway too,
 so a ``ballet-planner serve`` pointed at it answers a chat message; its banner's
 ``serve``, ``token`` and ``chat`` lines work as printed (ports aside: the test binds free
 ones, the README's path uses the defaults)."""

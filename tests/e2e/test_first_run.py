@@ -1,4 +1,4 @@
-"""First-run errors (issue 16): an unusable data directory is one clear line for
+"""First-run errors: an unusable data directory is one clear line for
 ``serve``, ``token``, ``dev`` and ``migrate``, never a traceback; ``token`` mints only
 from a secret the planner made, unless ``--create-secret`` asks for one; every
 ``.ballet-*`` data directory the README creates is ignored by git."""

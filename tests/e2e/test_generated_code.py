@@ -1,4 +1,4 @@
-"""The generated-code check CI runs (issue 2, Done-when 6): ``scripts/generate.py --check``
+"""The generated-code check CI runs: ``scripts/generate.py --check``
 passes on the committed tree and fails once a proto changes without regenerating."""
 
 from __future__ import annotations

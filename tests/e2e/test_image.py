@@ -1,4 +1,4 @@
-"""The production image (issue 16): its ``CMD`` and ``HEALTHCHECK`` work with environment
+"""The production image: its ``CMD`` and ``HEALTHCHECK`` work with environment
 variables alone, in a writable data directory that is the working directory, and its
 build context holds everything the wheel needs.
 

@@ -1,4 +1,4 @@
-"""Issue 16, Done when 1: with ``OTEL_EXPORTER_OTLP_ENDPOINT`` set, one Chat turn with a
+"""With ``OTEL_EXPORTER_OTLP_ENDPOINT`` set, one Chat turn with a
 tool call yields one trace whose spans cover the RPC, the turn, each round, each model
 call, each tool call and the devstack's handling of both, with no message text in any
 attribute.

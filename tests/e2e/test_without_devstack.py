@@ -1,5 +1,5 @@
 """An image without the devstack: ``ballet-planner serve`` starts and answers health, and
-``dev`` says plainly that it is missing (issue 10; docs/decisions/0160-devstack-split.md).
+``dev`` says plainly that it is missing (docs/decisions/0160-devstack-split.md).
 
 The devstack is blocked from import in the subprocess (``sys.modules["devstack"] =
 None`` makes every ``import devstack...`` fail), as if the package had been left out.

@@ -1,4 +1,4 @@
-"""The rig of the hardening tests (issue 7): devstack + scripted gateway + planners.
+"""The rig of the hardening tests: devstack + scripted gateway + planners.
 
 ``start_stack`` starts, on loopback port 0, a ``DevStack`` (tracker, skills, knowledge on
 SQLite, the built-in demo project) that also serves the LLM gateway over a

@@ -1,9 +1,8 @@
-"""10,000 cancelled turns leave the planner's memory flat and no connection checked out
-(issue 7, Done-when 7).
+"""10,000 cancelled turns leave the planner's memory flat and no connection checked out.
 
 A ``ballet-planner serve`` process on PostgreSQL runs against the devstack, whose
 scripted model never answers: every model call sleeps until the planner cancels it.
-Four workers (alice's four running turns, SPEC 8) each drive one Chat stream: send a
+Four workers (alice's four running turns, docs/spec/storage.md) each drive one Chat stream: send a
 message, wait until the model call is in flight, cancel the turn, read its
 ``turn_ended``, again; every 100 turns a worker moves to a new session, so no session's
 history grows without bound. The planner's RSS (``/proc/<pid>/status``) after the last

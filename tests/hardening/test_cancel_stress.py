@@ -1,5 +1,4 @@
-"""Clients that cancel at random points, against two replicas on one PostgreSQL (issue 12:
-the cancellation stress test, Done-when 1, 2 and 3).
+"""Clients that cancel at random points, against two replicas on one PostgreSQL.
 
 Two ``ballet-planner serve`` processes share one PostgreSQL database and the devstack
 (the scripted model answers in a few milliseconds). Every cancel is a real gRPC cancel of
@@ -9,8 +8,8 @@ a real call (``call.cancel()``: the client resets the HTTP/2 stream) at a random
    calls, each cancelled within its first 50 ms (longer on a machine too loaded to accept
    a message within that: the window is 1.5 times the measured time to
    ``message_accepted``, so cancels land before, during and after the accepting
-   commit). A disconnect is not a cancel (SPEC 3): every turn that was stored must run
-   to ``turn_ended`` on its own (none ``INTERRUPTED``, which only a sweeper or a
+   commit). A disconnect is not a cancel (docs/spec/api-and-streams.md): every turn that was stored
+   must run to ``turn_ended`` on its own (none ``INTERRUPTED``, which only a sweeper or a
    shutdown gives), and the next message in each session is accepted at once (no
    ``TURN_IN_PROGRESS``).
 2. **Open and close.** Chat calls cancelled while their stream registers, while it
@@ -26,7 +25,7 @@ open-streams gauge at 0 and no database connection checked out on either replica
 view of the planner's connections), and no SQLAlchemy "garbage collector" line, no
 un-retrieved task exception and no traceback in either replica's log.
 
-The sizes are parameters: a small run for every CI run, the issue's full sizes
+The sizes are parameters: a small run for every CI run, the full sizes
 (``FULL``: 1,000 + 1,000 turn cancels, 2,000 open/close cancels, 60 s at 50 cancels/s)
 marked ``slow``. Measured figures are recorded as test properties.
 """
@@ -83,10 +82,10 @@ class Sizes:
 
 
 SMALL = Sizes(chat_turns=80, unary_turns=80, open_close=200, storm_s=5.0, storm_rate=50.0)
-#: Issue 12's Done-when sizes.
+#: The sizes of the full run (decision 0184).
 FULL = Sizes(chat_turns=1000, unary_turns=1000, open_close=2000, storm_s=60.0, storm_rate=50.0)
 
-#: The first 50 ms of a call: where Done-when 1 puts its cancels.
+#: The first 50 ms of a call: where the cancels land.
 CANCEL_WITHIN_S = 0.05
 #: Stream heartbeat of the replicas here: ``min(lease_s / 3, sweep_interval_s)``.
 LEASE_S = 6.0
@@ -94,7 +93,7 @@ SWEEP_S = 1.0
 #: Decision 0182's bound on an orphan ``chat_streams`` row: one heartbeat, plus the time
 #: its statements take on a loaded machine.
 ORPHAN_BOUND_S = SWEEP_S + 2.0
-#: Done-when 3: the pools back to 0 checked out within this.
+#: The pools back to 0 checked out within this.
 POOL_BOUND_S = 5.0
 STREAMS_PER_HUMAN = 16
 #: Lines that must never appear in a replica's log.
@@ -421,7 +420,7 @@ async def time_to_accept(r: Replicas, sessions: list[str], concurrency: int) -> 
 async def turn_cancels(r: Replicas, sizes: Sizes, rng: random.Random) -> dict[str, float]:
     total = sizes.chat_turns + sizes.unary_turns
     sessions = await create_sessions(r, total, sizes.concurrency)
-    # Done-when 1 cancels within the first 50 ms, which on a quick machine spans a call's
+    # The cancels land within the first 50 ms, which on a quick machine spans a call's
     # accepting and more; on a loaded one a message may take longer than that to be
     # accepted, and the window grows so that cancels still land before, during and after
     # the commit that accepts it.

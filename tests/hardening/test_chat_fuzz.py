@@ -1,4 +1,4 @@
-"""A property-based test of Chat (issue 7, Done-when 5): 2,000 random ``ChatRequest``
+"""A property-based test of Chat: 2,000 random ``ChatRequest``
 sequences over real Chat streams to one planner on PostgreSQL, with the devstack and a
 scripted model that answers at once, cause no crash, no hang and no half-stored turn.
 

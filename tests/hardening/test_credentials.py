@@ -1,4 +1,4 @@
-"""Credentials (SPEC section 4; issue 7, Done-when 6): a token that expires ends an open
+"""Credentials (docs/spec/authority.md): a token that expires ends an open
 Chat stream ``TOKEN_EXPIRED``, and a turn whose token expires mid-turn ends
 ``FAILED``/``CREDENTIAL_EXPIRED`` at the end of its round; backends honour
 ``x-ballet-actor`` only with the planner's credential and refuse tokens without their

@@ -1,13 +1,13 @@
-"""Identity and access through the real planner and devstack on loopback (issue 14).
+"""Identity and access through the real planner and devstack on loopback.
 
-- Done-when 1: a human token with any ``scope`` claim reads nothing of another human's
+- A human token with any ``scope`` claim reads nothing of another human's
   (refused ``SCOPE_NOT_ALLOWED`` by the planner and the backends), and a token that names
   the service issuer without its key is no service principal.
-- Done-when 2: a human whose project role is removed gets ``NOT_FOUND`` from every session
+- A human whose project role is removed gets ``NOT_FOUND`` from every session
   RPC within the cache period, Chat ``open``/``send_message``/``cancel_turn`` included.
-- Done-when 3: the credential the gateway receives is refused by the tracker, skills and
+- The credential the gateway receives is refused by the tracker, skills and
   knowledge backends.
-- Done-when 5: a forged, tampered or out-of-range page token is
+- A forged, tampered or out-of-range page token is
   ``INVALID_ARGUMENT``/``INVALID_PAGE_TOKEN`` on every paginated RPC.
 - Identifiers echoed in errors are bounded: a 1 MiB ``session_id`` gives a small
   ``NOT_FOUND``.
@@ -94,7 +94,7 @@ def reads(stub: Any, session_id: str, turn_id: str) -> dict[str, Callable[[Metad
     }
 
 
-# --------------------------------------------------------------------------- Done-when 1
+# ---------------------------------------------------------------------------------------
 
 
 async def test_a_human_token_with_a_scope_reads_nothing_of_another_humans(
@@ -104,7 +104,7 @@ async def test_a_human_token_with_a_scope_reads_nothing_of_another_humans(
     session_id, turn_id = await a_session_with_a_turn(planner, stack.auth("alice"))
     secret = stack.devstack.dev_secret
     scoped = {
-        # The attack of issue 14: bob's own token, with a scope added by whoever minted it.
+        # The attack: bob's own token, with a scope added by whoever minted it.
         "scope": mint_dev_token(secret, "bob", claims={"scope": READ_SCOPE}),
         "empty scope": mint_dev_token(secret, "bob", claims={"scope": ""}),
         "scope list": mint_dev_token(secret, "bob", claims={"scope": [READ_SCOPE]}),
@@ -148,7 +148,7 @@ async def test_a_human_token_with_a_scope_reads_nothing_of_another_humans(
         await call(auth(reader))
 
 
-# --------------------------------------------------------------------------- Done-when 2
+# ---------------------------------------------------------------------------------------
 
 
 class ShiftedClock:
@@ -181,7 +181,8 @@ async def test_a_human_whose_role_is_removed_gets_not_found_everywhere(stack: St
     await stream.open(session_id=session_id)
 
     await stack.devstack.set_role("bob", "demo", None)
-    # Within the cache period the cached answer may still serve (at most 60 s, SPEC 4)...
+    # Within the cache period the cached answer may still serve (at most 60 s,
+    # docs/spec/authority.md)...
     await planner.stub.GetSession(pb.GetSessionRequest(session_id=session_id), metadata=bob)
     clock.shift_s += 61
     # ...and once it has lapsed every session RPC is NOT_FOUND.
@@ -235,7 +236,7 @@ async def test_a_human_whose_role_is_removed_gets_not_found_everywhere(stack: St
     assert humans == ["hello"]
 
 
-# --------------------------------------------------------------------------- Done-when 3
+# ---------------------------------------------------------------------------------------
 
 
 async def test_the_credential_the_gateway_receives_is_refused_by_every_backend(
@@ -285,11 +286,11 @@ async def test_the_credential_the_gateway_receives_is_refused_by_every_backend(
     assert all(c.actor.startswith("planner:") for c in stack.devstack.calls if c.human)
 
 
-# --------------------------------------------------------------------------- Done-when 5
+# ---------------------------------------------------------------------------------------
 
 
 def _v1_token(position: dict[str, Any]) -> str:
-    """A token in the old unkeyed format, position chosen by the client (issue 14)."""
+    """A token in the old unkeyed format, position chosen by the client."""
     body = json.dumps({"v": 1, "p": position, "f": "AAAAAAAAAAAAAAAAAAAAAA"})
     return base64.urlsafe_b64encode(body.encode()).decode().rstrip("=")
 

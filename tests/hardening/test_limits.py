@@ -1,9 +1,9 @@
-"""Every limit of SPEC sections 3 and 8, crossed, with the error it names (issue 7,
-Done-when 5): human text, tool calls per answer, running turns per human and per
-project, open streams per human, the gRPC receive limit, keepalive and concurrency
-settings, ListMessages page bytes, ``max_replay_events``, ``after_sequence`` beyond the
-last, the open timeout, request ids, and ``planner.max_writes_per_turn``. (The stream
-queue bound, SLOW_CONSUMER, is tested with the replica tests of Done-when 3.)
+"""Every limit of docs/spec/api-and-streams.md and docs/spec/limits.md, crossed, with the error it
+names: human text, tool calls per answer, running turns per human and per project, open streams per
+human, the gRPC receive limit, keepalive and concurrency settings, ListMessages page bytes,
+``max_replay_events``, ``after_sequence`` beyond the last, the open timeout, request ids, and
+``planner.max_writes_per_turn``. (The stream queue bound, SLOW_CONSUMER, is tested with the replica
+tests.)
 
 One devstack (with the scripted gateway) serves the module; each test starts its own
 planner on its own SQLite database with the limits it needs. The cross-replica counts
@@ -33,6 +33,7 @@ from tests.hardening.support import (
     error_info,
     eventually,
     failure,
+    open_request,
     refused,
     retry_delay_s,
     send_request,
@@ -252,7 +253,15 @@ async def test_a_seventeenth_open_stream_of_one_human_is_too_many_streams(
         chat = Chat(planner.stub, alice)
         await chat.open()
         streams.append(chat)
+    # The project access is checked before a slot is taken: a stream of a project the
+    # human may not read is refused for that, and holds nothing.
+    unreadable = Chat(planner.stub, alice)
+    await unreadable.send(open_request(project_id="not-a-project"))
+    reply = await unreadable.until("error")
+    assert error_info(reply.error).reason == "PROJECT_NOT_FOUND"
+    await unreadable.close()
     extra = Chat(planner.stub, alice)
+    await extra.send(open_request(project_id="demo"))
     error = await extra.ended()
     assert error is not None
     code, reason, status = failure(error)

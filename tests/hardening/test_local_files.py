@@ -1,8 +1,8 @@
-"""Files holding transcripts or secrets are owner-only whatever the umask (issue 14):
+"""Files holding transcripts or secrets are owner-only whatever the umask:
 ``planner.db`` (with its WAL files), ``devstack.db``, the dev secret and the page-token
 key are created ``0600`` in a ``0700`` data directory, even under ``umask 000``; a dev
 secret that others can read is used with a WARNING. A database file that is not one is
-refused at start-up in one line and left as it was (issue 16)."""
+refused at start-up in one line and left as it was."""
 
 from __future__ import annotations
 

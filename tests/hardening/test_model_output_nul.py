@@ -1,7 +1,7 @@
 """A model answer or tool call holding a NUL character is stored with U+FFFD instead and
 the turn completes (PostgreSQL text cannot hold NUL; it used to fail the turn INTERNAL,
 with the answer already streamed to the client but never stored). Found while fuzzing
-Chat (issue 7, Done-when 5)."""
+Chat."""
 
 from __future__ import annotations
 

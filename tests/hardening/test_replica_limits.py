@@ -1,4 +1,4 @@
-"""The per-human limits hold across replicas (SPEC section 8; issue 7, Done-when 5): two
+"""The per-human limits hold across replicas (docs/spec/limits.md): two
 planners on one PostgreSQL database share one count of a human's open Chat streams and
 running turns; the streams of a replica killed with SIGKILL stop counting once its
 lease lapses, and are swept (docs/decisions/0080-cross-replica-stream-count.md)."""
@@ -26,6 +26,7 @@ from tests.hardening.support import (
     create_session,
     eventually,
     failure,
+    open_request,
     refused,
     send_request,
     serve_process,
@@ -47,7 +48,10 @@ async def stack(tmp_path: Path, pg_url: str) -> AsyncIterator[Stack]:
 
 
 async def refused_stream(planner: Planner, stack: Stack) -> tuple[grpc.StatusCode, str]:
-    error = await Chat(planner.stub, stack.auth()).ended()
+    """The status of a stream that opens a session (its slot is taken at open)."""
+    chat = Chat(planner.stub, stack.auth())
+    await chat.send(open_request(project_id="demo"))
+    error = await chat.ended()
     assert error is not None
     code, reason, _ = failure(error)
     return code, reason

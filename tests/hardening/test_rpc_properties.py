@@ -1,4 +1,4 @@
-"""A property-based test of every unary PlannerService RPC (issue 14, Done-when 4): random
+"""A property-based test of every unary PlannerService RPC: random
 and boundary input never produces ``INTERNAL`` or ``UNKNOWN``, and every refusal carries
 exactly one ``ErrorInfo`` of domain ``planner.ballet`` (AIP-193).
 

@@ -1,5 +1,5 @@
-"""A second SIGTERM while ``ballet-planner serve`` shuts down (decision 0185; SPEC
-section 8; decision 0181).
+"""A second SIGTERM while ``ballet-planner serve`` shuts down (decision 0185;
+docs/spec/operations.md; decision 0181).
 
 A real ``serve`` process on SQLite with the devstack, a turn streaming a slow answer. The
 first SIGTERM starts the graceful stop (health NOT_SERVING; the turn would get 13 s to

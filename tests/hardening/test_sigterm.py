@@ -1,5 +1,5 @@
-"""SIGTERM while a write tool is held (issue 12, Done-when 4; SPEC sections 5 and 8;
-decision 0181).
+"""SIGTERM while a write tool is held (docs/spec/turn-loop.md and docs/spec/operations.md; decision
+0181).
 
 A ``ballet-planner serve`` process on PostgreSQL with the devstack, which holds
 ``CreateKnowledgeEntry`` (fault injection) so the turn's write never answers. On SIGTERM
@@ -48,6 +48,10 @@ RULES = [
     {
         "match": {"last_role": "human", "last_text_regex": "record"},
         "reply": {"tool_calls": [{"name": "create_knowledge", "arguments": NOTE}]},
+    },
+    {
+        "match": {"last_role": "human", "last_text_regex": "epics"},
+        "reply": {"tool_calls": [{"name": "list_items", "arguments": {"kind": "epic"}}]},
     },
     {"match": {"last_role": "tool"}, "reply": {"text": "Recorded."}},
     {"reply": {"text": "Hello."}},
@@ -165,3 +169,58 @@ async def test_sigterm_while_a_write_is_held_interrupts_the_turn_before_exit(
     assert turn_ended == 1
     log = served.log()
     assert "Traceback" not in log and "garbage collector" not in log
+
+
+async def test_sigterm_closes_a_stream_once_its_turn_ended_while_another_turn_runs_on(
+    stack: Stack, tmp_path: Path, record_property: Callable[[str, object], None]
+) -> None:
+    """Decision 0181: a stream is closed as soon as nothing more will be sent on it, not
+    when the replica's slowest turn ends."""
+    grace_s = 12.0
+    served = await serve_process(
+        stack,
+        tmp_path / "serve.log",
+        SERVER__GRACE_S=str(grace_s),
+        PLANNER__CANCEL_GRACE=str(CANCEL_GRACE_S),
+        PLANNER__LEASE_S="600",
+    )
+    try:
+        async with grpc.aio.insecure_channel(served.address) as channel:
+            stub = planner_service_pb2_grpc.PlannerServiceStub(channel)
+            slow = Chat(stub, stack.auth())
+            await slow.open(project_id="demo")
+            quick = Chat(stub, stack.auth())
+            await quick.open(project_id="demo")
+            # The slow turn's write never answers: it runs until the grace period ends.
+            stack.devstack.faults.set(method="CreateKnowledgeEntry", delay_s=math.inf)
+            # The quick turn is still running at SIGTERM and ends a moment later.
+            stack.devstack.faults.set(method="ListItems", delay_s=2.0)
+            await slow.send(send_request("please record a note", "slow-1"))
+            slow_turn = (await slow.until("message_accepted")).turn_id
+            await quick.send(send_request("what are the epics?", "quick-1"))
+            await stack.devstack.call_log.wait_for(
+                lambda log: (
+                    log.started("CreateKnowledgeEntry") == 1 and log.started("ListItems") == 1
+                ),
+                WAIT_S,
+            )
+            served.process.send_signal(signal.SIGTERM)
+
+            ended = await quick.until("turn_ended")
+            turn_ended_at = time.monotonic()
+            assert ended.turn_ended.reason == res.TURN_END_REASON_COMPLETED
+            error = await quick.ended()
+            closed_s = time.monotonic() - turn_ended_at
+            assert error is not None
+            assert failure(error)[:2] == (grpc.StatusCode.UNAVAILABLE, "SHUTTING_DOWN")
+            # The slow turn runs on: its stream is still waiting for its end.
+            assert served.process.poll() is None
+            slow_ended = await slow.until("turn_ended", turn_id=slow_turn)
+            assert slow_ended.turn_ended.reason == res.TURN_END_REASON_INTERRUPTED
+        code = served.process.wait(grace_s + WAIT_S)
+    finally:
+        stack.devstack.faults.clear()
+        served.stop()
+    record_property("stream_closed_after_its_turn_ended_s", round(closed_s, 3))
+    assert closed_s < 3.0
+    assert code == 0, served.log()

@@ -1,4 +1,4 @@
-"""Undecodable requests (issue 12, Done-when 5): invalid UTF-8 in every string field of
+"""Undecodable requests: invalid UTF-8 in every string field of
 every PlannerService request gives ``INVALID_ARGUMENT`` with one ``ErrorInfo``
 (``INVALID_UTF8``, naming the field), before authentication and never logged at ERROR;
 on Chat the stream gets that status at once as a reply and goes on. A NUL character

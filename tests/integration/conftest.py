@@ -2,7 +2,7 @@
 
 ``db_url`` is parametrized: every test that uses it runs on PostgreSQL (a fresh database
 from ``pg_url``) and on SQLite (a file in ``tmp_path``), since the planner supports both
-(SPEC section 8); on PostgreSQL twice, once with the stores on SQLAlchemy alone and once
+(docs/spec/storage.md); on PostgreSQL twice, once with the stores on SQLAlchemy alone and once
 with the hot path on psycopg (``postgresql-hot``, decision 0113), which is what ``serve``
 runs. ``engine`` migrates the database first, as ``serve`` would expect.
 """

@@ -1,4 +1,4 @@
-"""Cross-replica signals over PostgreSQL LISTEN/NOTIFY (SPEC section 3: events reach
+"""Cross-replica signals over PostgreSQL LISTEN/NOTIFY (docs/spec/api-and-streams.md: events reach
 streams on any replica within 1 s; ``CancelTurn`` takes effect within 1 s).
 
 Two "replicas" are two stores with different replica ids on one database; the notifier
@@ -20,7 +20,7 @@ from service.core.ports import TurnCommit
 from tests.integration.store_support import T0, new_session, tool_round_events, turn_start
 from tests.pg import PgCluster
 
-#: SPEC 3: events reach other replicas within 1 s of their commit.
+#: docs/spec/api-and-streams.md: events reach other replicas within 1 s of their commit.
 DELIVERY_S = 1.0
 #: A restarted cluster comes back in about a second; the notifier's backoff is capped.
 RECOVERY_S = 30.0

@@ -1,4 +1,4 @@
-"""Callers of the store cancelled at any point (issue 12; decision 0180), on PostgreSQL
+"""Callers of the store cancelled at any point (decision 0180), on PostgreSQL
 (SQLAlchemy and the psycopg hot path) and SQLite.
 
 Each unit of work runs in a task its store owns and its caller awaits it shielded, so a

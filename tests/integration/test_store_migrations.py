@@ -1,5 +1,5 @@
 """Migrations create exactly the schema ``tables.py`` declares, on PostgreSQL and SQLite,
-and ``schema_status`` tells whether a database is behind (SPEC section 8)."""
+and ``schema_status`` tells whether a database is behind (docs/spec/limits.md)."""
 
 from __future__ import annotations
 

@@ -347,7 +347,7 @@ async def test_running_turn_limits(store: SqlSessionStore) -> None:
         await store.start_turn(turn_start("b1", "tb1", human="bob", limits=limits))
     assert per_project.value.reason == "TOO_MANY_TURNS"
 
-    # Turns whose lease expired do not count (SPEC 5: only turns whose lease holds).
+    # Turns whose lease expired do not count (docs/spec/turn-loop.md: only turns whose lease holds).
     later = T0 + LEASE + timedelta(seconds=1)
     started = await store.start_turn(turn_start("s2", "t2", limits=limits, now=later))
     assert started.kind is StartOutcomeKind.STARTED

@@ -1,4 +1,4 @@
-"""The store's statement budget (SPEC section 11, T1/T2), counted on both databases.
+"""The store's statement budget (docs/performance.md, T1/T2), counted on both databases.
 
 A one-round turn makes four commits (start_turn; the assistant message with its tool
 call; the tool result; the final answer with the turn's end). Statements counted here

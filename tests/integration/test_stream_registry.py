@@ -89,7 +89,7 @@ async def test_streams_released_at_any_point_of_their_admission_leave_no_row(
 ) -> None:
     """A Chat RPC cancelled while its slot is being taken releases it from its done
     callback; whether the admission had not started, was in flight or had finished, no
-    row stays (issue 12; decision 0182)."""
+    row stays (decision 0182)."""
     registry = StreamRegistry(streams, WallClock(), "replica-a", per_human=1000)
     await registry.start()
     rng = random.Random(12)

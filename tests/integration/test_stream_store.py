@@ -1,4 +1,4 @@
-"""``SqlStreamStore``: open Chat streams counted per human across replicas (SPEC section 8;
+"""``SqlStreamStore``: open Chat streams counted per human across replicas (docs/spec/limits.md and
 docs/decisions/0080-cross-replica-stream-count.md), on PostgreSQL and SQLite."""
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from ballet.planner.v1 import planner_service_pb2 as pb
 
-from tests.hardening.support import Chat, refused, start_stack
+from tests.hardening.support import Chat, open_request, refused, start_stack
 from tests.operations.prom import (
     DASHBOARD,
     dashboard_queries,
@@ -115,6 +115,7 @@ async def test_every_metric_the_dashboard_and_the_rules_read_is_exported(
         assert first.turn_ended.reason == second.turn_ended.reason == 1  # COMPLETED
         # Alice's second stream is refused (one each here), and a call without a token.
         extra = Chat(planner.stub, alice)
+        await extra.send(open_request(project_id="demo"))
         error = await extra.ended()
         assert error is not None and error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         code, reason, _ = await refused(planner.stub.GetSession(pb.GetSessionRequest()))

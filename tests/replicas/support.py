@@ -1,5 +1,5 @@
-"""Two planner processes on one PostgreSQL, the devstack beside them (SPEC section 3: "tests
-of the one-running-turn rule, fan-out, cancel and reopen run two planner processes on one
+"""Two planner processes on one PostgreSQL, the devstack beside them (docs/spec/api-and-streams.md:
+"tests of the one-running-turn rule, fan-out, cancel and reopen run two planner processes on one
 PostgreSQL").
 
 ``rig`` (an async context manager) starts, in the test's event loop, one ``DevStack``

@@ -1,4 +1,4 @@
-"""A replica dies while it runs a turn (issue 7, Done-when 1; SPEC section 5, Ownership and
+"""A replica dies while it runs a turn (docs/spec/turn-loop.md, Ownership and
 recovery).
 
 Two ``ballet-planner serve`` processes share one PostgreSQL. Process A runs a turn whose

@@ -1,5 +1,5 @@
-"""PostgreSQL stops for 10 s in the middle of a turn (issue 7, Done-when 4; SPEC sections
-5 and 8; decisions 0006 and 0070).
+"""PostgreSQL stops for 10 s in the middle of a turn (docs/spec/turn-loop.md and
+docs/spec/storage.md; decisions 0006 and 0070).
 
 Two ``ballet-planner serve`` processes on a private PostgreSQL the test stops and starts.
 Process A runs a turn whose read tool call (``get_item``) the devstack holds. PostgreSQL

@@ -1,4 +1,4 @@
-"""Streams, cancels and sends across two replicas (issue 7, Done-when 2; SPEC section 3).
+"""Streams, cancels and sends across two replicas (docs/spec/api-and-streams.md).
 
 Two ``ballet-planner serve`` processes on one PostgreSQL, shared by the tests of this
 module (each test uses its own sessions):
@@ -31,7 +31,7 @@ from tests.replicas.support import END, ChatStream, Received, Rig, rig, sequence
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
-#: SPEC section 3: events reach streams on any replica, and a cancel the owning
+#: docs/spec/api-and-streams.md: events reach streams on any replica, and a cancel the owning
 #: replica, within 1 s.
 WITHIN_S = 1.0
 
@@ -130,7 +130,8 @@ async def test_a_stream_on_b_gets_every_event_of_a_turn_on_a_within_1_s(
             stored_at = message.create_time.ToDatetime().timestamp()
             # create_time is taken just before the commit, so this bounds commit-to-arrival.
             assert event.wall - stored_at <= WITHIN_S, (field, event.wall - stored_at)
-    # Text deltas may reach only streams on the replica running the turn (SPEC 3).
+    # Text deltas may reach only streams on the replica running the turn
+    # (docs/spec/api-and-streams.md).
     assert any(x.kind == "text_delta" for x in on_a.received)
     await on_a.close()
     await on_b.close()

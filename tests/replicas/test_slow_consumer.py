@@ -1,4 +1,4 @@
-"""A client that stops reading (issue 7, Done-when 3; SPEC section 3: bounded outbound
+"""A client that stops reading (docs/spec/api-and-streams.md: bounded outbound
 queues).
 
 Two ``ballet-planner serve`` processes on one PostgreSQL, with small stream queues

@@ -2,7 +2,7 @@
 
 ``FakeTracker`` is a real ``grpc.aio`` TrackerService on a free loopback port that answers
 ``GetProject`` and records the metadata of every call, so tests see what the planner
-sends as the human (SPEC section 4). Everything else a backend does belongs to the
+sends as the human (docs/spec/authority.md). Everything else a backend does belongs to the
 devstack.
 """
 
@@ -44,7 +44,7 @@ class FakeTracker(tracker_pb2_grpc.TrackerServiceServicer):  # type: ignore[misc
     address: str = ""
 
     async def GetProject(
-        self, request: tracker_pb2.GetProjectRequest, context: Any
+        self, request: tracker_pb2.GetProjectRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> tracker_pb2.GetProjectResponse:
         metadata = {
             key: value for key, value in context.invocation_metadata() if isinstance(value, str)

@@ -1,8 +1,9 @@
 """The tools end to end: ``ToolRunner`` -> ``GrpcToolBackends`` -> the real devstack.
 
-Seed: Tools and Authority; SPEC section 4 (acting for the human, the recorded actor, no
-policy, request ids) and section 5 step 5 (every failure is an error result). The devstack
-runs the built-in demo project (``devstack/demo/project.py``) on 127.0.0.1, port 0.
+docs/spec/turn-loop.md and docs/spec/authority.md (acting for the human, the
+recorded actor, no policy, request ids) and docs/spec/turn-loop.md step 5 (every failure is an error
+result). The devstack runs the built-in demo project (``devstack/demo/project.py``) on 127.0.0.1,
+port 0.
 """
 
 from __future__ import annotations
@@ -491,8 +492,9 @@ async def test_read_skill_applies_the_pin(planner: Planner) -> None:
 
 
 async def test_without_the_planner_credential_the_actor_is_not_honoured(stack: DevStack) -> None:
-    # The service credential is what makes a backend believe x-ballet-actor (SPEC 4);
-    # an empty one sends no header, as with an mTLS identity the devstack does not check.
+    # The service credential is what makes a backend believe x-ballet-actor
+    # (docs/spec/authority.md); an empty one sends no header, as with an mTLS identity the devstack
+    # does not check.
     channel = make_channel(stack.address, tls=None, insecure=False)
     try:
         backends = GrpcToolBackends(

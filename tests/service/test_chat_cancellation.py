@@ -1,5 +1,5 @@
 """A Chat RPC cancelled while its stream registers, or again during its clean-up, leaves
-no ``chat_streams`` row and no queue behind (issue 12; decision 0182).
+no ``chat_streams`` row and no queue behind (decision 0182).
 
 A planner on SQLite with the devstack; its stream store is the real one behind
 ``HeldStreamStore``, a double that holds a stream's admission after its row is committed
@@ -26,6 +26,8 @@ from ballet.planner.v1 import chat_pb2, planner_service_pb2_grpc
 from service.core.ports import OpenStream, StreamStore
 from service.server.root import PlannerApp, start_planner
 from service.server.wiring import PlannerTurns, Wiring, build_turns
+from service.transport.auth import Authenticator
+from service.transport.chat import chat
 from tests.hardening.support import Stack, eventually, open_request, start_stack
 from tests.service.planner_support import auth, planner_settings
 
@@ -80,6 +82,7 @@ class Planner:
     app: PlannerApp
     turns: PlannerTurns
     streams: HeldStreamStore
+    authenticator: Authenticator
     channel: grpc.aio.Channel
     stub: planner_service_pb2_grpc.PlannerServiceStub
 
@@ -97,22 +100,22 @@ class Planner:
 @pytest.fixture
 async def planner(tmp_path: Path) -> AsyncIterator[tuple[Stack, Planner]]:
     stack = await start_stack(tmp_path / "data")
-    built: list[tuple[PlannerTurns, HeldStreamStore]] = []
+    built: list[tuple[PlannerTurns, HeldStreamStore, Authenticator]] = []
 
     def machinery(wiring: Wiring) -> PlannerTurns:
         assert wiring.streams is not None
         held = HeldStreamStore(wiring.streams)
         turns = build_turns(dataclasses.replace(wiring, streams=held))
-        built.append((turns, held))
+        built.append((turns, held, wiring.authenticator))
         return turns
 
     settings = planner_settings(stack.data_dir, stack.devstack.address)
     app = await start_planner(settings, turn_machinery=machinery)
     channel = grpc.aio.insecure_channel(app.address)
-    turns, held = built[0]
+    turns, held, authenticator = built[0]
     stub = planner_service_pb2_grpc.PlannerServiceStub(channel)
     try:
-        yield stack, Planner(app, turns, held, channel, stub)
+        yield stack, Planner(app, turns, held, authenticator, channel, stub)
     finally:
         held.let_go()
         await channel.close()
@@ -183,7 +186,8 @@ async def test_a_chat_cancelled_again_during_its_clean_up_leaves_nothing_behind(
 
     async def handler() -> None:
         # What gRPC does with a stream-stream handler: iterate it, send each response.
-        async for response in p.turns.rpcs.chat(requests(), context):
+        responses = chat(p.turns.chat, p.authenticator, requests(), context)  # type: ignore[arg-type]
+        async for response in responses:
             if response.WhichOneof("event") == "session_opened":
                 opened.set()
 

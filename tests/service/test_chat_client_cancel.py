@@ -1,5 +1,5 @@
 """``/cancel`` typed while a message is being accepted cancels its turn as soon as the
-turn starts (issue 16, The chat client): the client knows no turn id yet, so it queues
+turn starts: the client knows no turn id yet, so it queues
 the cancel and sends it on ``message_accepted``/``turn_started``."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The terminal client's stream handling against a real planner, in process (SPEC
-section 3; docs/decisions/0051-chat-client.md).
+"""The terminal client's stream handling against a real planner, in process
+(docs/spec/api-and-streams.md and docs/decisions/0051-chat-client.md).
 
 ``start_dev`` runs the devstack and the planner on free loopback ports (the composition
 ``ballet-planner dev`` uses), so the client talks to the real Chat RPC. What a terminal

@@ -1,6 +1,6 @@
-"""Context compaction over real gRPC on the devstack (issue 5, Done-when 4 to 7).
+"""Context compaction over real gRPC on the devstack.
 
-Seed: Context compaction; SPEC section 6; decision 0060 (the edge cases). The policy
+docs/spec/compaction.md; decision 0060 (the edge cases). The policy
 itself (thresholds, the second compaction, never separating a call from its result) is
 pinned by ``tests/unit/test_turn.py`` with fakes; here the same loop runs behind the
 planner's gRPC API, with the scripted model reporting the usage each test needs, and the
@@ -117,7 +117,7 @@ def summary_block(summary: str) -> str:
     return f"<{SUMMARY_TAG}>\n{summary}\n</{SUMMARY_TAG}>"
 
 
-# --------------------------------------------------------------------------- Done-when 4
+# ---------------------------------------------------------------------------------------
 
 
 async def test_a_compaction_is_stored_streamed_and_counted(rig: Rig) -> None:
@@ -163,7 +163,7 @@ async def test_a_compaction_is_stored_streamed_and_counted(rig: Rig) -> None:
     assert await compactions_total(rig) == before + 1
 
 
-# --------------------------------------------------------------------------- Done-when 5
+# ---------------------------------------------------------------------------------------
 
 FAILURES = [
     pytest.param({"text": "too late", "delay_ms": 3000}, "MODEL_TIMEOUT", id="timeout"),
@@ -203,7 +203,7 @@ async def test_a_failed_compaction_changes_nothing_and_the_turn_completes(
     assert await compactions_total(rig) == counted
 
 
-# --------------------------------------------------------------------------- Done-when 6
+# ---------------------------------------------------------------------------------------
 
 
 async def test_only_the_current_message_is_never_compacted_and_max_rounds_bounds_it(
@@ -306,7 +306,7 @@ async def test_a_history_many_times_the_threshold_is_folded_in_one_compaction(
     assert len(await rig.transcript(session_id)) == 10 * 2 + 7 + 3
 
 
-# --------------------------------------------------------------------------- Done-when 7
+# ---------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -427,9 +427,9 @@ async def seed(rig: Rig, session_id: str, count: int, keep: int) -> None:
 
 @pytest.mark.postgres
 async def test_what_a_turn_reads_does_not_grow_with_the_transcript(pg_rig: Rig) -> None:
-    """SPEC 6 and 11 (T3): the estimate is a running total and the context is read from
-    the summary's ``up_to`` on, so a turn on 5,000 stored messages reads exactly as many
-    rows per model call as one on 100."""
+    """docs/spec/compaction.md and docs/performance.md (T3): the estimate is a running total and the
+    context is read from the summary's ``up_to`` on, so a turn on 5,000 stored messages reads
+    exactly as many rows per model call as one on 100."""
     rig = pg_rig
     rig.scenario(
         [{"match": {"last_role": "human"},

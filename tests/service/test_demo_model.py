@@ -1,4 +1,4 @@
-"""The built-in demo model shows the product (issue 16; SPEC section 10): every question
+"""The built-in demo model shows the product (devstack/gateway/scripted.py): every question
 the README suggests finds something in the demo project, a proposal becomes a changeset
 that waits for a human, skills are listed, and for anything else the model says what it
 is and suggests the project's own items, on the demo project and on an imported one."""

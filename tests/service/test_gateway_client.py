@@ -1,5 +1,5 @@
 """The planner's gateway client against the devstack gateway on a real loopback server:
-conversion, deadlines, bounded retries and error translation (SPEC section 5)."""
+conversion, deadlines, bounded retries and error translation (docs/spec/turn-loop.md)."""
 
 from __future__ import annotations
 

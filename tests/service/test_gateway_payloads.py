@@ -63,7 +63,7 @@ class HostileGateway(gateway_pb2_grpc.GatewayServiceServicer):
     address: str = ""
 
     async def Generate(
-        self, request: gateway_pb2.GenerateRequest, context: Any
+        self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[R]:
         self.requests.append(request)
         answer = self.answers[min(len(self.requests), len(self.answers)) - 1]

@@ -8,8 +8,8 @@ and oneofs, NaN scores, timestamps outside any calendar, megabytes of text, byte
 are no message, any status with any details, or no answer at all), has the model call
 the tool, and reads the turn back with ``GetTurn`` and ``ListMessages``.
 
-Properties: the turn ends as the SPEC says (``COMPLETED``: a failing tool call is an error
-result and the conversation continues; ``FAILED``/``CREDENTIAL_EXPIRED`` for an expired
+Properties: the turn ends as docs/spec/turn-loop.md says (``COMPLETED``: a failing tool call is an
+error result and the conversation continues; ``FAILED``/``CREDENTIAL_EXPIRED`` for an expired
 token); the stored result is valid JSON of at most 16 KiB, shaped as the tool's
 description says, with the normalizations of decision 0130; the error reasons follow the
 one translation table; nothing the backend said about its internals reaches the model.

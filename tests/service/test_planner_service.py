@@ -418,7 +418,7 @@ async def test_metrics_endpoint(planner: Running) -> None:
 
 
 async def test_metrics_endpoint_has_build_process_and_runtime_metrics(planner: Running) -> None:
-    # Issue 16: process and runtime metrics, and a build-info metric with the version.
+    # Process and runtime metrics, and a build-info metric with the version.
     url = f"http://{planner.app.metrics_address}/metrics"
     body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
     python = platform.python_version()

@@ -1,6 +1,6 @@
-"""Sentences of the seed (../shared/seed/planner.md), shown through the real service: the
+"""Rules of docs/spec/ (turn-loop.md, authority.md), shown through the real service: the
 planner and the devstack (backends and LLM gateway) on loopback, a scripted model, the
-results read from what the planner stored and what the gateway received (issue 16).
+results read from what the planner stored and what the gateway received.
 
 - "it answers with the model configured in [planner]": a non-default ``[planner] model``
   from a configuration file reaches the gateway and is recorded on the turn;
@@ -8,7 +8,7 @@ results read from what the planner stored and what the gateway received (issue 1
   and proposed changesets, each status gives exactly its changesets;
 - Tools, search_knowledge, "optional kind, limit": ``limit`` bounds the hits;
 - Tools, "Each tool's input ... described to the model by a JSON Schema": the model
-  request carries the twelve tools of the seed's table, each with a closed schema;
+  request carries the twelve tools of docs/spec/authority.md, each with a closed schema;
 - Limits, "Model calls ... are metered to the project": a turn's usage lands in the
   gateway's ledger under the session's project, with that project's credential.
 """
@@ -32,7 +32,7 @@ from devstack.dev import DevApp, DevOptions, start_dev
 from devstack.store.schema import changesets
 from service.config import PlannerSettings
 
-#: The seed's Tools table, in its order.
+#: The tools of docs/spec/authority.md, in its order.
 SEED_TOOLS = (
     "list_items",
     "get_item",

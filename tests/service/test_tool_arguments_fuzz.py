@@ -1,4 +1,4 @@
-"""A property-based test of every tool's arguments (issue 14, Done-when 4; decision 0131):
+"""A property-based test of every tool's arguments (decision 0131):
 ``ToolRunner`` -> ``GrpcToolBackends`` -> the real devstack backends on loopback.
 
 Hypothesis draws, for each tool, arguments shaped by its JSON Schema whose every field
@@ -338,7 +338,7 @@ async def rig(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Rig]:
         tracker=channel,
         skills=channel,
         knowledge=channel,
-        # One credential per backend, each for its own audience (issue 14).
+        # One credential per backend, each for its own audience.
         tracker_credential=lambda: stack.planner_credential(TRACKER_AUDIENCE),
         skills_credential=lambda: stack.planner_credential(SKILLS_AUDIENCE),
         knowledge_credential=lambda: stack.planner_credential(KNOWLEDGE_AUDIENCE),

@@ -1,4 +1,4 @@
-"""Tool-call identity (issue 10; SPEC section 5, Tool-call identity; decision 0111).
+"""Tool-call identity (docs/spec/turn-loop.md, Tool-call identity; decision 0111).
 
 Real OpenAI-compatible servers do not give tool calls ids the planner can trust: several
 number calls per answer (``call_0``, ``call_1``, ...) so every answer reuses the ids of

@@ -1,4 +1,4 @@
-"""Tracing through the real planner and devstack, in one process (issue 16; decision 0190).
+"""Tracing through the real planner and devstack, in one process (decision 0190).
 
 The planner and the devstack each trace under their own service name into one in-memory
 exporter; the rig is the turn tests' (real gRPC on loopback, the scripted gateway). The

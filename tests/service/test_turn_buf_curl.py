@@ -1,4 +1,4 @@
-"""A Chat driven by a client we did not write: ``buf curl`` (issue 4, Done-when 1).
+"""A Chat driven by a client we did not write: ``buf curl``.
 
 The devstack imports the real beads export (``../shared/data/tracker``) as project
 ``beads``; the scripted model reads a scenario file: it lists the epics, reads the first
@@ -12,8 +12,8 @@ when the call ends OK. It needs HTTP/2 (``--http2-prior-knowledge`` for plaintex
 gets the schema by server reflection, which the planner serves. So the test talks to it
 like a person at a terminal: it writes ``open``, waits for ``sessionOpened``, writes
 ``sendMessage``, waits for ``turnEnded``, then closes stdin; the planner keeps a
-half-closed stream open until the turn it started has ended (SPEC 3), so closing stdin
-earlier would work too.
+half-closed stream open until the turn it started has ended (docs/spec/api-and-streams.md), so
+closing stdin earlier would work too.
 
 ``buf`` is found on PATH or where CI installs it (``.venv/buf/node_modules/.bin/buf``);
 without it the test skips, except with ``CI=true``, where it fails.
@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[2]
 CI_BUF = REPO / ".venv" / "buf" / "node_modules" / ".bin" / "buf"
 CHAT = "ballet.planner.v1.PlannerService/Chat"
 
-#: The scenario file of the test (SPEC section 10): epics, then the first epic, then an
+#: The scenario file of the test (devstack/gateway/scripted.py): epics, then the first epic, then an
 #: answer that quotes what get_item returned, streamed 12 characters at a time.
 SCENARIO = {
     "comment": "buf curl drives Chat on the beads project",

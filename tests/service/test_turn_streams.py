@@ -1,5 +1,6 @@
-"""Cancel, disconnect, reopen and delete while a turn runs, over real gRPC (issue 4,
-Done-when 4 and 5; SPEC section 3 "Protocol rules", section 5 "Cancel and interruption").
+"""Cancel, disconnect, reopen and delete while a turn runs, over real gRPC
+(docs/spec/api-and-streams.md "A stream's lifecycle", docs/spec/turn-loop.md "Cancellation and
+interruption").
 
 The scripted model is held mid-answer with ``GatedSleep`` and tool calls are parked with
 the devstack's fault delays, so every "during" is a state the test waits for, never a
@@ -75,7 +76,7 @@ def rig(request: pytest.FixtureRequest) -> Iterator[Rig]:
 
 
 def deltas_text(responses: list[chat_pb2.ChatResponse]) -> str:
-    """The text the client got as deltas, stitched by offset (SPEC 3)."""
+    """The text the client got as deltas, stitched by offset (docs/spec/api-and-streams.md)."""
     text = ""
     for response in events(responses, "text_delta"):
         delta = response.text_delta
@@ -123,7 +124,7 @@ def pairs_every_call_with_its_result(request: gateway_pb2.GenerateRequest) -> No
             ], "each answer's results follow it, in call order"
 
 
-# --------------------------------------------------------------------------- Done-when 4
+# ---------------------------------------------------------------------------------------
 
 
 async def test_cancel_during_text_keeps_what_the_client_got_marked_cut(rig: Rig) -> None:
@@ -227,7 +228,7 @@ async def test_cancel_during_parallel_tool_calls_answers_every_call(rig: Rig) ->
     await nothing_left_behind(rig, tasks_before)
 
 
-# --------------------------------------------------------------------------- Done-when 5
+# ---------------------------------------------------------------------------------------
 
 
 async def test_a_client_that_disconnects_and_reopens_misses_nothing_and_sees_nothing_twice(
@@ -256,7 +257,8 @@ async def test_a_client_that_disconnects_and_reopens_misses_nothing_and_sees_not
         await second.open(session_id, after_sequence=seen[-1])
         await second.opened()
         await second.until(lambda r: r.WhichOneof("event") == "text_delta")
-        # The text so far arrives as one delta right after the replay (SPEC 3).
+        # The text so far arrives as one delta right after the replay
+        # (docs/spec/api-and-streams.md).
         assert deltas_text(second.received) == TEXT[:8]
         rig.sleep.release()
         await second.turn()
@@ -345,7 +347,8 @@ async def _read_to_the_end(stream: ChatStream) -> None:
 async def test_events_committed_while_an_open_is_checked_are_replayed(tmp_path: Path) -> None:
     """``open`` reads the session, then re-checks the project with the tracker; events
     committed in between are neither in that replay nor published to the stream yet, so
-    the replay must read on to the newest event (SPEC 3: after_sequence replays them)."""
+    the replay must read on to the newest event (docs/spec/api-and-streams.md: after_sequence
+    replays them)."""
     rig = await start_rig(tmp_path / "stack", settings={"AUTH__PROJECT_CHECK_CACHE_S": "0"})
     try:
         rig.scenario([{"reply": {"text": "late news", "delay_ms": 1}}])

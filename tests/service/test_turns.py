@@ -1,9 +1,9 @@
-"""The turn loop over real gRPC on the devstack, driven by the scripted model (issue 4).
+"""The turn loop over real gRPC on the devstack, driven by the scripted model.
 
-Seed: Planner, Instructions, Authority, Tools, Limits; SPEC sections 3, 4, 5 and 11 (T1).
-Each test sets the scripted model's rules (SPEC section 10), talks to the planner with
-its own gRPC client, and asserts on what the planner stored and streamed, on what the
-model was sent (the gateway records every request) and on what the devstack recorded.
+docs/spec/turn-loop.md, docs/spec/authority.md, docs/spec/api-and-streams.md and docs/performance.md
+(T1). Each test sets the scripted model's rules (devstack/gateway/scripted.py), talks to the planner
+with its own gRPC client, and asserts on what the planner stored and streamed, on what the model was
+sent (the gateway records every request) and on what the devstack recorded.
 
 The module shares one rig (devstack + gateway + planner on SQLite, ``max_rounds`` 3,
 ``cancel_grace`` 0.5 s, ``max_replay_events`` 10); tests that need other settings, a cold
@@ -83,7 +83,7 @@ async def pg_rig(
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def any_rig(request: pytest.FixtureRequest) -> Rig:
-    """The shared rig on SQLite, then on PostgreSQL (SPEC section 8: both are served)."""
+    """The shared rig on SQLite, then on PostgreSQL (docs/spec/storage.md: both are served)."""
     chosen: Rig = request.getfixturevalue("rig" if request.param == "sqlite" else "pg_rig")
     return chosen
 
@@ -122,7 +122,7 @@ def end_reason(responses: list[Any]) -> int:
     return reason
 
 
-# --------------------------------------------------------------------------- Done-when 2
+# ---------------------------------------------------------------------------------------
 
 ERROR_CASES = [
     pytest.param(
@@ -228,7 +228,7 @@ async def test_a_stopped_backend_and_a_slow_one_are_error_results(tmp_path: Path
         await stop_rig(rig)
 
 
-# --------------------------------------------------------------------------- Done-when 3
+# ---------------------------------------------------------------------------------------
 
 
 async def test_max_rounds_ends_the_turn_and_the_next_message_continues(rig: Rig) -> None:
@@ -260,7 +260,26 @@ async def test_max_rounds_ends_the_turn_and_the_next_message_continues(rig: Rig)
         assert not result.tool_result.is_error
 
 
-# --------------------------------------------------------------------------- Done-when 6
+# ---------------------------------------------------------------------------------------
+
+
+async def test_the_live_message_accepted_echoes_the_request_id_to_its_sender_alone(
+    any_rig: Rig,
+) -> None:
+    rig = any_rig
+    rig.scenario([{"reply": {"text": "hello"}}])
+    session_id = (await rig.create_session()).session_id
+    async with rig.chat() as sender, rig.chat() as other:
+        for stream in (sender, other):
+            await stream.open(session_id)
+            await stream.opened()
+        await sender.send("hi", "req-1")
+        (mine,) = await sender.until_kind("message_accepted")
+        (theirs,) = await other.until_kind("message_accepted")
+        await sender.turn()
+    assert mine.request_id == "req-1"
+    assert theirs.request_id == ""
+    assert mine.sequence == theirs.sequence
 
 
 async def test_the_same_request_id_twice_gives_one_message_and_one_turn(any_rig: Rig) -> None:
@@ -274,9 +293,12 @@ async def test_the_same_request_id_twice_gives_one_message_and_one_turn(any_rig:
         first = (await stream.until_kind("message_accepted"))[-1]
         await stream.send("hi", "same-id")
         received = await stream.turn()
-        again = [r for r in events(stream.received, "message_accepted") if r.request_id]
+        again = [r for r in events(stream.received, "message_accepted") if r.request_id][1:]
         if not again:
             again = await stream.until_kind("message_accepted")
+    # The live event echoes the request id to the stream that sent it, and so does the
+    # duplicate's reply.
+    assert first.request_id == "same-id"
     (duplicate,) = again
     assert duplicate.request_id == "same-id"
     assert (duplicate.sequence, duplicate.turn_id) == (first.sequence, first.turn_id)
@@ -338,7 +360,7 @@ async def test_two_streams_sending_at_once_start_exactly_one_turn(any_rig: Rig) 
     assert len(rig.requests()) == 1
 
 
-# --------------------------------------------------------------------------- Done-when 7
+# ---------------------------------------------------------------------------------------
 
 
 async def test_the_system_prompt_holds_instructions_project_and_the_pinned_skill(
@@ -358,11 +380,11 @@ async def test_the_system_prompt_holds_instructions_project_and_the_pinned_skill
     turn = await rig.get_turn(session_id, received[-1].turn_id)
     assert (turn.skill_name, turn.skill_version) == (demo.PLANNER_SKILL, "1.0.0")
     assert turn.instructions_version == prompts.INSTRUCTIONS_VERSION
-    # Tool output never reaches the system prompt (SPEC section 4, containment).
+    # Tool output never reaches the system prompt (docs/spec/authority.md, containment).
     assert all(m.role != gateway_pb2.ROLE_TOOL for m in request.messages)
 
 
-# --------------------------------------------------------------------------- Done-when 8
+# ---------------------------------------------------------------------------------------
 
 
 async def test_every_tool_call_acts_for_alice_as_the_planner_and_knowledge_is_hers(
@@ -463,7 +485,8 @@ async def test_cancel_turn_of_an_ended_turn_changes_nothing_and_of_an_unknown_on
     assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-# --------------------------------------------------------------------------- T1 (SPEC 11)
+# --------------------------------------------------------------------------- T1
+# (docs/performance.md)
 
 
 async def test_t1_a_one_round_turn_counted(tmp_path: Path) -> None:

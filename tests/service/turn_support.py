@@ -182,7 +182,7 @@ class Rig:
     """A running devstack + gateway + planner(s), and clients of the planners.
 
     ``replicas[0]`` is the planner most tests talk to; on PostgreSQL a rig may run more
-    replicas on the same database (SPEC section 3: streams attached to different
+    replicas on the same database (docs/spec/api-and-streams.md: streams attached to different
     processes). ``gateway_server`` is set when the gateway runs apart from the devstack,
     so a test can stop the tool backends and keep the model.
     """

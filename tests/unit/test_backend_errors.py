@@ -1,8 +1,9 @@
 """The one translation of backend RPC failures (docs/contributing.md), pinned as tables.
 
-``tool_failure``: what the model sees for a failed tool call (SPEC section 5 step 5).
+``tool_failure``: what the model sees for a failed tool call (docs/spec/turn-loop.md step 5).
 ``get_project``/``read_skill``: which domain error ends session creation or a turn
-(SPEC sections 4 and 5 step 2). No I/O: the errors are built as grpc.aio raises them.
+(docs/spec/authority.md and docs/spec/turn-loop.md). No I/O: the errors are built as grpc.aio raises
+them.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Outbound channels: plaintext only to loopback or when insecure (SPEC section 4)."""
+"""Outbound channels: plaintext only to loopback or when insecure (docs/spec/authority.md)."""
 
 from __future__ import annotations
 

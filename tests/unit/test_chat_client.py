@@ -1,5 +1,5 @@
-"""The terminal client's output rules (ballet_chat/render.py; SPEC sections 3 and 9):
-stitching text deltas by message id and offset, one line per tool call and result, the
+"""The terminal client's output rules (ballet_chat/render.py; docs/spec/api-and-streams.md and
+README.md): stitching text deltas by message id and offset, one line per tool call and result, the
 turn's end."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Compaction against summarizers and texts that behave like real ones (issue 13; SPEC 6;
+"""Compaction against summarizers and texts that behave like real ones (docs/spec/compaction.md;
 decisions 0170 to 0172), with in-memory fakes.
 
 The policy in pieces (which summaries are accepted, how the transcript is cut into
@@ -174,7 +174,7 @@ def message(sequence: int, kind: MessageKind, **fields: Any) -> Message:
 
 
 def test_folding_never_puts_a_call_and_its_result_in_different_chunks() -> None:
-    """Issue 13: parallel calls store their results after both calls, in completion
+    """Parallel calls store their results after both calls, in completion
     order; a chunk boundary must still fall between whole call-and-result blocks."""
     big = json.dumps({"items": [{"id": f"PAN-{i}", "title": "x" * 40} for i in range(30)]})
     messages = [
@@ -354,7 +354,7 @@ def summarizer(reply: dict[str, Any], turn_usage: tuple[int, int] = (900, 10)) -
 async def test_a_rejected_summary_changes_nothing_but_the_turns_compaction_usage(
     reply: dict[str, Any], reason: str
 ) -> None:
-    """Done-when 1 at the unit level: summary, ``up_to`` and the compactions count are
+    """Summary, ``up_to`` and the compactions count are
     unchanged, one failure is counted with its reason, no second try in the turn, the
     turn goes on uncompacted, and the metered usage of the call is on the turn."""
     rig = make(summarizer(reply), compact_at_tokens=500)
@@ -401,7 +401,7 @@ async def test_a_chunk_rejected_mid_fold_stores_nothing_and_keeps_every_calls_us
 
 
 async def test_without_usage_the_estimate_keeps_the_fixed_prompt_after_a_compaction() -> None:
-    """Issue 13: after a compaction the estimate is the fixed prompt (instructions,
+    """After a compaction the estimate is the fixed prompt (instructions,
     project, tool declarations) and the summary at their size, plus what follows; an
     earlier version left the fixed prompt out until the next answer reported usage."""
 
@@ -454,7 +454,7 @@ def changeset(changeset_id: str, recorded_by: str, title: str = "Split PAN-4") -
 
 
 async def test_pending_changesets_are_listed_outside_the_summary_after_a_compaction() -> None:
-    """Done-when 5 at the unit level: the summary never mentions cs-mine, the next
+    """The summary never mentions cs-mine, the next
     request still names it, with its title and operations in brief; other sessions'
     proposals are not listed; before any compaction nothing is read."""
     rig = make(summarizer({"text": A_SUMMARY, "usage": (500, 30)}), compact_at_tokens=500)
@@ -509,8 +509,8 @@ async def test_the_summary_is_never_sent_in_the_humans_role() -> None:
 
 
 async def test_a_cancel_ends_a_turn_whose_pending_changesets_read_hangs() -> None:
-    """SPEC 3: a cancel takes effect within a second; a tracker that never answers the
-    pending-changesets read (after a compaction) must not hold the turn."""
+    """docs/spec/api-and-streams.md: a cancel takes effect within a second; a tracker that never
+    answers the pending-changesets read (after a compaction) must not hold the turn."""
     rig = make(summarizer({"text": A_SUMMARY, "usage": (500, 30)}), compact_at_tokens=500)
     await rig.run("first")
     rig.backends.hold_changesets = asyncio.Event()

@@ -1,7 +1,7 @@
 """The conversation kept between model calls (service.core.conversation) and the
 messages' encodings kept by the gateway client (service.adapters.gateway): both give
 exactly what converting everything again gives, and reuse only what cannot have
-changed (issue 15: a turn's cost must not grow with the session's earlier turns)."""
+changed."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The calibrated token estimator against cl100k (issue 13, Done-when 3; decision 0171).
+"""The calibrated token estimator against cl100k (decision 0171).
 
 The reference counts were made once with tiktoken's cl100k_base and are kept beside the
 samples (``token_samples/README.md`` says how); here the estimator must stay within 15%
@@ -26,7 +26,7 @@ from service.core.tools import declarations
 
 SAMPLES = Path(__file__).parent / "token_samples"
 REFERENCE = json.loads((SAMPLES / "reference_counts.json").read_text(encoding="utf-8"))
-#: The classes issue 13 names; the reference holds more.
+#: The classes the estimate must hold to; the reference holds more.
 REQUIRED = {"English prose", "JSON tool output", "Python code", "Chinese prose", "Japanese prose"}
 
 
@@ -76,5 +76,6 @@ def test_empty_text_costs_nothing_and_a_compaction_marker_is_not_sent() -> None:
 
 
 def test_the_twelve_tool_declarations_are_thousands_of_tokens() -> None:
-    """The fixed part of every request the estimate must never leave out (SPEC 6)."""
+    """The fixed part of every request the estimate must never leave out
+    (docs/spec/compaction.md)."""
     assert 2_000 < declarations_tokens(declarations()) < 8_000

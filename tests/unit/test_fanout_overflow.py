@@ -1,4 +1,5 @@
-"""A stream queue that overflows (SPEC section 3: bounded outbound queues; decision 0011).
+"""A stream queue that overflows (docs/spec/api-and-streams.md: bounded outbound queues; decision
+0011).
 
 The stream ends ``RESOURCE_EXHAUSTED``/``SLOW_CONSUMER`` and the client reopens with
 ``after_sequence``; the ErrorInfo's ``last_sequence`` must be what the stream actually

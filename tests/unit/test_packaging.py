@@ -1,4 +1,4 @@
-"""Packaging (issue 16): an SPDX license expression and the LICENSE file, runtime
+"""Packaging: an SPDX license expression and the LICENSE file, runtime
 dependencies with tested upper bounds, and ``ballet-planner --version``."""
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""The names the peer benchmark (``../shared/tools/peerbench``, SPEC 11 T7) imports from
+"""The names the peer benchmark (``../shared/tools/peerbench``, docs/performance.md T7) imports from
 this project stay importable: it runs LangGraph and the Agents SDK on the planner's own
 request shapes and tool results, so a rename here would break the comparison silently
 until the next benchmark run.
 
 Its token and credential imports (``service.tokens``, ``service.server.credentials``) are not
-kept: issue 14 moved the token code to ``ballet_common.tokens`` and gave the planner one
+kept: the token code moved to ``ballet_common.tokens`` and gave the planner one
 credential per dependency, which each dependency alone accepts (decisions 0153, 0157), so
 the benchmark's single credential for the gateway and the tracker must change with it.
 """

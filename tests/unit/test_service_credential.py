@@ -1,4 +1,4 @@
-"""The planner's own service credentials (issue 14): one per dependency audience,
+"""The planner's own service credentials: one per dependency audience,
 dev-minted by the service-token issuer, read from a file, or none (mTLS)."""
 
 from __future__ import annotations

@@ -437,7 +437,7 @@ async def _raises_invalid(awaitable: Any) -> Any:
 
 
 async def test_a_human_who_lost_the_project_gets_not_found_from_every_session_use() -> None:
-    # Issue 14: not only ListMessages and Chat: every read and change re-checks (cached).
+    # Not only ListMessages and Chat: every read and change re-checks (cached).
     world = World()
     session = await world.create()
     sid = session.session_id

@@ -140,7 +140,7 @@ def test_a_partial_override_of_a_table_keeps_its_other_keys(
 ) -> None:
     """Every table, nested ones included, starts from its own defaults: setting one key
     of ``[dependencies.gateway]`` once reset the gateway channel's 32 MiB limit to the
-    4 MiB of a plain channel (issue 11)."""
+    4 MiB of a plain channel."""
     *tables, key = dotted.split(".")
     if source == "environment":
         variable = "BALLET_PLANNER__" + "__".join(part.upper() for part in dotted.split("."))
@@ -329,7 +329,8 @@ def test_a_database_url_of_another_engine_is_refused() -> None:
 
 
 def test_a_grace_period_that_cannot_hold_the_writes_grace_is_refused() -> None:
-    """SPEC 8 and 5 together (decision 0181): a shutdown gives started writes their
+    """docs/spec/operations.md and docs/spec/turn-loop.md together (decision 0181): a shutdown gives
+    started writes their
     ``planner.cancel_grace`` and still stores every turn's end, so ``server.grace_s``
     must leave room for both; the error names both keys."""
     message = error_of(

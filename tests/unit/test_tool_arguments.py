@@ -1,4 +1,5 @@
-"""Tool arguments that cannot reach an internal error (issue 14; SPEC sections 5 and 8).
+"""Tool arguments that cannot reach an internal error (docs/spec/turn-loop.md and
+docs/spec/limits.md).
 
 Integral numbers written ``10.0`` are the integers they denote (decision 0131); numbers
 beyond what the backend's field holds, non-integral numbers, lone surrogates and deep

@@ -1,6 +1,6 @@
-"""The declared tools and the implemented ones cannot differ (issue 10).
+"""The declared tools and the implemented ones cannot differ.
 
-Declared: the seed's Tools table and what ``declarations()`` offers the model.
+Declared: the tools of docs/spec/authority.md and what ``declarations()`` offers the model.
 Implemented: the ``Tool`` units (schema and run function), the ``ToolBackends`` methods
 they call, and the gRPC adapter behind the port. (The run-time proof that the adapter
 answers every tool is ``tests/service/test_backends.py::test_every_tool_once_on_the_devstack``.)
@@ -24,7 +24,7 @@ from service.core.tools import TOOLS, TOOLS_BY_NAME, Tool, ToolContext, ToolRunn
 from tests.unit.fakes import FakeBackends
 from tests.unit.test_tools import VALID_ARGUMENTS
 
-#: The seed's Tools table, in its order (seed: Tools).
+#: The tools of docs/spec/authority.md, in its order (docs/spec/turn-loop.md).
 SEED_TOOLS = (
     "list_items",
     "get_item",

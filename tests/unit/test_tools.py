@@ -1,4 +1,4 @@
-"""The twelve tools and the runner's checks (seed: Tools, Authority; SPEC sections 4, 5).
+"""The twelve tools and the runner's checks (docs/spec/turn-loop.md and docs/spec/authority.md).
 
 The backends are the hand-written in-memory ``FakeBackends`` (tests/unit/fakes.py), which
 records every call, so each test can show that a refused call never reached a backend.
@@ -55,7 +55,7 @@ ACTING = Acting(human_id="alice", organization_id="acme", token="tok", session_i
 #: Bump TOOL_SCHEMA_VERSION and record the new fingerprint when the tools change.
 FINGERPRINTS = {
     "tools-2026-11-1": "54f0867bcd7895d2b84c2541d960c9e5479aa0899c9f2d8d4045cb038b2c9be8",
-    # update_knowledge's version got its int64 maximum (issue 14).
+    # update_knowledge's version got its int64 maximum.
     "tools-2026-12-1": "d33f11eeb47aa2403c80c5b54f3d1a2bd9ad581adc2b3c37da0cb4605550e01c",
 }
 

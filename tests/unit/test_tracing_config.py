@@ -1,4 +1,4 @@
-"""Tracing's configuration (issue 16; decision 0190): the standard ``OTEL_*`` variables,
+"""Tracing's configuration (decision 0190): the standard ``OTEL_*`` variables,
 off unless an endpoint or an exporter is named, and off at no cost."""
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def test_an_otlp_grpc_endpoint_is_accepted(endpoint: str) -> None:
 def test_an_endpoint_the_exporter_cannot_use_is_refused_naming_the_variable(
     variable: str, endpoint: str, problem: str
 ) -> None:
-    """It used to be accepted silently: every export then failed, unseen (issue 16)."""
+    """It used to be accepted silently: every export then failed, unseen."""
     with pytest.raises(TracingConfigError, match=f"^{variable}=.*{problem}"):
         exporters_wanted({variable: endpoint})
 

@@ -149,7 +149,7 @@ async def test_rpc_errors_maps_exceptions_and_never_swallows_cancellation() -> N
 
 @pytest.mark.parametrize("char", ["x", "\u00e9", "\U0001f3ad"])
 def test_whatever_raised_it_an_error_on_the_wire_is_bounded(char: str) -> None:
-    # Issue 14: a 1 MiB identifier quoted by some error must not break the metadata limit.
+    # A 1 MiB identifier quoted by some error must not break the metadata limit.
     # Found by the property test: 1,000 emoji in an update_mask path made a 12 KiB
     # percent-encoded grpc-message, which the client reported as RESOURCE_EXHAUSTED.
     huge = char * (1024 * 1024)

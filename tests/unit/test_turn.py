@@ -1,7 +1,7 @@
 """The turn loop with in-memory fakes: rounds, limits, cancel, compaction, recovery.
 
 The service tier runs the same behaviours on the devstack over gRPC; here each rule of
-SPEC sections 5 and 6 is pinned quickly and deterministically.
+docs/spec/turn-loop.md and docs/spec/compaction.md is pinned quickly and deterministically.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def one_round(request: ModelRequest) -> dict[str, Any]:
 async def test_one_round_turn_makes_three_commits_and_two_model_calls() -> None:
     # Three: the message with the turn; the answer, its read call and the call's result
     # (decision 0114: a round of reads is stored with its first result); the final
-    # answer with the end. SPEC 11 (T1) allows four, issue 15 asks for three.
+    # answer with the end. docs/performance.md (T1) allows four; decision 0114 makes it three.
     rig = make_rig(one_round)
     turn_id = await rig.run("list the epics")
     turn = rig.store.turns[turn_id]

@@ -1,5 +1,5 @@
-"""``TurnService.stop``: the graceful shutdown of a replica's turns (SPEC section 8;
-issue 12; decision 0181), with in-memory fakes.
+"""``TurnService.stop``: the graceful shutdown of a replica's turns (docs/spec/operations.md;
+decision 0181), with in-memory fakes.
 
 Turns end on their own while the grace period leaves room; the rest are stopped
 ``INTERRUPTED``, a started write getting ``cancel_grace``; a run that does not store its

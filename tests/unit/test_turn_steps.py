@@ -1,4 +1,4 @@
-"""The turn as a sequence of steps (issue 10; SPEC section 5; decision 0110).
+"""The turn as a sequence of steps (docs/spec/turn-loop.md; decision 0110).
 
 ``TurnService(on_step=...)`` reports every step each turn takes; these tests pin the
 sequences the step machine goes through for each way a turn can end, with in-memory

@@ -1,5 +1,5 @@
-"""The store's units of work run where no caller's cancellation reaches them (issue 12;
-decision 0180): ``service.adapters.store.work``."""
+"""The store's units of work run where no caller's cancellation reaches them (decision 0180):
+``service.adapters.store.work``."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 - ``tables``: the schema (SQLAlchemy Core); ``migrations/``: Alembic revisions of it.
 - ``engine``: ``make_engine`` for PostgreSQL (psycopg 3) and SQLite (aiosqlite).
 - ``repository``: ``SqlSessionStore``, the core's ``SessionStore`` port.
-- ``migrate``: ``migrate(url)`` and ``schema_status(...)`` (SPEC section 8).
+- ``migrate``: ``migrate(url)`` and ``schema_status(...)`` (docs/spec/storage.md).
 - ``errors``: the one place database errors are translated.
 """
 

@@ -1,9 +1,9 @@
-"""What the model sees of each session, kept in memory between turns (issue 15; decision
+"""What the model sees of each session, kept in memory between turns (decision
 0113).
 
 A turn starts by loading its session's context (the session and the messages after the
-summary, SPEC 6). The replica that ran the session's last turn already holds it: this
-cache keeps each session's snapshot as this process's store wrote it, and every unit of
+summary, docs/spec/compaction.md). The replica that ran the session's last turn already holds it:
+this cache keeps each session's snapshot as this process's store wrote it, and every unit of
 work of the store moves it forward. An entry is trusted only while it is provably
 current: a unit of work that numbers events from sequence ``n + 1`` applies to an entry
 whose last sequence is ``n``, and drops any other entry of that session. So another

@@ -1,6 +1,6 @@
 """Async engines for the planner's database: PostgreSQL (psycopg 3) or SQLite (aiosqlite).
 
-SPEC section 8: PostgreSQL in production, SQLite as the embedded single-process default
+docs/spec/limits.md: PostgreSQL in production, SQLite as the embedded single-process default
 for ``dev`` and first runs.
 
 SQLite needs care to behave like a database with concurrent writers in one process:
@@ -42,7 +42,7 @@ def is_postgresql(engine: AsyncEngine) -> bool:
 
 def prepare_sqlite_file(url: str) -> None:
     """Create the SQLite file of ``url`` ``0600`` (its directory ``0700`` when made here)
-    before SQLite opens it, whatever the umask: it holds transcripts (issue 14). SQLite
+    before SQLite opens it, whatever the umask: it holds transcripts. SQLite
     gives its WAL and journal files the database file's mode. An existing file is left
     as it is, but checked: raises ``DatabaseFileError`` (one line naming the file) when it
     is not a SQLite database or is damaged. A ``:memory:`` database and other engines are

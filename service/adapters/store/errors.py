@@ -1,4 +1,4 @@
-"""Database errors, translated in one place (STYLE: Cosmic Python and advanced-alchemy).
+"""Database errors, translated in one place (docs/contributing.md).
 
 ``translated()`` wraps every unit of work of the store:
 
@@ -7,7 +7,7 @@
   PostgreSQL deadlock or serialization failure): ``StoreUnavailable``. Nothing was
   stored, and the caller may retry.
 - a violation of ``uq_turns_one_running``: ``FailedPrecondition``/``TURN_IN_PROGRESS``
-  (SPEC 3: the loser of the race between two replicas stores nothing).
+  (docs/spec/api-and-streams.md: the loser of the race between two replicas stores nothing).
 - a violation of an AIP-155 request-id key: ``RequestIdTaken``, which the repository
   answers by re-reading the original request (a duplicate, or ``REQUEST_ID_REUSED``).
 - a NUL character in a text value, which PostgreSQL cannot store:

@@ -1,4 +1,4 @@
-"""Schema migrations, run from code (SPEC section 8).
+"""Schema migrations, run from code (docs/spec/storage.md).
 
 With SQLite, ``serve`` migrates its own schema; with PostgreSQL ``ballet-planner migrate``
 runs as a job, and ``serve`` refuses to start while ``schema_status(...).behind``.

@@ -1,4 +1,5 @@
-"""``SqlSessionStore``: the core's ``SessionStore`` port on SQLAlchemy Core (SPEC 3, 5, 8).
+"""``SqlSessionStore``: the core's ``SessionStore`` port on SQLAlchemy Core
+(docs/spec/api-and-streams.md, docs/spec/turn-loop.md and docs/spec/storage.md).
 
 One unit of work per method: a write runs in one ``engine.begin()`` transaction, a read on
 a read-only connection (``engine.read_only``), never shared between tasks. Database errors
@@ -225,8 +226,9 @@ class SqlSessionStore:
     async def list_sessions(
         self, query: SessionQuery
     ) -> tuple[list[Session], SessionCursor | None]:
-        """One page of a project's sessions, newest first, ties by id descending (SPEC 3,
-        AIP-158 keyset pagination), and the cursor of the next page (None: last page).
+        """One page of a project's sessions, newest first, ties by id descending
+        (docs/spec/api-and-streams.md, AIP-158 keyset pagination), and the cursor of the next page
+        (None: last page).
 
         ``owner_id`` None lists every owner's (service principals). Raises
         ``ValueError`` when ``page_size`` < 1 (the transport applies the default).
@@ -281,8 +283,8 @@ class SqlSessionStore:
 
     async def delete_session(self, session_id: str) -> bool:
         """Remove the session with its messages, events, turns and idempotency keys, in
-        one transaction (SPEC 3, ``DeleteSession``; the foreign keys cascade). False when
-        it did not exist.
+        one transaction (docs/spec/api-and-streams.md, ``DeleteSession``; the foreign keys cascade).
+        False when it did not exist.
 
         With ``notify``, other replicas hear ``'<session_id> -1 <replica_id>'`` on the
         events channel (their streams end with NOT_FOUND) and the running turn's id, if
@@ -333,7 +335,7 @@ class SqlSessionStore:
         self, session_id: str, after_sequence: int, limit: int
     ) -> list[Message]:
         """Up to ``limit`` messages with a sequence above ``after_sequence``, in sequence
-        order (SPEC 3, ``ListMessages``)."""
+        order (docs/spec/api-and-streams.md, ``ListMessages``)."""
         stmt = (
             select(messages)
             .where(messages.c.session_id == session_id, messages.c.sequence > after_sequence)
@@ -348,8 +350,9 @@ class SqlSessionStore:
         self, session_id: str, after_sequence: int, limit: int
     ) -> list[SessionEvent]:
         """Up to ``limit`` session events with a sequence above ``after_sequence``, in
-        order (SPEC 3, replay), each as it was stored: message events with their message
-        (joined from ``messages`` on the same sequence), the others with their payload."""
+        order (docs/spec/api-and-streams.md, replay), each as it was stored: message events with
+        their message (joined from ``messages`` on the same sequence), the others with their
+        payload."""
         stmt = (
             units.select_events()
             .where(
@@ -372,7 +375,8 @@ class SqlSessionStore:
 
     def load_context(self, session_id: str) -> Awaitable[ContextSnapshot | None]:
         """The session and the messages after its summary's ``up_to``, in sequence order
-        (SPEC 6; T1: no message older than the summary is read). None when it is gone.
+        (docs/spec/compaction.md; T1: no message older than the summary is read). None when it is
+        gone.
 
         Served from the context cache when this process's own units of work have kept
         it current (decision 0113): a finished future, no task and no connection (a turn
@@ -435,7 +439,8 @@ class SqlSessionStore:
         self, *, owner: str | None = None, lease_expired_before: datetime | None = None
     ) -> list[Turn]:
         """Running turns, oldest first; only ``owner``'s, or only those whose lease
-        expired before ``lease_expired_before`` (the sweeper, SPEC 5), when given."""
+        expired before ``lease_expired_before`` (the sweeper, docs/spec/turn-loop.md), when
+        given."""
         stmt = select(turns).where(IS_RUNNING)
         if owner is not None:
             stmt = stmt.where(turns.c.owner == owner)
@@ -447,8 +452,8 @@ class SqlSessionStore:
         return [codec.turn_from_row(row) for row in rows]
 
     async def start_turn(self, start: TurnStart) -> TurnStartOutcome:
-        """Store the human message and open the turn, in one transaction (SPEC 3 and 5,
-        step 1).
+        """Store the human message and open the turn, in one transaction
+        (docs/spec/api-and-streams.md and docs/spec/turn-loop.md).
 
         The session row is locked first, then, in the port's order: the (session,
         request_id) duplicate check (same ``request_hash``: DUPLICATE with the original
@@ -456,7 +461,7 @@ class SqlSessionStore:
         ``InvalidArgument``/``REQUEST_ID_REUSED``); a running turn whose lease holds at
         ``start.now``: ``FailedPrecondition``/``TURN_IN_PROGRESS``, one whose lease
         expired: EXPIRED_TURN; the running-turn limits, counting turns whose lease holds
-        (SPEC 8): ``ResourceExhausted``/``TOO_MANY_TURNS`` with ``retry_after_s``. A
+        (docs/spec/limits.md): ``ResourceExhausted``/``TOO_MANY_TURNS`` with ``retry_after_s``. A
         missing session raises ``NotFound``/``SESSION_NOT_FOUND``. Every outcome but
         STARTED stores nothing.
 
@@ -491,7 +496,7 @@ class SqlSessionStore:
 
     async def commit(self, commit: TurnCommit) -> list[SessionEvent]:
         """Apply one ``TurnCommit`` in one transaction and return its events, numbered
-        (SPEC 5; T1: at most 4 per one-round turn).
+        (docs/spec/turn-loop.md; T1: at most 4 per one-round turn).
 
         Conditions (``StoreConflict``, nothing stored, when one fails): the session exists,
         the turn exists in it and is RUNNING; ``owner``, when set, owns it;
@@ -538,7 +543,7 @@ class SqlSessionStore:
         return 0 if row is None else int(row.last_sequence)
 
     async def renew_lease(self, turn_id: str, owner: str, until: datetime) -> LeaseStatus:
-        """Extend the lease of a running turn ``owner`` holds to ``until`` (SPEC 5).
+        """Extend the lease of a running turn ``owner`` holds to ``until`` (docs/spec/turn-loop.md).
 
         ``held`` false: the turn ended, another replica took it over, or it is gone;
         ``cancel_requested`` tells the owner a cancel arrived (a notification may have
@@ -559,8 +564,8 @@ class SqlSessionStore:
 
     async def request_cancel(self, turn_id: str) -> Turn | None:
         """Flag a running turn cancelled and, with ``notify``, send its id on the cancel
-        channel in the same transaction (SPEC 3, ``CancelTurn``: the owner, on any
-        replica, stops it within 1 s). Returns the turn as stored: an ended turn
+        channel in the same transaction (docs/spec/api-and-streams.md, ``CancelTurn``: the owner, on
+        any replica, stops it within 1 s). Returns the turn as stored: an ended turn
         unchanged, None for an unknown one."""
         stmt = (
             update(turns)

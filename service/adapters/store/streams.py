@@ -1,4 +1,4 @@
-"""``SqlStreamStore``: the core's ``StreamStore`` port on SQLAlchemy Core (SPEC section 8).
+"""``SqlStreamStore``: the core's ``StreamStore`` port on SQLAlchemy Core (docs/spec/limits.md).
 
 Open Chat streams are rows of ``chat_streams``; each replica's heartbeat lease is a row of
 ``planner_replicas`` (docs/decisions/0080-cross-replica-stream-count.md). A stream

@@ -1,10 +1,12 @@
-"""The planner's SQL schema as SQLAlchemy Core tables (SPEC sections 3, 5 and 8).
+"""The planner's SQL schema as SQLAlchemy Core tables (docs/spec/api-and-streams.md,
+docs/spec/turn-loop.md and docs/spec/storage.md).
 
 Six tables, all keyed by text ids the planner generates:
 
 - ``sessions``: one row per session, with the compaction summary, the per-session event
-  counter ``last_sequence`` (SPEC 3: from 1, no gaps, no reuse), the running context
-  estimate (SPEC 6) and the AIP-155 key of the ``CreateSession`` that made it.
+  counter ``last_sequence`` (docs/spec/api-and-streams.md: from 1, no gaps, no reuse), the running
+  context estimate (docs/spec/compaction.md) and the AIP-155 key of the ``CreateSession`` that made
+  it.
 - ``messages``: the transcript, keyed by (session, sequence); ``size_bytes`` is
   ``Message.size_bytes()`` so a page of ``ListMessages`` is sized without re-encoding
   text.
@@ -12,15 +14,15 @@ Six tables, all keyed by text ids the planner generates:
   events keep their text only in ``messages`` (joined on the same key when read);
   ``data`` holds the JSON of the event's ``EventData`` payload, NULL when it has none.
 - ``turns``: one row per turn, with its AIP-155 request id, the replica that owns it and
-  its lease (SPEC 5, "Ownership and recovery").
+  its lease (docs/spec/turn-loop.md, "Ownership and recovery").
 - ``planner_replicas`` and ``chat_streams``: each replica's heartbeat lease and the Chat
-  streams open on it, for the per-human stream limit across replicas (SPEC 8).
+  streams open on it, for the per-human stream limit across replicas (docs/spec/limits.md).
 
 Unique keys carry the concurrency rules: the partial index ``uq_turns_one_running`` (one
 running turn per session, across replicas) and the AIP-155 request-id keys (for
 sessions a partial index that ignores the empty id, since creating a session through
 Chat ``open`` may carry none). Deleting a session cascades to its messages, events and
-turns, and so to its idempotency keys (SPEC 3, ``DeleteSession``).
+turns, and so to its idempotency keys (docs/spec/api-and-streams.md, ``DeleteSession``).
 
 Timestamps are timezone-aware UTC in Python on both dialects (``UtcDateTime``).
 Migrations (``migrations/versions``) create exactly this schema; a test compares them.
@@ -127,10 +129,10 @@ sessions = Table(
     Column("update_time", UtcDateTime, nullable=False),
     _text("summary"),
     _count("summary_up_to"),
-    # The per-session event counter: the last sequence assigned (SPEC 3).
+    # The per-session event counter: the last sequence assigned (docs/spec/api-and-streams.md).
     _count("last_sequence"),
-    # The context estimate (SPEC 6): reported usage, NULL when none is known yet, and
-    # the estimated tokens of what was stored since (decision 0171).
+    # The context estimate (docs/spec/compaction.md): reported usage, NULL when none is known yet,
+    # and the estimated tokens of what was stored since (decision 0171).
     Column("context_base_tokens", BigInteger, nullable=True),
     _count("context_pending_tokens"),
     _text("create_request_id"),
@@ -149,7 +151,8 @@ Index(
     postgresql_where=HAS_CREATE_REQUEST_ID,
     sqlite_where=HAS_CREATE_REQUEST_ID,
 )
-# ListSessions: a project's sessions, newest first, ties by id (SPEC 3), keyset-paged.
+# ListSessions: a project's sessions, newest first, ties by id (docs/spec/api-and-streams.md),
+# keyset-paged.
 Index(
     "ix_sessions_project_id_create_time_session_id",
     sessions.c.project_id,
@@ -172,7 +175,7 @@ messages = Table(
         ForeignKey(sessions.c.session_id, ondelete="CASCADE"),
         primary_key=True,
     ),
-    # The sequence of the session event that stored the message (SPEC 3).
+    # The sequence of the session event that stored the message (docs/spec/api-and-streams.md).
     Column("sequence", BigInteger, primary_key=True, autoincrement=False),
     Column("message_id", Text, nullable=False, unique=True),
     _text("turn_id", default=None),
@@ -191,7 +194,7 @@ messages = Table(
     Column("usage_output_tokens", BigInteger, nullable=True),
     _count("up_to"),
     _count("estimated_tokens"),
-    # Message.size_bytes(): what the model sees of it, in UTF-8 bytes (SPEC 6).
+    # Message.size_bytes(): what the model sees of it, in UTF-8 bytes (docs/spec/compaction.md).
     _count("size_bytes"),
     # Added by migration 0003 (hence after the others): why an answer did not end
     # normally, and the id the provider gave a tool call (tool_call_id is the planner's).
@@ -250,14 +253,15 @@ turns = Table(
     _text("skill_name"),
     _text("skill_version"),
     _text("model"),
-    # The replica running the turn and until when its lease holds (SPEC 5).
+    # The replica running the turn and until when its lease holds (docs/spec/turn-loop.md).
     _text("owner"),
     Column("lease_expires_at", UtcDateTime, nullable=True),
     _flag("cancel_requested"),
     CheckConstraint(f"state IN ('{RUNNING}', '{ENDED}')", name="state"),
-    # AIP-155 keys of SendMessage, per session, for the life of the session (SPEC 3).
-    # Turns always have one (the request id is required), so the key is not partial and
-    # also serves every lookup of a session's turns, e.g. the cascade of a delete.
+    # AIP-155 keys of SendMessage, per session, for the life of the session
+    # (docs/spec/api-and-streams.md). Turns always have one (the request id is required), so the key
+    # is not partial and also serves every lookup of a session's turns, e.g. the cascade of a
+    # delete.
     UniqueConstraint("session_id", "request_id"),
 )
 
@@ -266,8 +270,9 @@ turns = Table(
 #: parameter does not once the statement is prepared with a generic plan.
 IS_RUNNING = turns.c.state == literal_column(f"'{RUNNING}'")
 
-# One running turn per session, across replicas (SPEC 3 and 5): the loser of a race
-# between two replicas fails here even if both passed the check.
+# One running turn per session, across replicas (docs/spec/api-and-streams.md and
+# docs/spec/turn-loop.md): the loser of a race between two replicas fails here even if both passed
+# the check.
 Index(
     "uq_turns_one_running",
     turns.c.session_id,
@@ -275,9 +280,9 @@ Index(
     postgresql_where=IS_RUNNING,
     sqlite_where=IS_RUNNING,
 )
-# The sweeper: running turns whose lease expired (SPEC 5).
+# The sweeper: running turns whose lease expired (docs/spec/turn-loop.md).
 Index("ix_turns_state_lease_expires_at", turns.c.state, turns.c.lease_expires_at)
-# Start-up recovery of a replica's own turns, and the running-turn limits (SPEC 8).
+# Start-up recovery of a replica's own turns, and the running-turn limits (docs/spec/limits.md).
 for _column in (turns.c.owner, turns.c.human_id, turns.c.project_id):
     Index(
         f"ix_turns_running_{_column.name}",
@@ -286,7 +291,7 @@ for _column in (turns.c.owner, turns.c.human_id, turns.c.project_id):
         sqlite_where=IS_RUNNING,
     )
 
-# The cross-replica count of open Chat streams (SPEC 8: at most 16 per human;
+# The cross-replica count of open Chat streams (docs/spec/limits.md: at most 16 per human;
 # docs/decisions/0080-cross-replica-stream-count.md). A replica's heartbeat keeps its
 # lease; its streams count only while the lease holds, and forgetting a replica whose
 # lease lapsed (a SIGKILL) cascades to its streams.

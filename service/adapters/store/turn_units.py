@@ -3,7 +3,8 @@
 ``SqlTurnUnits`` opens a turn and commits a turn's events on an open transaction
 (SQLite, and the SQLAlchemy path of PostgreSQL); ``service/adapters/store/pg.py`` does
 the same on PostgreSQL with one server-side function call each (decision 0113). Both
-number events the same way (SPEC 3: per session, from 1, no gaps, no reuse): one
+number events the same way (docs/spec/api-and-streams.md: per session, from 1, no gaps, no reuse):
+one
 ``UPDATE sessions SET last_sequence = last_sequence + n ... RETURNING last_sequence`` in
 the transaction that stores the events, which takes the session row's lock, so the
 writers of one session queue there and a rolled-back transaction gives its numbers back.
@@ -107,7 +108,7 @@ def checked_start(start: TurnStart) -> int:
     turn = start.turn
     utc(start.now)
     if not turn.request_id:
-        raise ValueError("a turn needs its request_id (SPEC 3: required on send_message)")
+        raise ValueError("a turn needs its request_id (required on send_message)")
     if turn.state is not TurnState.RUNNING:
         raise ValueError(f"a new turn must be running, not {turn.state.value}")
     check_events(turn.session_id, turn.turn_id, start.events)
@@ -142,7 +143,8 @@ def utc(moment: datetime) -> datetime:
 
 
 def message_tokens(events: Iterable[SessionEvent]) -> int:
-    """The estimated tokens of the messages ``events`` store (SPEC 6; decision 0171)."""
+    """The estimated tokens of the messages ``events`` store (docs/spec/compaction.md; decision
+    0171)."""
     return messages_tokens(event.message for event in events if event.message is not None)
 
 
@@ -153,7 +155,7 @@ def numbered(events: Sequence[SessionEvent], last_sequence: int) -> list[Session
 
 
 def too_many_turns(scope: str, limits: RunningLimits) -> ResourceExhausted:
-    """The refusal of a start over the running-turn limit of ``scope`` (SPEC 8)."""
+    """The refusal of a start over the running-turn limit of ``scope`` (docs/spec/limits.md)."""
     if scope == "human":
         message = f"at most {limits.per_human} turns may run at once for one human"
     else:

@@ -1,5 +1,5 @@
 """Units of work the store owns, so that no caller's cancellation reaches a connection
-(issue 12; decision 0180).
+(decision 0180).
 
 A unit of work holds a pooled connection from its first statement to its commit or
 rollback. Cancelled inside, it has to run more awaits to give the connection back

@@ -1,7 +1,7 @@
 """The built-in planner instructions and summary instructions, versioned text.
 
 A change of wording is a new file (``instructions-vN.md``), so each turn records exactly
-which text the model saw (SPEC section 5 step 2).
+which text the model saw (docs/spec/turn-loop.md step 2).
 """
 
 from __future__ import annotations

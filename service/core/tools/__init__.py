@@ -1,10 +1,10 @@
-"""The planner's twelve tools (seed: Tools) and the runner that validates and runs them.
+"""The planner's twelve tools (docs/spec/turn-loop.md) and the runner that validates and runs them.
 
-A tool is one unit (``unit.Tool``): name, description, JSON Schema, the seed's Needs
+A tool is one unit (``unit.Tool``): name, description, JSON Schema, the permissions it
 permissions, whether it writes, the backend RPCs it makes and the shape of its output,
 side by side in ``tracker``, ``skills`` and ``knowledge``. ``registry`` lists the twelve
-in the seed's order; ``runner`` holds the checks around a call (validation, policy
-refusal, write cap, deadline) and ``cut`` the 16 KiB cut.
+in the order of docs/spec/authority.md; ``runner`` holds the checks around a call (validation,
+policy refusal, write cap, deadline) and ``cut`` the 16 KiB cut.
 
 What the model gets back is always JSON text: the tool's own shape, documented in its
 description (our shapes, not protobuf JSON; optional fields written ``name?`` are left
@@ -12,7 +12,7 @@ out when empty), ``{"error": {"reason": "<UPPER_SNAKE>", "message": "<for the mo
 with the reasons of ``service.core.errors.ToolFailure``, or, too large,
 ``{"truncated": true, "original_bytes": N, "content": ...}``.
 
-This package imports neither grpc, protobuf nor SQLAlchemy (STYLE rule 1).
+This package imports neither grpc, protobuf nor SQLAlchemy (docs/contributing.md).
 """
 
 from service.core.tools.cut import MAX_RESULT_BYTES, cut_to_fit

@@ -1,4 +1,4 @@
-"""The 16 KiB cut of tool results (SPEC section 5 step 5): a result over the limit is
+"""The 16 KiB cut of tool results (docs/spec/turn-loop.md step 5): a result over the limit is
 cut and stays valid JSON, ``{"truncated": true, "original_bytes": N, "content": ...}``.
 
 Tool-call arguments over their own bound are cut the same way (``cut_text``), and so is
@@ -11,7 +11,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-#: The largest tool result given to the model, in UTF-8 bytes (SPEC section 5 step 5).
+#: The largest tool result given to the model, in UTF-8 bytes (docs/spec/turn-loop.md step 5).
 MAX_RESULT_BYTES = 16 * 1024
 #: The largest tool-call arguments run and stored whole, in UTF-8 bytes (decision 0221):
 #: about the largest JSON the tools' schemas accept (``propose_changeset``: 50 operations
@@ -33,7 +33,7 @@ def cut_to_fit(output: Any, max_bytes: int = MAX_RESULT_BYTES) -> str:
     """Serialize ``output`` as compact JSON of at most ``max_bytes`` UTF-8 bytes.
 
     A result that fits is returned as is. A larger one becomes
-    ``{"truncated": true, "original_bytes": N, "content": ...}`` (SPEC section 5 step 5),
+    ``{"truncated": true, "original_bytes": N, "content": ...}`` (docs/spec/turn-loop.md step 5),
     where ``N`` is the full size in bytes and ``content`` keeps the result's shape with:
 
     - for a result holding a list (a top-level array, or the largest array member of a

@@ -1,10 +1,10 @@
-"""The knowledge backend's four tools (seed: Tools): ``search_knowledge``,
+"""The knowledge backend's four tools (docs/spec/turn-loop.md): ``search_knowledge``,
 ``get_knowledge``, ``create_knowledge`` and ``update_knowledge``.
 
 Each is one ``Tool``: schema and description, then its run function (arguments ->
 ``KnowledgeService`` call through the ``ToolBackends`` port -> our output shape).
-Knowledge is organization-wide (seed: Tools); what the planner writes is linked to the
-session's project and attributed to the human (seed: Authority).
+Knowledge is organization-wide (docs/spec/turn-loop.md); what the planner writes is linked to the
+session's project and attributed to the human (docs/spec/authority.md).
 """
 
 from __future__ import annotations
@@ -219,7 +219,7 @@ UPDATE_KNOWLEDGE = Tool(
         {
             "entry_id": string("The entry to change."),
             # The contract's version is an int64; the bound makes a larger number an
-            # error result naming the field (issue 14), not a failure in the encoding.
+            # error result naming the field, not a failure in the encoding.
             "version": integer("The version you read.", 1, INT64_MAX),
             "title": string("A new title.", max_length=TITLE_CHARS),
             "body": string("A new body, in markdown.", max_length=BODY_CHARS),

@@ -1,5 +1,5 @@
-"""The twelve tools of the seed's Tools table, in its order, and what is offered to the
-model (seed: Tools; SPEC section 5 step 4)."""
+"""The twelve tools of the tools of docs/spec/authority.md, in its order, and what is offered to the
+model (docs/spec/turn-loop.md step 4)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ from service.core.ports import ToolDeclaration
 from service.core.tools import knowledge, skills, tracker
 from service.core.tools.unit import Tool
 
-#: The version of the tool names, descriptions and schemas; recorded on each turn (SPEC
-#: section 5 step 2). Bump it whenever a declaration changes: a unit test pins a
+#: The version of the tool names, descriptions and schemas; recorded on each turn
+#: (docs/spec/turn-loop.md step 2). Bump it whenever a declaration changes: a unit test pins a
 #: fingerprint of ``declarations()``.
 TOOL_SCHEMA_VERSION = "tools-2026-12-1"
 
 TOOLS: tuple[Tool, ...] = (*tracker.TOOLS, *skills.TOOLS, *knowledge.TOOLS)
 TOOLS_BY_NAME: Mapping[str, Tool] = {tool.name: tool for tool in TOOLS}
-#: The write tools (SPEC section 4, Containment).
+#: The write tools (docs/spec/authority.md, Containment).
 WRITE_TOOLS = frozenset(tool.name for tool in TOOLS if tool.is_write)
 
 VALIDATORS: Mapping[str, Draft202012Validator] = {

@@ -1,8 +1,8 @@
 """Running one tool call: the checks, the deadline and the cut, around a tool's ``run``.
 
-Seed: Authority ("a failing tool call ... is returned to the model as an error result,
-and the conversation continues"); SPEC section 4 (policy refusal, write cap, request ids)
-and section 5 step 5 (validation, error results, the 16 KiB cut). ``ToolRunner.run``
+docs/spec/authority.md ("a failing tool call ... is returned to the model as an error result,
+and the conversation continues"); docs/spec/authority.md (policy refusal, write cap, request ids)
+and docs/spec/turn-loop.md step 5 (validation, error results, the 16 KiB cut). ``ToolRunner.run``
 checks, in this order:
 
 0. the call names a tool at all (``UNKNOWN_TOOL``: a model may send a call without a
@@ -22,7 +22,7 @@ checks, in this order:
 What the model gets back is always JSON text (``ToolOutcome.content``): the tool's own
 shape, ``{"error": {"reason", "message"}}``, or a cut result (``cut.cut_to_fit``).
 Nothing here logs an argument value: an unexpected failure is logged at ERROR with the
-session id, the tool's name and where it failed (SPEC section 8; issue 14), its
+session id, the tool's name and where it failed (docs/spec/operations.md), its
 traceback at DEBUG.
 """
 
@@ -51,7 +51,7 @@ from service.core.tools.unit import Invocation, Tool
 
 _log = logging.getLogger(__name__)
 
-#: The default deadline of one tool's backend work, in seconds (SPEC section 5, Deadlines).
+#: The default deadline of one tool's backend work, in seconds (docs/spec/turn-loop.md, Deadlines).
 DEFAULT_TOOL_TIMEOUT_S = 10.0
 #: The deepest nesting of arrays and objects arguments may have. The deepest schema needs
 #: 4 ($.operations[i].create_item); the bound keeps recursive checks far from Python's
@@ -67,7 +67,7 @@ _MAX_ERROR_MESSAGE_CHARS = 1000
 
 @dataclass(frozen=True)
 class ToolContext:
-    """Who a tool call acts for and in which project (seed: Authority; SPEC section 4).
+    """Who a tool call acts for and in which project (docs/spec/authority.md).
 
     ``reserve_write`` is the turn's write counter (``planner.max_writes_per_turn``): a write
     tool calls it once, after validation and before any backend call, and gets
@@ -87,10 +87,10 @@ class ToolOutcome:
 
     ``content`` is JSON text (at most ``max_result_bytes`` UTF-8 bytes for a success);
     ``is_error`` marks ``{"error": ...}`` results and ``error_reason`` repeats their reason
-    (``CREDENTIAL_EXPIRED`` ends the turn FAILED at the end of the round; SPEC section 4).
+    (``CREDENTIAL_EXPIRED`` ends the turn FAILED at the end of the round; docs/spec/authority.md).
     ``changeset_id`` is set when ``propose_changeset`` proposed one, ``knowledge_entry_id``
     and ``knowledge_version`` when a knowledge entry was written, so the turn loop can emit
-    ``changeset_proposed`` / ``knowledge_written`` (SPEC section 4, Containment).
+    ``changeset_proposed`` / ``knowledge_written`` (docs/spec/authority.md, Containment).
     """
 
     content: str
@@ -119,7 +119,7 @@ def error_result(reason: str, message: str) -> ToolOutcome:
 class ToolRunner:
     """Validates and runs tool calls against ``ToolBackends``.
 
-    ``max_result_bytes`` caps a success result in UTF-8 bytes (SPEC section 5 step 5);
+    ``max_result_bytes`` caps a success result in UTF-8 bytes (docs/spec/turn-loop.md step 5);
     ``timeout_s`` is each call's backend deadline in seconds (the tool-call deadline of the
     configuration), further capped by ``ToolContext.timeout_s``. Raises ``ValueError`` for
     a limit below 256 bytes or a deadline that is not positive.
@@ -151,9 +151,9 @@ class ToolRunner:
         except ToolFailure as failure:
             return error_result(failure.reason, failure.message)
         except Exception as error:
-            # A bug here must not end the conversation (seed: Authority). The arguments
+            # A bug here must not end the conversation (docs/spec/authority.md). The arguments
             # may hold human content and any exception text may quote them, so neither is
-            # logged above DEBUG (SPEC section 8; issue 14).
+            # logged above DEBUG (docs/spec/operations.md).
             tool = call.name if call.name in TOOLS_BY_NAME else "(unknown)"
             fields = {"session": context.acting.session_id}
             _log.error("tool %s failed unexpectedly: %s", tool, _where(error), extra=fields)
@@ -219,7 +219,7 @@ class ToolRunner:
 def _deadline(tool: Tool) -> ToolFailure:
     if tool.is_write:
         # The write may have happened; a new call has a new request id and would not be
-        # deduplicated (SPEC section 4), so make the model look before it tries again.
+        # deduplicated (docs/spec/authority.md), so make the model look before it tries again.
         return ToolFailure(
             "DEADLINE_EXCEEDED",
             "the backend did not answer in time; the write may or may not have happened: "
@@ -321,7 +321,7 @@ def _well_formed(text: str) -> bool:
 
 def touches_policy(arguments: JsonObject) -> bool:
     """True when any key named ``policy`` (or ``*_policy``) appears anywhere in the
-    arguments, at any depth (SPEC section 4: the planner cannot set execution policies).
+    arguments, at any depth (docs/spec/authority.md: the planner cannot set execution policies).
 
     The schema does not offer such a key, but this check runs first so that the refusal
     says why, and so that no policy can reach a backend whatever the schema allows.

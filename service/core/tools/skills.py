@@ -1,4 +1,4 @@
-"""The skills backend's two tools (seed: Tools): ``list_skills`` and ``read_skill``.
+"""The skills backend's two tools (docs/spec/turn-loop.md): ``list_skills`` and ``read_skill``.
 
 Each is one ``Tool``: schema and description, then its run function (arguments ->
 ``SkillsService`` call through the ``ToolBackends`` port -> our output shape).
@@ -17,7 +17,7 @@ from service.core.tools.unit import (
     string,
 )
 
-#: ``list_skills`` takes no page token (seed: "the project's effective skills"), so it
+#: ``list_skills`` takes no page token ("the project's effective skills"), so it
 #: reads every page, up to a bound that keeps one call's cost known.
 SKILLS_PAGE = 200
 MAX_SKILL_PAGES = 5

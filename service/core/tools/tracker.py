@@ -1,9 +1,10 @@
-"""The tracker's six tools (seed: Tools): ``list_items``, ``get_item``, ``list_runnable``,
+"""The tracker's six tools (docs/spec/turn-loop.md): ``list_items``, ``get_item``,
+``list_runnable``,
 ``search_project``, ``list_changesets`` and ``propose_changeset``.
 
 Each is one ``Tool``: its schema and description, then its run function (arguments ->
 ``TrackerService`` call through the ``ToolBackends`` port -> our output shape), side by
-side. The planner fills in the session's project; no schema takes one (SPEC section 4).
+side. The planner fills in the session's project; no schema takes one (docs/spec/authority.md).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from service.core.tools.unit import (
 )
 
 #: Page sizes when the model gives none: small enough that a page of compact results
-#: stays under the 16 KiB cut (SPEC section 5 step 5), so page tokens stay usable.
+#: stays under the 16 KiB cut (docs/spec/turn-loop.md step 5), so page tokens stay usable.
 DEFAULT_ITEMS_PAGE = 50
 DEFAULT_CHANGESETS_PAGE = 10
 DEFAULT_SEARCH_LIMIT = 10
@@ -223,7 +224,7 @@ async def _search_project(call: Invocation, args: JsonObject) -> ToolResult:
     )
     found = await call.backends.search_project(call.acting, search, call.timeout_s)
     if not (found.items_searched or found.skills_searched):
-        # SPEC section 4: with neither tracker.read nor skill.read it is a refusal.
+        # docs/spec/authority.md: with neither tracker.read nor skill.read it is a refusal.
         raise ToolFailure(
             "PERMISSION_DENIED", "the human may read neither the tracker nor the skills"
         )
@@ -448,7 +449,7 @@ def _operation(operation: JsonObject) -> ChangesetOperation:
     """One operation of the arguments (``_OPERATION``) as a domain operation.
 
     Fields are copied by name, one by one, into types that have no policy field: nothing
-    the schema does not name (an execution policy above all; SPEC section 4) can reach
+    the schema does not name (an execution policy above all; docs/spec/authority.md) can reach
     the tracker.
     """
     if "create_item" in operation:

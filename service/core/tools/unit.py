@@ -1,5 +1,5 @@
-"""What a tool is: one ``Tool`` value holds its name, description, JSON Schema, the seed's
-Needs permissions, whether it writes, the backend RPCs it makes, and its run function
+"""What a tool is: one ``Tool`` value holds its name, description, JSON Schema, the
+permissions it needs, whether it writes, the backend RPCs it makes, and its run function
 (arguments -> backend call -> our output shape). The tool modules (``tracker``,
 ``skills``, ``knowledge``) define the twelve side by side; ``registry`` lists them.
 
@@ -18,7 +18,7 @@ from service.core.backend_types import Acting
 from service.core.model import JsonObject
 from service.core.ports import ToolBackends
 
-# The seed's Needs column (seed: Tools).
+# The permissions tools need (docs/spec/authority.md).
 TRACKER_READ = "tracker.read"
 TRACKER_WRITE = "tracker.write"
 SKILL_READ = "skill.read"
@@ -36,8 +36,9 @@ class Invocation:
     """One validated call of a tool, as its run function gets it.
 
     ``request_id`` is the planner's own id of the tool call, unique in the session; write
-    RPCs send it as their ``request_id`` (AIP-155; SPEC sections 4 and 5, Tool-call
-    identity), never a provider's id. ``timeout_s`` is the backend's deadline in seconds.
+    RPCs send it as their ``request_id`` (AIP-155; docs/spec/authority.md and
+    docs/spec/turn-loop.md, Tool-call identity), never a provider's id. ``timeout_s`` is the
+    backend's deadline in seconds.
     """
 
     backends: ToolBackends
@@ -51,7 +52,7 @@ class Invocation:
 class ToolResult:
     """A tool's JSON output (our shape, documented in its description), and for writes
     what was written, so the turn loop can emit ``changeset_proposed`` or
-    ``knowledge_written`` (SPEC section 4, Containment)."""
+    ``knowledge_written`` (docs/spec/authority.md, Containment)."""
 
     output: JsonObject
     changeset_id: str = ""
@@ -66,15 +67,15 @@ RunTool = Callable[[Invocation, JsonObject], Awaitable[ToolResult]]
 
 @dataclass(frozen=True)
 class Tool:
-    """One tool, whole (issue 10: "a tool is one unit").
+    """One tool, whole.
 
     - ``schema``: its arguments' JSON Schema (Draft 2020-12, ``additionalProperties:
-      false`` at every object level; seed: "unknown fields are rejected"). No schema
-      takes a project id or a policy (SPEC section 4).
-    - ``permissions``: the seed's Needs column; the human needs at least one of them
+      false`` at every object level; unknown fields are rejected). No schema
+      takes a project id or a policy (docs/spec/authority.md).
+    - ``permissions``: what the tool needs; the human needs at least one of them
       (``search_project`` works with either). The backends enforce them; this documents
       them and labels metrics.
-    - ``is_write``: counts against ``planner.max_writes_per_turn`` (SPEC section 4).
+    - ``is_write``: counts against ``planner.max_writes_per_turn`` (docs/spec/authority.md).
     - ``rpcs``: the backend RPCs ``run`` makes (``Service.Method``), for readers and for
       the test that runs every tool against the devstack.
     - ``run``: the behaviour (see ``RunTool``).
@@ -93,7 +94,7 @@ class Tool:
 
 
 def object_schema(properties: JsonObject, *required: str, **extra: Any) -> JsonObject:
-    """A closed object: ``additionalProperties: false`` (seed: Tools)."""
+    """A closed object: ``additionalProperties: false`` (docs/spec/turn-loop.md)."""
     schema: JsonObject = {"type": "object", "properties": properties}
     if required:
         schema["required"] = list(required)

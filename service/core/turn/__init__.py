@@ -1,5 +1,5 @@
-"""The turn: from a human message to its stored end (seed: Planner, Authority, Tools,
-Context compaction, Limits; SPEC sections 3, 5 and 6).
+"""The turn: from a human message to its stored end (docs/spec/turn-loop.md, docs/spec/authority.md,
+docs/spec/compaction.md and docs/spec/api-and-streams.md).
 
 Who owns what (docs/architecture.md has the whole map):
 

@@ -1,4 +1,4 @@
-"""The compaction step and the model's context (seed: Context compaction; SPEC section 6;
+"""The compaction step and the model's context (docs/spec/compaction.md;
 decisions 0060, 0170 to 0172).
 
 Before each model call the loop asks ``Compactor.maybe_compact``. It keeps what the model
@@ -147,8 +147,8 @@ class Compactor:
         state.context_block_tokens = text_tokens(state.context_block)
 
     def _estimate(self, prompt: Prompt) -> int:
-        """The estimate of the next request (SPEC 6), remembered for ``answered`` when no
-        usage went into it."""
+        """The estimate of the next request (docs/spec/compaction.md), remembered for ``answered``
+        when no usage went into it."""
         state = self._state
         fixed = prompt.fixed_tokens + state.context_block_tokens
         estimated = estimate_tokens(state.context, fixed_tokens=fixed)

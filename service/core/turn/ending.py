@@ -1,4 +1,4 @@
-"""The one ending of a turn (SPEC section 5: the end of a turn, cancel and interruption,
+"""The one ending of a turn (docs/spec/turn-loop.md: the end of a turn, cancel and interruption,
 ownership and recovery; decision 0070).
 
 However a turn ends (the loop's own end, a cancel, a timeout, the loss of the database, a
@@ -62,7 +62,7 @@ def failed(error_reason: str, message: str) -> Ending:
 
 
 def synthetic_outcome(reason: Reason, tool_name: str) -> ToolOutcome:
-    """The result of a call a stopped turn could not finish (SPEC section 5: "cancelled;
+    """The result of a call a stopped turn could not finish (docs/spec/turn-loop.md: "cancelled;
     the outcome is unknown" for a write, since it may have happened)."""
     is_write = tool_name in WRITE_TOOLS
     if reason is Reason.INTERRUPTED:

@@ -1,4 +1,4 @@
-"""Typed builders of the session events a turn stores (SPEC section 3, "Two kinds of
+"""Typed builders of the session events a turn stores (docs/spec/api-and-streams.md, "Two kinds of
 server event").
 
 Every session event the planner makes is built here, by an ``EventBuilder`` bound to one
@@ -10,7 +10,7 @@ numbers both with one sequence when it commits them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from service.core.ids import new_id
@@ -35,7 +35,7 @@ from service.core.tools import ToolOutcome
 @dataclass(frozen=True)
 class Totals:
     """What a turn used and did, as stored with its end: model calls' usage (answers and
-    compactions apart; SPEC 6), rounds, write calls."""
+    compactions apart; docs/spec/compaction.md), rounds, write calls."""
 
     rounds: int = 0
     usage: Usage = field(default_factory=Usage)
@@ -53,9 +53,11 @@ class EventBuilder:
     human_id: str
     clock: Clock
 
-    def message_accepted(self, text: str) -> SessionEvent:
-        """``message_accepted`` storing the human message that starts the turn."""
-        return self._stored(EventKind.MESSAGE_ACCEPTED, MessageKind.HUMAN, text=text)
+    def message_accepted(self, text: str, request_id: str = "") -> SessionEvent:
+        """``message_accepted`` storing the human message that starts the turn; live, it
+        carries the sender's ``request_id`` (``SessionEvent.request_id``, not stored)."""
+        event = self._stored(EventKind.MESSAGE_ACCEPTED, MessageKind.HUMAN, text=text)
+        return replace(event, request_id=request_id) if request_id else event
 
     def turn_started(self, model: str, max_rounds: int) -> SessionEvent:
         """``turn_started`` with the model and the round budget."""
@@ -109,8 +111,8 @@ class EventBuilder:
 
     def tool_result(self, call_id: str, name: str, outcome: ToolOutcome) -> list[SessionEvent]:
         """``tool_call_finished`` storing the result of call ``call_id``, followed by
-        ``changeset_proposed`` or ``knowledge_written`` when the call wrote one (SPEC
-        section 4, Containment)."""
+        ``changeset_proposed`` or ``knowledge_written`` when the call wrote one
+        (docs/spec/authority.md, Containment)."""
         events = [
             self._stored(
                 EventKind.TOOL_CALL_FINISHED,
@@ -132,7 +134,7 @@ class EventBuilder:
         return events
 
     def compacted(self, up_to: int, estimated_tokens: int) -> SessionEvent:
-        """``compacted`` (the seed's ``planner.compacted``) storing the compaction marker."""
+        """``compacted`` (the ``planner.compacted`` event) storing the compaction marker."""
         return self._stored(
             EventKind.COMPACTED,
             MessageKind.COMPACTION,

@@ -1,4 +1,4 @@
-"""Turn ownership (SPEC section 5, Ownership and recovery; decision 0070).
+"""Turn ownership (docs/spec/turn-loop.md, Ownership and recovery; decision 0070).
 
 A running turn records the replica that owns it and a lease the owner renews every third
 of ``lease_s``. A sweeper on every replica closes turns whose lease expired

@@ -1,4 +1,4 @@
-"""One turn's step machine (seed: Planner, Instructions, Tools, Limits; SPEC section 5).
+"""One turn's step machine (docs/spec/turn-loop.md).
 
 ``TurnLoop.run`` drives a turn from its start to its stored end, one step at a time.
 Each step returns the next:
@@ -10,7 +10,7 @@ Each step returns the next:
 - ``Prepare`` loads what the model sees (the summary and the messages after it) and
   builds the system prompt; if the project or skill cannot be read, the turn ends
   ``FAILED``/``DEPENDENCY_UNAVAILABLE`` before any model call.
-- ``Compact`` compacts when the context estimate is over the threshold (SPEC 6).
+- ``Compact`` compacts when the context estimate is over the threshold (docs/spec/compaction.md).
 - ``CallModel`` streams one answer. Without tool calls it ends the turn (``COMPLETED``);
   with calls it stores the answer and its calls in one commit (a round) and runs them.
 - ``RunTools`` runs the round's calls and stores each result. A round whose calls all
@@ -60,8 +60,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: Finish reasons after which the answer is a cut one (SPEC 5: they reach the client as
-#: a cut answer with its reason); calls in such an answer may be partial and never run.
+#: Finish reasons after which the answer is a cut one (docs/spec/turn-loop.md: they reach the client
+#: as a cut answer with its reason); calls in such an answer may be partial and never run.
 _CUT_FINISHES = frozenset({FinishReason.LENGTH, FinishReason.CONTENT_FILTER})
 
 
@@ -222,7 +222,8 @@ class TurnLoop:
             calls = {tracing.ROUND: self._state.rounds, tracing.TOOL_CALLS: len(step.calls)}
             self._round.set_attributes(calls)
         else:
-            # No round (SPEC 5, step 6): the answer, or a call that failed or stopped.
+            # No round (docs/spec/turn-loop.md step 6): the answer, or a call that failed or
+            # stopped.
             self._round.rename(tracing.ANSWER_SPAN)
 
     def _gate(self, step: Step) -> Step:
@@ -360,7 +361,7 @@ class TurnLoop:
         for call, outcome in refusals:
             events.extend(state.events.tool_result(call.call_id, call.name, outcome))
         state.rounds += 1
-        # The answer's usage covers everything up to and including it (SPEC 6).
+        # The answer's usage covers everything up to and including it (docs/spec/compaction.md).
         context = (
             ContextEstimate(base_tokens=answer.usage.total, pending_tokens=0)
             if answer.usage is not None
@@ -506,7 +507,7 @@ class TurnLoop:
             )
         else:
             # The store now holds this estimate; so must the turn, or the next compaction
-            # check ignores the usage an answer just reported (SPEC 6).
+            # check ignores the usage an answer just reported (docs/spec/compaction.md).
             state.context = commit.context
         self._deps.hub.publish(stored)
 

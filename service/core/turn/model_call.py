@@ -1,4 +1,4 @@
-"""One model call of a turn: the request (SPEC section 5 step 4) and its streamed answer.
+"""One model call of a turn: the request (docs/spec/turn-loop.md step 4) and its streamed answer.
 
 Text deltas are relayed to the session's streams as they arrive (turn-purpose calls
 only), under the id the stored answer will have. Every tool call of the answer gets the
@@ -73,7 +73,8 @@ def model_request(
     tools: Sequence[ToolDeclaration],
 ) -> ModelRequest:
     """A request metered to the session's project with its model credential reference;
-    each model deadline is capped by what is left of the turn (SPEC 5, Deadlines)."""
+    each model deadline is capped by what is left of the turn (docs/spec/turn-loop.md,
+    Deadlines)."""
     settings = deps.settings
     left = max(0.1, time_left(deps, state))
     return ModelRequest(
@@ -202,7 +203,7 @@ async def _stream_answer(
             failure = error
         elif error is not None:
             # A bug, not the model's doing; the traceback may quote content, so it is
-            # kept to DEBUG (SPEC section 8).
+            # kept to DEBUG (docs/spec/operations.md).
             log.error(
                 "the model stream failed unexpectedly: %s",
                 type(error).__name__,

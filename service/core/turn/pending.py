@@ -1,12 +1,12 @@
-"""The changesets a session proposed that still wait for the human (SPEC 6: "after a
-compaction the context also lists, outside the summary, the changesets this session
+"""The changesets a session proposed that still wait for the human (docs/spec/compaction.md: "after
+a compaction the context also lists, outside the summary, the changesets this session
 proposed that are still pending"; decision 0172).
 
 They are read as the human through the planner's own tool layer: ``list_changesets``
 with status ``proposed``, run by ``ToolRunner`` like a call of the model (the human's
 permissions apply, the backend port stays out of it), newest first, page by page. A
 changeset is this session's when the tracker recorded it as made by the planner acting
-in this session (``recorded_by`` is ``planner:<session_id>``; seed: Authority). The read
+in this session (``recorded_by`` is ``planner:<session_id>``; docs/spec/authority.md). The read
 is bounded (``MAX_PAGES`` of ``PAGE_SIZE``); proposed changesets wait for a human, so a
 project rarely has more.
 """

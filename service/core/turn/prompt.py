@@ -1,4 +1,5 @@
-"""The fixed part of a turn's model requests (seed: Instructions; SPEC section 5 step 2).
+"""The fixed part of a turn's model requests (docs/spec/turn-loop.md step
+2).
 
 The system prompt is the built-in instructions, the project and organization, and the
 SKILL.md of the project's planner skill in the version the project resolves. The project
@@ -34,8 +35,8 @@ _MAX_ENTRIES = 10_000
 class Prompt:
     """One turn's fixed request parts: the system prompt, what it was built from, and
     its estimated size with the tool declarations in tokens (``fixed_tokens``, for the
-    context estimate: SPEC 6 counts it whenever no usage is known). ``versions`` is what
-    the turn records (SPEC 5 step 2)."""
+    context estimate: docs/spec/compaction.md counts it whenever no usage is known). ``versions`` is
+    what the turn records (docs/spec/turn-loop.md step 2)."""
 
     system: str
     project: ProjectInfo
@@ -45,7 +46,8 @@ class Prompt:
 
     @property
     def credential_ref(self) -> str:
-        """The project's model credential reference (never a secret; SPEC 5 step 4)."""
+        """The project's model credential reference (never a secret; docs/spec/turn-loop.md step
+        4)."""
         return self.project.model_credential
 
 

@@ -1,5 +1,5 @@
 """The turn service: what the transport calls to start, cancel and wait for turns
-(SPEC sections 3 and 5).
+(docs/spec/api-and-streams.md and docs/spec/turn-loop.md).
 
 ``send_message`` stores the human message and opens the turn in one transaction, then
 runs the turn as a task of its own, so a client that disconnects does not stop it (a
@@ -48,8 +48,8 @@ T = TypeVar("T")
 #: Attempts to open a turn while an expired one is being closed.
 _START_ATTEMPTS = 3
 #: Shutdown (``TurnService.stop``): seconds kept after the writes' ``cancel_grace`` for
-#: a stopped turn to store its end (SPEC 5: ``turn_ended`` within ``cancel_grace`` + 1 s),
-#: and, of those, the last ones for closing from the store the runs that did not.
+#: a stopped turn to store its end (docs/spec/turn-loop.md: ``turn_ended`` within ``cancel_grace`` +
+#: 1 s), and, of those, the last ones for closing from the store the runs that did not.
 STOP_MARGIN_S = 1.0
 CLOSE_MARGIN_S = 0.5
 
@@ -117,7 +117,7 @@ class TurnService:
         self._leases.start()
 
     async def stop(self, grace_s: float) -> None:
-        """Shut this replica's turns down within ``grace_s`` seconds (SPEC section 8,
+        """Shut this replica's turns down within ``grace_s`` seconds (docs/spec/operations.md,
         graceful shutdown; decision 0181):
 
         1. refuse new messages (``UNAVAILABLE``/``SHUTTING_DOWN``); messages being
@@ -185,7 +185,7 @@ class TurnService:
     # ------------------------------------------------------------------ requests
 
     async def send_message(self, request: SendRequest) -> Accepted:
-        """Store the human message and open the turn, then run it (SPEC 5 step 1).
+        """Store the human message and open the turn, then run it (docs/spec/turn-loop.md step 1).
 
         Raises ``InvalidArgument`` (``REQUEST_ID_REQUIRED``, ``REQUEST_ID_TOO_LONG``,
         ``REQUEST_ID_REUSED``, ``MESSAGE_TOO_LONG``, ``EMPTY_MESSAGE``),
@@ -223,7 +223,7 @@ class TurnService:
             now = self._deps.clock.now()
             turn_id = new_id("turn")
             events = EventBuilder(session.session_id, turn_id, request.human_id, self._deps.clock)
-            accepted = events.message_accepted(request.text)
+            accepted = events.message_accepted(request.text, request.request_id)
             assert accepted.message is not None
             turn = Turn(
                 turn_id=turn_id,
@@ -288,7 +288,7 @@ class TurnService:
         """Cancel a turn of ``session``; an ended turn is returned unchanged.
 
         ``turn_id`` empty means the running turn (``NotFound`` when there is none).
-        Takes effect within 1 s on whichever replica runs the turn (SPEC section 3).
+        Takes effect within 1 s on whichever replica runs the turn (docs/spec/api-and-streams.md).
         """
         store = self._deps.store
         if not turn_id:
@@ -332,8 +332,9 @@ class TurnService:
             handle.request_stop(endings.CANCELLED)
 
     def on_session_deleted(self, session_id: str) -> None:
-        """``DeleteSession`` removed a session: stop its turn here at once (SPEC 3). Nothing
-        of it can be stored any more, so the run ends at its next commit without one."""
+        """``DeleteSession`` removed a session: stop its turn here at once
+        (docs/spec/api-and-streams.md). Nothing of it can be stored any more, so the run ends at its
+        next commit without one."""
         for handle in list(self._handles.values()):
             if handle.session_id == session_id:
                 handle.request_stop(endings.CANCELLED)

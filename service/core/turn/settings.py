@@ -26,7 +26,8 @@ from service.core.tracing import NULL_TRACER
 
 @dataclass(frozen=True)
 class TurnSettings:
-    """The limits a turn runs under (seed: [planner]; SPEC sections 5, 7, 8).
+    """The limits a turn runs under (docs/configuration.md, docs/spec/turn-loop.md and
+    docs/spec/operations.md).
 
     Times are seconds. ``max_rounds`` >= 1 and ``cancel_grace_s`` below the server's
     shutdown grace are checked by the settings loader.
@@ -59,7 +60,7 @@ class TurnSettings:
 
 class TurnObserver(Protocol):
     """Metrics hooks of the turn loop; labels never carry session, turn, human or
-    project ids (SPEC section 8). Times are seconds."""
+    project ids (docs/spec/operations.md). Times are seconds."""
 
     def turn_started(self) -> None: ...
 
@@ -161,5 +162,5 @@ class TurnDependencies:
     tools: ToolRunner
     declarations: Sequence[ToolDeclaration]
     observer: TurnObserver = field(default_factory=NullObserver)
-    #: Spans of turns, rounds, model calls and tool calls (issue 16); off by default.
+    #: Spans of turns, rounds, model calls and tool calls; off by default.
     tracer: Tracer = NULL_TRACER

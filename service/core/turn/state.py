@@ -68,7 +68,8 @@ class TurnHandle:
         return self.session.session_id
 
     def log_fields(self) -> dict[str, str]:
-        """The context fields of ``service/server/logs.py``; never content (SPEC section 8)."""
+        """The context fields of ``service/server/logs.py``; never content
+        (docs/spec/operations.md)."""
         return {
             "session": self.session.session_id,
             "turn": self.turn.turn_id,
@@ -132,7 +133,7 @@ class TurnState:
 
     ``messages`` are the messages after the summary (what the model sees besides the
     system prompt), the turn's own included as they are stored; ``context`` is the
-    running context estimate (SPEC 6). ``context_block`` is the system-side context
+    running context estimate (docs/spec/compaction.md). ``context_block`` is the system-side context
     after a compaction (the summary and the pending changesets, decision 0172), with
     its estimated ``context_block_tokens``; ``request_estimate`` is the estimate of the
     next request when it was made without reported usage (for the estimator's error

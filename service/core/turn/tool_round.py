@@ -1,4 +1,4 @@
-"""Running the tool calls of one round (SPEC section 5 step 5; cancel and interruption).
+"""Running the tool calls of one round (docs/spec/turn-loop.md step 5; cancel and interruption).
 
 The calls of one answer run concurrently, at most ``tool_concurrency`` at a time; each
 result is stored (with its ``tool_call_finished`` event) as its call completes, so the
@@ -85,7 +85,8 @@ class ToolRound:
             acting=self._state.handle.acting,
             project_id=self._state.session.project_id,
             reserve_write=self._reserve_write,
-            # Tool deadlines are capped by what is left of planner.turn_timeout (SPEC 5).
+            # Tool deadlines are capped by what is left of planner.turn_timeout
+            # (docs/spec/turn-loop.md).
             timeout_s=max(0.0, time_left(self._deps, self._state)),
         )
 

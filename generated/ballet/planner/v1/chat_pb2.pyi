@@ -162,6 +162,7 @@ class ChatResponse(_message.Message):
     TURN_ENDED_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     TOOL_CALL_PROGRESS_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The session the event belongs to."""
     turn_id: _builtins.str
@@ -169,7 +170,10 @@ class ChatResponse(_message.Message):
     sequence: _builtins.int
     """The session event's sequence; 0 for replies and text deltas."""
     request_id: _builtins.str
-    """For replies, the request_id of the client message answered."""
+    """For replies, the request_id of the client message answered; on the live
+    message_accepted sent to the stream that sent the message, that message's request_id
+    (empty on other streams and in replays).
+    """
     @_builtins.property
     def session_opened(self) -> Global___SessionOpened:
         """The stream is attached to the session (a reply)."""
@@ -222,6 +226,12 @@ class ChatResponse(_message.Message):
     def tool_call_progress(self) -> Global___ToolCallProgress:
         """The model began writing a tool call (not stored)."""
 
+    @_builtins.property
+    def heartbeat(self) -> Global___Heartbeat:
+        """Nothing happened on the stream for a while (not stored; clients ignore it): data on
+        an idle stream, so that proxies with an idle timeout keep it open.
+        """
+
     def __init__(
         self,
         *,
@@ -242,16 +252,34 @@ class ChatResponse(_message.Message):
         turn_ended: Global___TurnEnded | None = ...,
         error: _status_pb2.Status | None = ...,
         tool_call_progress: Global___ToolCallProgress | None = ...,
+        heartbeat: Global___Heartbeat | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["assistant_message", b"assistant_message", "changeset_proposed", b"changeset_proposed", "compacted", b"compacted", "error", b"error", "event", b"event", "knowledge_written", b"knowledge_written", "message_accepted", b"message_accepted", "session_opened", b"session_opened", "text_delta", b"text_delta", "tool_call_finished", b"tool_call_finished", "tool_call_progress", b"tool_call_progress", "tool_call_started", b"tool_call_started", "turn_ended", b"turn_ended", "turn_started", b"turn_started"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["assistant_message", b"assistant_message", "changeset_proposed", b"changeset_proposed", "compacted", b"compacted", "error", b"error", "event", b"event", "heartbeat", b"heartbeat", "knowledge_written", b"knowledge_written", "message_accepted", b"message_accepted", "session_opened", b"session_opened", "text_delta", b"text_delta", "tool_call_finished", b"tool_call_finished", "tool_call_progress", b"tool_call_progress", "tool_call_started", b"tool_call_started", "turn_ended", b"turn_ended", "turn_started", b"turn_started"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["assistant_message", b"assistant_message", "changeset_proposed", b"changeset_proposed", "compacted", b"compacted", "error", b"error", "event", b"event", "knowledge_written", b"knowledge_written", "message_accepted", b"message_accepted", "request_id", b"request_id", "sequence", b"sequence", "session_id", b"session_id", "session_opened", b"session_opened", "text_delta", b"text_delta", "tool_call_finished", b"tool_call_finished", "tool_call_progress", b"tool_call_progress", "tool_call_started", b"tool_call_started", "turn_ended", b"turn_ended", "turn_id", b"turn_id", "turn_started", b"turn_started"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assistant_message", b"assistant_message", "changeset_proposed", b"changeset_proposed", "compacted", b"compacted", "error", b"error", "event", b"event", "heartbeat", b"heartbeat", "knowledge_written", b"knowledge_written", "message_accepted", b"message_accepted", "request_id", b"request_id", "sequence", b"sequence", "session_id", b"session_id", "session_opened", b"session_opened", "text_delta", b"text_delta", "tool_call_finished", b"tool_call_finished", "tool_call_progress", b"tool_call_progress", "tool_call_started", b"tool_call_started", "turn_ended", b"turn_ended", "turn_id", b"turn_id", "turn_started", b"turn_started"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["session_opened", "message_accepted", "turn_started", "text_delta", "assistant_message", "tool_call_started", "tool_call_finished", "changeset_proposed", "knowledge_written", "compacted", "turn_ended", "error", "tool_call_progress"]  # noqa: Y015
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["session_opened", "message_accepted", "turn_started", "text_delta", "assistant_message", "tool_call_started", "tool_call_finished", "changeset_proposed", "knowledge_written", "compacted", "turn_ended", "error", "tool_call_progress", "heartbeat"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 
 Global___ChatResponse: _TypeAlias = ChatResponse  # noqa: Y015
+
+@_typing.final
+class Heartbeat(_message.Message):
+    """Sent on a Chat stream that had nothing to send for planner.stream_heartbeat_s seconds."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Heartbeat: _TypeAlias = Heartbeat  # noqa: Y015
 
 @_typing.final
 class SessionOpened(_message.Message):

@@ -4,7 +4,7 @@ Revision ID: 0002
 Revises: 0001
 Create Date: 2026-11-30
 
-SPEC section 8 limits a human to 16 open Chat streams across replicas;
+docs/spec/limits.md limits a human to 16 open Chat streams across replicas;
 docs/decisions/0080-cross-replica-stream-count.md explains the design. Written out in
 full, like 0001, so it keeps creating the schema of its day.
 """

@@ -141,7 +141,7 @@ BEGIN
     IF NOT FOUND THEN
         RETURN jsonb_build_object('outcome', 'not_found');
     END IF;
-    -- AIP-155 first (SPEC 3: the duplicate check runs before the one-running-turn check).
+    -- AIP-155 first (the duplicate check runs before the one-running-turn check).
     SELECT * INTO v_found FROM turns
     WHERE session_id = v_session AND request_id = v_turn_row->>'request_id';
     IF FOUND THEN

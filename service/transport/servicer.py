@@ -1,65 +1,33 @@
-"""The ``ballet.planner.v1.PlannerService`` servicer (SPEC section 3).
+"""The ``ballet.planner.v1.PlannerService`` servicer (docs/spec/api-and-streams.md).
 
-Thin by rule (STYLE rule 2): authenticate, convert the request, call the session rules
-(``service.core.sessions``), convert the result. Errors leave through
-``service.transport.errors`` (one ``ErrorInfo``, domain ``planner.ballet``).
-
-``SendMessage``, ``CancelTurn`` and ``Chat`` belong to the turn side: they delegate to its
-``TurnEndpoints`` (``service.transport.chat.TurnRpcs``).
+Thin: authenticate, convert the request, make one call into the core (the session rules
+of ``service.core.sessions``; the turn side, ``service.core.chat.ChatService``), convert
+the result. Errors leave through ``service.transport.errors`` (one ``ErrorInfo``, domain
+``planner.ballet``).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
 
 from ballet.planner.v1 import chat_pb2, planner_service_pb2, planner_service_pb2_grpc
 
+from service.core.chat import ChatService
 from service.core.errors import InvalidArgument
 from service.core.sessions import SessionRules
-from service.transport import convert
+from service.transport import chat, convert
 from service.transport.auth import Authenticator
-from service.transport.errors import rpc_errors
+from service.transport.errors import Context, rpc_errors
 
 #: The only field ``UpdateSession`` changes (AIP-134: an empty mask means it too).
 UPDATABLE_FIELDS = frozenset({"title"})
 
 
-class TurnEndpoints(Protocol):
-    """The turn machinery's RPCs, served by the turn-loop side of the planner.
-
-    Each method authenticates the call itself (``Authenticator.authenticate``) and maps
-    its errors with ``service.transport.errors``.
-    """
-
-    async def send_message(
-        self, request: planner_service_pb2.SendMessageRequest, context: Any
-    ) -> planner_service_pb2.SendMessageResponse:
-        """``SendMessage``: run one whole turn and return its outcome and messages."""
-        ...
-
-    async def cancel_turn(
-        self, request: planner_service_pb2.CancelTurnRequest, context: Any
-    ) -> planner_service_pb2.CancelTurnResponse:
-        """``CancelTurn``: cancel a running turn on whichever replica runs it."""
-        ...
-
-    def chat(
-        self, requests: AsyncIterator[chat_pb2.ChatRequest], context: Any
-    ) -> AsyncIterator[chat_pb2.ChatResponse]:
-        """``Chat``: the bidirectional stream (an async generator)."""
-        ...
-
-    def session_deleted(self, session_id: str) -> None:
-        """A session was deleted: stop its turn and end its streams in this process."""
-        ...
-
-
 class PlannerServicer(planner_service_pb2_grpc.PlannerServiceServicer):
-    """PlannerService over ``SessionRules``; the turn RPCs go to ``turns``."""
+    """PlannerService over ``SessionRules`` and, for the turn RPCs, ``ChatService``."""
 
     def __init__(
-        self, rules: SessionRules, authenticator: Authenticator, turns: TurnEndpoints
+        self, rules: SessionRules, authenticator: Authenticator, turns: ChatService
     ) -> None:
         self._rules = rules
         self._auth = authenticator
@@ -68,7 +36,7 @@ class PlannerServicer(planner_service_pb2_grpc.PlannerServiceServicer):
     # -- sessions ------------------------------------------------------------------
 
     async def CreateSession(
-        self, request: planner_service_pb2.CreateSessionRequest, context: Any
+        self, request: planner_service_pb2.CreateSessionRequest, context: Context
     ) -> planner_service_pb2.CreateSessionResponse:
         """Create a session in a project the caller may read (idempotent, AIP-155)."""
         async with rpc_errors(context):
@@ -83,7 +51,7 @@ class PlannerServicer(planner_service_pb2_grpc.PlannerServiceServicer):
             )
 
     async def GetSession(
-        self, request: planner_service_pb2.GetSessionRequest, context: Any
+        self, request: planner_service_pb2.GetSessionRequest, context: Context
     ) -> planner_service_pb2.GetSessionResponse:
         """Get a session with its summary and ``summary_up_to``."""
         async with rpc_errors(context):
@@ -91,7 +59,7 @@ class PlannerServicer(planner_service_pb2_grpc.PlannerServiceServicer):
             return planner_service_pb2.GetSessionResponse(session=convert.session_to_proto(session))
 
     async def ListSessions(
-        self, request: planner_service_pb2.ListSessionsRequest, context: Any
+        self, request: planner_service_pb2.ListSessionsRequest, context: Context
     ) -> planner_service_pb2.ListSessionsResponse:
         """List a project's sessions, newest first (AIP-158)."""
         async with rpc_errors(context):
@@ -107,7 +75,7 @@ class PlannerServicer(planner_service_pb2_grpc.PlannerServiceServicer):
             )
 
     async def UpdateSession(
-        self, request: planner_service_pb2.UpdateSessionRequest, context: Any
+        self, request: planner_service_pb2.UpdateSessionRequest, context: Context
     ) -> planner_service_pb2.UpdateSessionResponse:
         """Update a session's title; ``update_mask`` may name only ``title`` (AIP-134)."""
         async with rpc_errors(context):
@@ -127,17 +95,16 @@ class PlannerServicer(planner_service_pb2_grpc.PlannerServiceServicer):
             )
 
     async def DeleteSession(
-        self, request: planner_service_pb2.DeleteSessionRequest, context: Any
+        self, request: planner_service_pb2.DeleteSessionRequest, context: Context
     ) -> planner_service_pb2.DeleteSessionResponse:
         """Delete a session and everything stored with it (its running turn cancelled)."""
         async with rpc_errors(context):
             await self._rules.delete_session(self._auth.caller(context), request.session_id)
-            if self._turns is not None:
-                self._turns.session_deleted(request.session_id)
+            self._turns.session_deleted(request.session_id)
             return planner_service_pb2.DeleteSessionResponse()
 
     async def ListMessages(
-        self, request: planner_service_pb2.ListMessagesRequest, context: Any
+        self, request: planner_service_pb2.ListMessagesRequest, context: Context
     ) -> planner_service_pb2.ListMessagesResponse:
         """List a session's transcript in sequence order, at most 1 MiB a page."""
         async with rpc_errors(context):
@@ -154,7 +121,7 @@ class PlannerServicer(planner_service_pb2_grpc.PlannerServiceServicer):
             )
 
     async def GetTurn(
-        self, request: planner_service_pb2.GetTurnRequest, context: Any
+        self, request: planner_service_pb2.GetTurnRequest, context: Context
     ) -> planner_service_pb2.GetTurnResponse:
         """Get a turn's state, end reason, rounds, usage and versions."""
         async with rpc_errors(context):
@@ -163,23 +130,38 @@ class PlannerServicer(planner_service_pb2_grpc.PlannerServiceServicer):
             )
             return planner_service_pb2.GetTurnResponse(turn=convert.turn_to_proto(turn))
 
-    # -- turns: delegated to the turn side --------------------------------------------
+    # -- turns ---------------------------------------------------------------------
 
     async def SendMessage(
-        self, request: planner_service_pb2.SendMessageRequest, context: Any
+        self, request: planner_service_pb2.SendMessageRequest, context: Context
     ) -> planner_service_pb2.SendMessageResponse:
-        """Run one whole turn (delegated to ``TurnEndpoints.send_message``)."""
-        return await self._turns.send_message(request, context)
+        """Run one whole turn and return its outcome and messages. When the caller's
+        deadline passes the call ends ``DEADLINE_EXCEEDED`` and the turn goes on;
+        ``GetTurn`` reads its outcome."""
+        async with rpc_errors(context):
+            turn, messages = await self._turns.send_message(
+                self._auth.caller(context), request.session_id, request.text, request.request_id
+            )
+            return planner_service_pb2.SendMessageResponse(
+                turn=convert.turn_to_proto(turn),
+                messages=[convert.message_to_proto(m) for m in messages],
+            )
 
     async def CancelTurn(
-        self, request: planner_service_pb2.CancelTurnRequest, context: Any
+        self, request: planner_service_pb2.CancelTurnRequest, context: Context
     ) -> planner_service_pb2.CancelTurnResponse:
-        """Cancel a running turn (delegated to ``TurnEndpoints.cancel_turn``)."""
-        return await self._turns.cancel_turn(request, context)
+        """Cancel a turn on whichever replica runs it; an ended turn is returned
+        unchanged, an unknown one is ``NOT_FOUND``."""
+        async with rpc_errors(context):
+            turn = await self._turns.cancel_turn(
+                self._auth.caller(context), request.session_id, request.turn_id, request.request_id
+            )
+            return planner_service_pb2.CancelTurnResponse(turn=convert.turn_to_proto(turn))
 
     async def Chat(
-        self, request_iterator: AsyncIterator[chat_pb2.ChatRequest], context: Any
+        self, request_iterator: AsyncIterator[chat_pb2.ChatRequest], context: Context
     ) -> AsyncIterator[chat_pb2.ChatResponse]:
-        """The Chat stream (delegated to ``TurnEndpoints.chat``)."""
-        async for response in self._turns.chat(request_iterator, context):
+        """The bidirectional Chat stream (``service.transport.chat``; grpc.aio serves
+        a stream from an async generator function)."""
+        async for response in chat.chat(self._turns, self._auth, request_iterator, context):
             yield response
