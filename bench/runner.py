@@ -1166,9 +1166,11 @@ class Bench:
             rss_after = env.planner.rss_bytes()
             connections_after = await probe.connections("ballet-planner")
             meter = CpuMeter(env.cpu_sources())
+            heartbeats = -sum(stream.heartbeats for stream in idle)
             meter.start()
             await asyncio.sleep(s.idle_s)
             idle_cpu = meter.stop()
+            heartbeats += sum(stream.heartbeats for stream in idle)
             window = meter.wall_s
             during = repeated_medians(
                 [
@@ -1252,7 +1254,8 @@ class Bench:
                     idle_cpu["planner"] / window * interval * 1000,
                     samples=f"{window:.0f} s",
                     note=f"{idle_cpu['planner'] / window * interval / max(1, len(idle)) * 1e6:.1f}"
-                    " us per stream",
+                    f" us per stream; {heartbeats:,} heartbeats read in the window, "
+                    f"{len(idle) * window / interval:,.0f} expected",
                 )
             )
         row = add(
