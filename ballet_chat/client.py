@@ -19,9 +19,11 @@ input), a refused message and a turn that did not end ``COMPLETED``/``MAX_ROUNDS
 reported once, on stderr, and stdout keeps the transcript.
 
 The client knows its own messages by the ``request_id`` it sent, never by their text:
-the planner echoes the id on its replies, and the ``message_accepted`` every stream of
-the session hears names the turn, whose ``request_id`` ``GetTurn`` tells
-(docs/decisions/0166-chat-without-a-terminal.md).
+the planner echoes the id on its replies and on the ``message_accepted`` of the stream
+that sent the message, so no read per message is needed; ``GetTurn`` is asked only about
+an acceptance without one that arrives while a message of ours waits
+(docs/decisions/0166-chat-without-a-terminal.md,
+docs/decisions/0273-own-messages-by-request-id.md).
 
 The stream is reopened with ``after_sequence`` (so nothing is missed or repeated) when
 the planner ends it with ``SLOW_CONSUMER``, when a sequence gap shows an event was
@@ -198,7 +200,12 @@ class ChatClient:
         code, reason, message = error_of(error)
         address = self.options.address
         if code == "UNAVAILABLE" and self.session is not None:
-            return ChatError(f"lost the connection to the planner at {address} ({message})")
+            # The planner's own words speak to API clients (how to reopen the stream):
+            # the human gets what to do with this command.
+            why = "the planner stopped" if reason == "SHUTTING_DOWN" else (
+                f"lost the connection to the planner at {address}"
+            )
+            return ChatError(f"{why}; {self.continue_hint()}")
         if code == "UNAVAILABLE":
             return ChatError(
                 f"cannot reach the planner at {address} ({message}); is `ballet-planner dev` "
@@ -214,6 +221,15 @@ class ChatClient:
                 f"the planner refused the token ({describe_status(code, reason, message)}); " + hint
             )
         return ChatError(f"{doing}: {describe_status(code, reason, message)}")
+
+    def continue_hint(self) -> str:
+        """How to go on with this session later: the same command with ``--session``."""
+        if self.session is None:
+            return "start the chat again once the planner is back"
+        return (
+            "once it is back, rerun the same command with --session "
+            f"{self.session.session_id} to continue"
+        )
 
     def _refusal(self, status: status_pb2.Status, doing: str, session_id: str) -> ChatError:
         code, reason, message = status_text(status)
@@ -328,12 +344,15 @@ class ChatClient:
         """The request id of this client's message that ``response`` (a
         ``message_accepted``) accepts, or ``""`` when it is another client's.
 
-        A duplicate's reply echoes the request id (docs/spec/api-and-streams.md, AIP-155); the event
-        every stream of the session hears does not, so while a message of ours waits,
-        ``GetTurn`` tells the accepted turn's request id. Should that read fail, the
-        oldest message waiting claims the turn: one turn runs per session, so a message
-        accepted while ours was in flight is ours unless another client's won the race
-        (ours is then refused ``TURN_IN_PROGRESS``, which this client reports).
+        The planner sets ``request_id`` on the ``message_accepted`` of the stream that
+        sent the message (and on a duplicate's reply), never on the other streams of the
+        session, so a chat reads nothing per message. Only an acceptance without one that
+        arrives while a message of ours waits (another client's message that won the
+        race, a replay after a reopen, a planner of an earlier release) is asked about
+        with ``GetTurn``; should that read fail, the oldest message waiting claims the
+        turn (one turn runs per session: a message accepted while ours was in flight is
+        ours unless another client's won the race, and ours is then refused
+        ``TURN_IN_PROGRESS``, which this client reports).
         """
         if response.request_id or not self.pending or response.turn_id in self.own_turns:
             return response.request_id

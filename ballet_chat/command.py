@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from ballet_common import datadir
+from ballet_common import datadir, devusers
 
 #: Where the planner listens by default (its ``server.address``).
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -71,8 +71,9 @@ def chat(args: argparse.Namespace) -> int:
             secret = dev_secret(data_dir, create=False)
         except FileNotFoundError:
             print(
-                f"ballet-planner chat: no dev secret in {data_dir}: start `ballet-planner "
-                "dev` first, or give the data directory it uses (--data-dir), or --token",
+                f"ballet-planner chat: no dev secret in {data_dir.absolute()}: start "
+                "`ballet-planner dev` first, or give the data directory it uses (--data-dir "
+                "DIR: the `data` line of its banner), or --token",
                 file=sys.stderr,
             )
             return 2
@@ -84,6 +85,11 @@ def chat(args: argparse.Namespace) -> int:
             print(f"ballet-planner chat: {problem}", file=sys.stderr)
             return 2
         user, org = args.user, args.org
+        users = devusers.read(data_dir)
+        mismatch = devusers.mismatch(users, user, org) if users is not None else ""
+        if mismatch:
+            print(f"ballet-planner chat: {mismatch}", file=sys.stderr)
+            return 2
 
         def mint() -> str:
             return mint_dev_token(secret, user, organization_id=org, ttl_s=DEFAULT_DEV_TOKEN_TTL_S)

@@ -63,6 +63,9 @@ class LineSource:
         self._readline = _readline() if self._terminal and self._stream is sys.stdin else None
         self._saved: list[Any] | None = None
         self._wake_read, self._wake_write = os.pipe()
+        #: Set once the chat has shown its first prompt (``ready``): a line typed before
+        #: then waits for it, so its echo lands after the prompt, in the transcript.
+        self._ready = threading.Event()
         self.echoes = self._terminal
         #: A human types the lines (stdin is a terminal), not a pipe or a file.
         self.terminal = self._terminal
@@ -82,10 +85,15 @@ class LineSource:
         line = await self._queue.get()
         return None if line is None else utf8_text(line.rstrip("\r\n"))
 
+    def ready(self) -> None:
+        """The chat has shown its first prompt: lines may be edited and echoed now."""
+        self._ready.set()
+
     def close(self) -> None:
         """Stop waiting for keys and give the terminal back its mode (idempotent)."""
         with contextlib.suppress(OSError):
             os.write(self._wake_write, b"x")
+        self._ready.set()
         if self._saved is not None:
             import termios
 
@@ -128,6 +136,12 @@ class LineSource:
                 ready = [self._wake_read]
             if self._wake_read in ready:
                 return
+            # Keys typed while the chat was starting (before its first prompt) wait for
+            # it: readline then echoes them after the prompt instead of among the start's
+            # lines, where the prompt's erase or the next line would hide them.
+            self._ready.wait()
+            if self._closed():
+                return
             # Back to the human's mode before readline starts: readline takes the mode it
             # finds as the one to restore, and shows nothing typed when echo is off.
             termios.tcsetattr(fd, termios.TCSANOW, self._saved)
@@ -145,6 +159,11 @@ class LineSource:
             self._deliver(line)
             if line is None:
                 return
+
+
+    def _closed(self) -> bool:
+        ready, _, _ = select.select([self._wake_read], [], [], 0)
+        return bool(ready)
 
 
 def _is_terminal(stream: TextIO) -> bool:

@@ -30,11 +30,13 @@ from ballet_chat.input import LineSource
 from ballet_chat.render import describe_status, error_of, short
 
 PROMPT = "> "
+#: How many of the project's newest sessions ``/open PREFIX`` looks among.
+OPEN_PREFIX_SESSIONS = 100
 HELP = (
     "Type a message and press Enter (arrow keys edit the line, up and down recall earlier "
     "ones). Commands: /cancel (the running turn), /new (a new session), /sessions (this "
-    "project's sessions), /open ID (another session), /help, /quit. Ctrl-C cancels a "
-    "running turn, or quits."
+    "project's sessions, numbered), /open ROW or ID (another session: a /sessions row, or "
+    "an id or its start), /help, /quit. Ctrl-C cancels a running turn, or quits."
 )
 
 
@@ -43,6 +45,10 @@ class Interactive:
 
     def __init__(self, client: ChatClient, lines: LineSource | None = None) -> None:
         self.client = client
+        #: True while the prompt is on screen and nothing was typed after it. Set before
+        #: the line reader starts: its thread asks for it as soon as a key is waiting,
+        #: which a line typed while the chat connects already is.
+        self.prompting = False
         self.lines = lines or LineSource(prompt=self._prompt_for_input)
         #: Lines come from a pipe or a file: they queue, no prompt, exit code by outcome.
         self.batch = not self.lines.terminal
@@ -51,10 +57,10 @@ class Interactive:
         self.quit = asyncio.Event()
         #: Set when the client goes idle (no turn runs, no message waits to be accepted).
         self._idle = asyncio.Event()
-        #: True while the prompt is on screen and nothing was typed after it.
-        self.prompting = False
         self._cancel_asked = False
         self._tasks: set[asyncio.Task[str]] = set()
+        #: The session ids ``/sessions`` last listed, by row (``/open 2`` is the second).
+        self.listed: list[str] = []
 
     # -- the stream -------------------------------------------------------------
 
@@ -81,6 +87,7 @@ class Interactive:
             self.client.renderer.end_line()
             self.client.renderer.write(PROMPT)
             self.prompting = True
+        self.lines.ready()
 
     def _prompt_for_input(self) -> str:
         # Called by the line reader's thread when the human starts typing: the prompt
@@ -233,37 +240,79 @@ class Interactive:
             self.waiting_for_a_message()
         elif command == "/open":
             if not argument:
-                client.note("usage: /open SESSION_ID (see /sessions)")
+                client.note("usage: /open ROW, or a session id or its start (see /sessions)")
             else:
-                await self._open(argument)
+                session_id = await self._session_named(argument)
+                if session_id:
+                    await self._open(session_id)
         elif command == "/sessions":
             await self._list_sessions()
         else:
             client.note(f"unknown command {command}; /help lists them")
 
-    async def _list_sessions(self) -> None:
-        """Print the project's sessions, newest first (the current one marked ``*``)."""
+    async def _sessions(self, page_size: int) -> Any:
+        """The project's newest sessions (a ``ListSessionsResponse``), or None after
+        noting the error."""
         client = self.client
         project = client.session.project_id if client.session else client.options.project_id
         try:
-            listed = await client.stub.ListSessions(
-                planner_service_pb2.ListSessionsRequest(project_id=project, page_size=20),
+            return await client.stub.ListSessions(
+                planner_service_pb2.ListSessionsRequest(project_id=project, page_size=page_size),
                 metadata=(("authorization", f"Bearer {client.token}"),),
                 timeout=10,
             )
         except grpc.aio.AioRpcError as error:
             client.note("error: " + describe_status(*error_of(error)))
+            return None
+
+    async def _session_named(self, argument: str) -> str:
+        """The session ``/open ARGUMENT`` means: row N of the last ``/sessions``, a whole
+        id, or the one id among the project's newest sessions that starts with it;
+        ``""`` after noting why there is none (no such row, an ambiguous start)."""
+        if argument.isdigit() and len(argument) <= 3:
+            row = int(argument)
+            if 1 <= row <= len(self.listed):
+                return self.listed[row - 1]
+            if not self.listed:
+                self.client.note("(list them with /sessions first, then /open ROW)")
+            else:
+                self.client.note(f"(no row {row}: /sessions listed {len(self.listed)})")
+            return ""
+        listed = await self._sessions(OPEN_PREFIX_SESSIONS)
+        if listed is None:
+            return ""
+        ids = [session.session_id for session in listed.sessions]
+        if argument in ids:
+            return argument
+        matching = [session_id for session_id in ids if session_id.startswith(argument)]
+        if len(matching) > 1:
+            self.client.note(
+                f"({len(matching)} sessions start with {argument}: "
+                f"{', '.join(matching[:5])}; give more of the id)"
+            )
+            return ""
+        # No match among the newest: the whole id of an older (or another) session.
+        return matching[0] if matching else argument
+
+    async def _list_sessions(self) -> None:
+        """Print the project's sessions, newest first, numbered for ``/open ROW`` (the
+        current one marked ``*``)."""
+        client = self.client
+        project = client.session.project_id if client.session else client.options.project_id
+        listed = await self._sessions(20)
+        if listed is None:
             return
+        self.listed = [session.session_id for session in listed.sessions]
         if client.options.as_json:
             print(json_format.MessageToJson(listed, indent=None), file=client.out, flush=True)
             return
         current = client.session.session_id if client.session else ""
         client.note(f"sessions of {project} (newest first):")
-        for session in listed.sessions:
+        for row, session in enumerate(listed.sessions, start=1):
             mark = "*" if session.session_id == current else " "
             updated = session.update_time.ToDatetime().strftime("%Y-%m-%d %H:%M")
             title = session.title or "(untitled)"
-            client.note(f" {mark} {session.session_id}  {updated}  {title}")
+            client.note(f" {mark}{row:>3}  {session.session_id}  {updated}  {title}")
         if listed.next_page_token:
             client.note("   (more; the newest 20 are shown)")
 

@@ -7,8 +7,9 @@ call, a line as soon as the model names it (``-> name …``), one with its argum
 they are complete (``-> name {args}``) and one with its result (``<- name: ok, 12
 items`` or ``<- name: error NOT_FOUND: ...``); other clients' messages on the session
 (``alice: text``), never this client's own; the model the planner named for the turn
-(``turn_started``, the model the gateway was asked for, never a local setting), when it
-first appears or changes; one line when the turn ends. Counts take the right plural
+(``turn_started``: the model the gateway was asked for, which ``dev`` names after the
+model that answers, e.g. ``scripted demo``; never a local setting), when it first
+appears or changes; one line when the turn ends. Counts take the right plural
 (``1 item``, ``2 items``).
 """
 
@@ -122,8 +123,23 @@ def summarize_result(content: str, is_error: bool) -> str:
     return "ok: " + short(content)
 
 
+#: What a human reads for the reasons whose message tells an API client how to reopen a
+#: stream (field names such as after_sequence mean nothing to a chat user; the chat
+#: client reopens by itself).
+PLAIN_MESSAGES = {
+    "SHUTTING_DOWN": "the planner is stopping",
+    "TOKEN_EXPIRED": "the token has expired",
+    "REQUEST_STREAM_FAILED": "the planner could not read what this client sent",
+    "SEQUENCE_OUT_OF_RANGE": "the session has fewer events than this client saw",
+    "REPLAY_TOO_LARGE": "too much happened in the session to catch up at once; /open it",
+    "INVALID_SEQUENCE": "this client asked for the session from a wrong place",
+}
+
+
 def describe_status(code: str, reason: str, message: str) -> str:
-    """``CODE REASON: message`` (reason left out when empty)."""
+    """``CODE REASON: message`` (reason left out when empty); for the reasons of
+    ``PLAIN_MESSAGES``, their plain sentence instead of the planner's message."""
+    message = PLAIN_MESSAGES.get(reason, message)
     return f"{code} {reason}: {message}" if reason else f"{code}: {message}"
 
 

@@ -18,6 +18,14 @@ async def run_once(client: ChatClient, text: str) -> int:
     """Send ``text``, show the turn, return 0 for COMPLETED or MAX_ROUNDS, else 1 (the
     refusal or the turn's end said once, on stderr: ``ChatClient.batch``)."""
     client.batch = True
+    assert client.session is not None
+    # One line on stderr (stdout keeps the transcript): how to go on with the session.
+    session_id = client.session.session_id
+    print(
+        f"ballet-planner chat: session {session_id} (continue it with --session {session_id})",
+        file=client.err,
+        flush=True,
+    )
     sent = await client.send(text)
     while not sent.done:
         event = await client.next_event()

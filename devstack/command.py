@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from pathlib import Path
 
@@ -58,7 +59,53 @@ def add_dev(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         default=DEVSTACK_ADDRESS,
         help="devstack host:port (default 127.0.0.1:50052; port 0: any free port)",
     )
+    parser.add_argument(
+        "--metrics-address",
+        help="planner metrics host:port (default: server.metrics_address, "
+        "BALLET_PLANNER__SERVER__METRICS_ADDRESS, else 127.0.0.1:9464; port 0: any free "
+        "port; empty: off)",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        help="logs on stderr: text (the default on a terminal) or json (the default "
+        "otherwise, and whenever logging.format is set)",
+    )
     parser.set_defaults(handler=dev)
+
+
+#: The flag of ``dev`` for each planner setting a start can fail on.
+SETTING_FLAGS = {"server.address": "--address", "server.metrics_address": "--metrics-address"}
+
+
+def log_format(asked: str | None, config_file: Path | None, environ: dict[str, str]) -> str | None:
+    """The log format ``dev`` overrides ``logging.format`` with: ``asked`` (the flag);
+    else ``text`` when stderr is a terminal and neither the environment nor the file set
+    it (the banner, not JSON, is what a person reads there); else None (the settings')."""
+    if asked is not None:
+        return asked
+    if "BALLET_PLANNER__LOGGING__FORMAT" in environ or not sys.stderr.isatty():
+        return None
+    if config_file is not None:
+        import tomllib
+
+        try:
+            with config_file.open("rb") as handle:
+                table = tomllib.load(handle).get("logging", {})
+        except (OSError, tomllib.TOMLDecodeError):
+            return None  # loading the settings says what is wrong with it
+        if isinstance(table, dict) and "format" in table:
+            return None
+    return "text"
+
+
+def quiet_start_loggers(level: str) -> None:
+    """Keep the schema migration's lines (Alembic, one per revision) at DEBUG: below that
+    level they would scroll the banner out of sight."""
+    import logging
+
+    if level != "DEBUG":
+        logging.getLogger("alembic").setLevel(logging.WARNING)
 
 
 def dev(args: argparse.Namespace) -> int:
@@ -94,6 +141,8 @@ def dev(args: argparse.Namespace) -> int:
         scenario=args.scenario,
         address=args.address,
         devstack_address=args.devstack_address,
+        metrics_address=args.metrics_address,
+        log_format=log_format(args.log_format, args.config, dict(os.environ)),
     )
     settings = dev_settings(options)
     try:
@@ -103,8 +152,14 @@ def dev(args: argparse.Namespace) -> int:
         print(f"ballet-planner dev: cannot start: {error}", file=sys.stderr)
         return 1
     configure_logging(settings.logging)
+    quiet_start_loggers(settings.logging.level)
     try:
         return asyncio.run(run_dev(options, settings))
-    except (DevError, StartupError) as error:
+    except DevError as error:
         print(f"ballet-planner dev: cannot start: {error}", file=sys.stderr)
+        return 1
+    except StartupError as error:
+        flag = SETTING_FLAGS.get(error.setting)
+        with_flag = f"; with dev: {flag}" if flag else ""
+        print(f"ballet-planner dev: cannot start: {error}{with_flag}", file=sys.stderr)
         return 1

@@ -12,7 +12,8 @@ settings of ``service.config``), never its internals.
    ``BALLET_PLANNER__`` environment, with dev overriding only the data directory, the
    planner's address (``--address``), the database (``--database-url``) and the four
    dependency channels (all the devstack's address, plaintext on loopback); with
-   ``--provider openai`` also ``planner.model`` when ``BALLET_OPENAI_MODEL`` is set;
+   ``--provider openai`` also ``planner.model`` when ``BALLET_OPENAI_MODEL`` is set,
+   with ``scripted`` the scripted model's name (``scripted demo``) unless one is set;
 2. the model provider (``devstack.model.make_provider``): ``scripted`` over
    ``--scenario FILE`` (re-read when it changes) or the built-in demo scenario, or
    ``openai`` from the ``BALLET_OPENAI_*`` environment;
@@ -56,10 +57,12 @@ from devstack.model import (
     ProviderName,
     ProviderSetupError,
     make_provider,
+    scripted_model_name,
 )
 from devstack.server import DEFAULT_ADDRESS as DEVSTACK_ADDRESS
 from devstack.server import DevStack, DevStackConfig
-from service.config import ENV_PREFIX, ChannelSettings, Settings, load_settings
+from devstack.store.db import DatabaseUnreachable
+from service.config import ENV_PREFIX, ChannelSettings, PlannerSettings, Settings, load_settings
 from service.server.root import (
     EXIT_RESERVE_S,
     PlannerApp,
@@ -110,7 +113,9 @@ class DevOptions:
     - ``provider``, ``scenario``: the model behind the LLM gateway.
     - ``address``: the planner's ``host:port`` (None: ``server.address`` of the
       settings, default ``127.0.0.1:50051``); ``devstack_address``: the devstack's. Port 0
-      picks a free port.
+      picks a free port. ``metrics_address``: the planner's metrics ``host:port`` (None:
+      ``server.metrics_address``, default ``127.0.0.1:9464``; empty: off).
+    - ``log_format``: ``text`` or ``json`` (None: ``logging.format`` of the settings).
     """
 
     config_file: Path | None = None
@@ -124,6 +129,8 @@ class DevOptions:
     scenario: Path | None = None
     address: str | None = None
     devstack_address: str = DEVSTACK_ADDRESS
+    metrics_address: str | None = None
+    log_format: str | None = None
 
     @property
     def project(self) -> str:
@@ -144,6 +151,10 @@ def dev_settings(options: DevOptions, environ: Mapping[str, str] | None = None) 
         overrides["DATA_DIR"] = str(options.data_dir)
     if options.address is not None:
         overrides["SERVER__ADDRESS"] = options.address
+    if options.metrics_address is not None:
+        overrides["SERVER__METRICS_ADDRESS"] = options.metrics_address
+    if options.log_format is not None:
+        overrides["LOGGING__FORMAT"] = options.log_format
     if options.database_url is not None:
         overrides["DATABASE__URL"] = options.database_url
     for name in ("TRACKER", "SKILLS", "KNOWLEDGE", "GATEWAY"):
@@ -151,7 +162,16 @@ def dev_settings(options: DevOptions, environ: Mapping[str, str] | None = None) 
     if options.provider == "openai" and env.get(OPENAI_MODEL_VARIABLE):
         overrides["PLANNER__MODEL"] = env[OPENAI_MODEL_VARIABLE]
     env.update({f"{ENV_PREFIX}{key}": value for key, value in overrides.items()})
-    return load_settings(options.config_file, env)
+    settings = load_settings(options.config_file, env)
+    if options.provider == "scripted" and settings.planner.model == PlannerSettings().model:
+        # The scripted model answers whatever model is asked for: unless a model was
+        # configured, asking for it by its name makes every turn (and the chat's model
+        # line) name what answers.
+        planner = dataclasses.replace(
+            settings.planner, model=scripted_model_name(options.scenario)
+        )
+        settings = dataclasses.replace(settings, planner=planner)
+    return settings
 
 
 @dataclass
@@ -297,8 +317,10 @@ async def _start_dev(
                 interceptors=(stack_tracing.server_interceptor(),) if stack_tracing else (),
             )
         )
+    except DatabaseUnreachable as error:
+        raise DevError(f"devstack: {error}") from None
     except OSError as error:
-        raise DevError(f"devstack: {error}") from error
+        raise DevError(f"devstack: {error}; choose another with --devstack-address") from None
     except ImportFileError as error:
         raise DevError(str(error)) from error
     except ValueError as error:
@@ -380,13 +402,14 @@ def banner(app: DevApp) -> str:
         f"  model      {app.provider_description}",
         f"  project    {project} of organization acme: {loaded}",
         "  users      alice (all five permissions), bob (read permissions only)",
-        f"  data       {data_dir} ({database})",
+        f"  data       {data_dir.absolute()} ({database})",
         "",
         "Chat in the terminal:",
         f"  {shlex.join(chat)}",
         "A token for other clients:",
         f"  ballet-planner token --user alice --data-dir {quoted_dir}",
-        "buf curl (server reflection on both addresses):",
+        "buf curl (server reflection on both addresses; get buf with `npm install "
+        "@bufbuild/buf`, then npx buf, or use grpcurl the same way):",
         f'  buf curl --protocol grpc --http2-prior-knowledge -H "authorization: Bearer {token}"'
         f" -d '{body}' http://{app.planner.address}/ballet.planner.v1.PlannerService/ListSessions",
         f"  buf curl --protocol grpc --http2-prior-knowledge --list-services http://{stack.address}",

@@ -32,6 +32,17 @@ class ProviderSetupError(ValueError):
     """The provider cannot be made; the message names the option or variable."""
 
 
+#: The model name the planner names for its turns when the built-in demo scenario answers.
+SCRIPTED_DEMO_MODEL = "scripted demo"
+
+
+def scripted_model_name(scenario: Path | None) -> str:
+    """The model name of the scripted provider: ``scripted demo`` for the built-in
+    scenario, ``scripted (FILE)`` for ``--scenario FILE``. ``dev`` asks the gateway for
+    it, so the planner's turns (and the chat's model line) name what answers."""
+    return SCRIPTED_DEMO_MODEL if scenario is None else f"scripted ({scenario.name})"
+
+
 def make_provider(
     provider: ProviderName,
     scenario: Path | None = None,

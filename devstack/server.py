@@ -28,6 +28,7 @@ from ballet.tracker.v1 import tracker_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ballet_common import devusers, ports
 from ballet_common.files import check_sqlite_file, create_private_file, private_directory
 from ballet_common.tokens import (
     HUMAN_AUDIENCES,
@@ -161,7 +162,8 @@ class DevStack:
         if not config.allow_non_loopback and not _is_loopback(config.address):
             raise ValueError(
                 f"{config.address} is not a loopback address; the devstack serves plaintext "
-                "(set allow_non_loopback to bind it anyway)"
+                "(the standalone devstack binds it anyway with --allow-non-loopback: "
+                "python -m devstack --allow-non-loopback)"
             )
         timings: dict[str, float] = {}
         clock = time.perf_counter()
@@ -183,6 +185,8 @@ class DevStack:
         try:
             await store.create_schema()
             await store.run_write(seed_identities)
+            # Who the chat client may mint tokens for, next to the secret it uses.
+            devusers.write(config.data_dir, {user: org for user, (org, _) in USERS.items()})
             await load_globex(store)
             lap("schema")
             beads_report = None
@@ -270,6 +274,9 @@ class DevStack:
         reflection.enable_server_reflection(
             (*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
+        if ports.in_use(config.address):
+            # Said before gRPC tries: its C core would log a line of its own first.
+            raise OSError(f"{config.address} is in use (is another devstack or dev running?)")
         try:
             port = server.add_insecure_port(config.address)
         except RuntimeError as error:

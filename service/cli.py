@@ -46,6 +46,11 @@ OPTIONAL_COMMANDS = {
 }
 
 
+#: The names the planner's health service answers for: overall readiness, the API's
+#: readiness, liveness (``service.server.root``).
+HEALTH_SERVICES = ("", "ballet.planner.v1.PlannerService", "liveness")
+
+
 def _settings(config: Path | None, **overrides: str) -> Settings:
     environ = dict(os.environ)
     for key, value in overrides.items():
@@ -97,6 +102,7 @@ def _add_migrate(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
 def _migrate(args: argparse.Namespace) -> int:
     overrides = {"DATABASE__URL": args.database_url} if args.database_url else {}
     settings = _settings(args.config, **overrides)
+    from ballet_common.databases import unreachable
     from service.adapters.store import migrate, schema_status
     from service.core.errors import StoreUnavailable
 
@@ -107,10 +113,17 @@ def _migrate(args: argparse.Namespace) -> int:
             print(f"ballet-planner migrate: {error}", file=sys.stderr)
             return 1
     try:
-        asyncio.run(migrate(settings.database.url))
+        asyncio.run(
+            migrate(settings.database.url, connect_timeout_s=settings.database.connect_timeout_s)
+        )
         status = asyncio.run(schema_status(settings.database.url))
     except StoreUnavailable as error:
-        print(f"ballet-planner migrate: the database is unreachable: {error}", file=sys.stderr)
+        where = "--database-url" if args.database_url else "database.url"
+        print(
+            f"ballet-planner migrate: {unreachable(settings.database.url, error)}; is the "
+            f"database running there, and is {where} right?",
+            file=sys.stderr,
+        )
         return 1
     print(f"database schema at {status.current} (head {status.head})")
     return 0
@@ -155,6 +168,12 @@ def _add_token(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.set_defaults(handler=_token)
 
 
+def _known_scopes() -> frozenset[str]:
+    from service.core.sessions import READ_SCOPE
+
+    return frozenset({READ_SCOPE})
+
+
 def _token(args: argparse.Namespace) -> int:
     from ballet_common.tokens import (
         MAX_DEV_TOKEN_TTL_S,
@@ -178,6 +197,15 @@ def _token(args: argparse.Namespace) -> int:
         )
         return 2
     scopes = [scope for value in args.scope for scope in value.split()]
+    unknown = sorted(set(scopes) - _known_scopes())
+    if unknown:
+        # The planner grants nothing for another scope: a token with one is a mistake.
+        print(
+            f"ballet-planner token: unknown scope {', '.join(unknown)}; the planner knows "
+            f"{', '.join(sorted(_known_scopes()))}",
+            file=sys.stderr,
+        )
+        return 2
     try:
         if args.create_secret:
             datadir.prepare(data_dir, datadir.WITH_OPTION)
@@ -237,7 +265,13 @@ def _add_health(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     parser.add_argument("--config", type=Path, help="TOML configuration file")
     parser.add_argument("--alive", action="store_true", help="exit 0 on any answer")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
-    parser.add_argument("--service", default="", help='service name (default "": overall)')
+    parser.add_argument(
+        "--service",
+        default="",
+        help='service name (default "": overall; also '
+        + ", ".join(name for name in HEALTH_SERVICES if name)
+        + ")",
+    )
     parser.add_argument(
         "--tls-ca", type=Path, help="CA bundle of the server's certificate (enables TLS)"
     )
@@ -280,6 +314,13 @@ def _health(args: argparse.Namespace) -> int:
             if args.alive and answered:
                 print(f"alive ({code.name})")
                 return 0
+            if code == grpc.StatusCode.NOT_FOUND:
+                print(
+                    f"ballet-planner health: {target} has no health service {args.service!r}; "
+                    f"--service names one of: {', '.join(repr(n) for n in HEALTH_SERVICES)}",
+                    file=sys.stderr,
+                )
+                return 1
             print(
                 f"ballet-planner health: {target}: {code.name}: {error.details()}", file=sys.stderr
             )
@@ -403,6 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.set_defaults(subcommands=commands.choices)
     for add in SUBCOMMANDS:
         add(commands)
     registered: set[str] = set()
@@ -432,7 +474,11 @@ def _missing_module(error: ImportError, module: str) -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``ballet-planner`` with ``argv`` (default: the process's); returns the exit
     code. Configuration errors print ``configuration error: <key>: <problem>``, exit 2."""
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:
+        # argparse leaves a subcommand's unknown options to the top-level parser, whose
+        # usage does not name them: the subcommand's own usage does.
+        args.subcommands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     handler: Handler = args.handler
     try:
         return handler(args)

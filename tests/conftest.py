@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NoReturn
 
@@ -34,9 +34,11 @@ def _unavailable(reason: str, *, required: bool) -> NoReturn:
     pytest.skip(reason)
 
 
-def _started_cluster() -> PgCluster:
+def _started_cluster(prepare: Callable[[PgCluster], None] | None = None) -> PgCluster:
     try:
         cluster = PgCluster.temporary()
+        if prepare is not None:
+            prepare(cluster)
     except PostgresNotFound as exc:
         missing = str(exc)
     else:
@@ -92,6 +94,28 @@ def own_pg_cluster() -> Iterator[PgCluster]:
         yield cluster
     finally:
         cluster.destroy()
+
+
+@pytest.fixture
+def primary_and_standby() -> Iterator[tuple[PgCluster, PgCluster]]:
+    """A running primary (durable, database ``planner``) and its running streaming
+    standby, commits waiting for the standby (synchronous replication), for this test
+    alone: it may stop the primary and promote the standby."""
+    primary = _started_cluster(PgCluster.enable_replication)
+    standby: PgCluster | None = None
+    try:
+        primary.create_database("planner")
+        try:
+            standby = primary.standby()
+        except PostgresNotFound as exc:
+            _unavailable(str(exc), required=postgres_required())
+        standby.start()
+        primary.make_synchronous()
+        yield primary, standby
+    finally:
+        if standby is not None:
+            standby.destroy()
+        primary.destroy()
 
 
 @pytest.fixture(scope="session")

@@ -246,6 +246,92 @@ class PgCluster(PgServer):
         ``shared_preload_libraries``)."""
         self._append_config(settings)
 
+    def enable_replication(self) -> None:
+        """Make this cluster a durable primary that streaming standbys may copy and follow
+        (``standby``): fsync, full-page writes and synchronous commit on, replication
+        connections trusted on loopback. Call before ``start``; ``make_synchronous``
+        once a standby streams."""
+        self._append_config(
+            {
+                "fsync": "on",
+                "full_page_writes": "on",
+                "synchronous_commit": "on",
+                "wal_level": "replica",
+                "max_wal_senders": "5",
+            }
+        )
+        self._run(
+            ["tee", "-a", str(self.data_dir / "pg_hba.conf")],
+            input_text="host replication all 127.0.0.1/32 trust\n",
+        )
+
+    def make_synchronous(self) -> None:
+        """From now on every commit of this running primary waits until a standby has
+        flushed it (``synchronous_standby_names = '*'``; before a standby streams, every
+        commit would wait)."""
+        with psycopg.connect(self.admin_url(), autocommit=True) as conn:
+            conn.execute("ALTER SYSTEM SET synchronous_standby_names = '*'")
+            conn.execute("SELECT pg_reload_conf()")
+
+    def standby(self) -> PgCluster:
+        """A streaming standby of this running primary (``enable_replication``) in a new
+        temporary folder, copied with ``pg_basebackup -R`` over loopback and left
+        stopped, on a port of its own; ``destroy`` removes it. Promoted
+        (``promote``), it waits for no standby of its own."""
+        basebackup = _require_bin("pg_basebackup")
+        base_dir = Path(tempfile.mkdtemp(prefix="ballet-pg-standby-"))
+        try:
+            if _as_root():
+                shutil.chown(base_dir, user=PG_OS_USER, group=PG_OS_USER)
+            standby = PgCluster(base_dir, _free_loopback_port())
+            standby._run(
+                [
+                    str(basebackup),
+                    "--pgdata",
+                    str(standby.data_dir),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.port),
+                    "--username",
+                    "postgres",
+                    "--write-recovery-conf",
+                    "--wal-method",
+                    "stream",
+                    "--checkpoint",
+                    "fast",
+                    # The copy's own files need no fsync before the standby starts: what
+                    # the test relies on is what the standby flushed while streaming.
+                    "--no-sync",
+                ]
+            )
+            standby._append_config(
+                {
+                    "port": str(standby.port),
+                    "unix_socket_directories": f"'{standby.data_dir}'",
+                    "synchronous_standby_names": "''",
+                    "hot_standby": "on",
+                }
+            )
+            return standby
+        except BaseException:
+            shutil.rmtree(base_dir, ignore_errors=True)
+            raise
+
+    def promote(self) -> None:
+        """Promote this standby to a primary and wait until it accepts writes."""
+        self._run(
+            [
+                str(self._pg_ctl),
+                "promote",
+                "--pgdata",
+                str(self.data_dir),
+                "--wait",
+                "--timeout",
+                str(START_TIMEOUT_S),
+            ]
+        )
+
     def _write_config(self) -> None:
         settings = {
             "listen_addresses": "'127.0.0.1'",

@@ -230,7 +230,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 usage=finish.usage,
             )
         )
-        _log.info(
+        _log.debug(  # one line per model call: the dev terminal keeps them out of sight
             "generate done: project=%s purpose=%s request_id=%s finish=%s usage=%s",
             request.project_id,
             _PURPOSE_NAMES[request.purpose],

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
     AsyncSession,
@@ -30,6 +30,7 @@ from sqlalchemy.ext.asyncio import (
     create_async_engine,
 )
 
+from ballet_common.databases import unreachable
 from devstack.store.schema import metadata, search_ddl
 
 T = TypeVar("T")
@@ -45,11 +46,17 @@ def sqlite_url(data_dir: Path) -> str:
     return f"sqlite+aiosqlite:///{(data_dir / SQLITE_FILE).resolve()}"
 
 
+class DatabaseUnreachable(ConnectionError):
+    """The devstack's database cannot be reached; ``str(error)`` is one line naming what
+    was tried (without the password) and why it failed."""
+
+
 class Store:
     """The database of the three backends; open with ``Store.open`` and ``close`` at the end."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, url: str = "") -> None:
         self.engine = engine
+        self.url = url
         self.dialect = engine.dialect.name
         self._sessions = async_sessionmaker(engine, expire_on_commit=False)
         self._write_lock = asyncio.Lock() if self.dialect == "sqlite" else None
@@ -74,14 +81,23 @@ class Store:
             engine = create_async_engine(parsed, pool_size=5, max_overflow=10)
         else:
             raise ValueError(f"the devstack runs on SQLite or PostgreSQL, not {backend}")
-        return cls(engine)
+        return cls(engine, url)
 
     async def create_schema(self) -> None:
-        """Create the tables and the full-text search objects that do not exist yet."""
-        async with self.engine.begin() as connection:
-            await connection.run_sync(metadata.create_all)
-            for statement in search_ddl(self.dialect):
-                await connection.exec_driver_sql(statement)
+        """Create the tables and the full-text search objects that do not exist yet.
+
+        Raises ``DatabaseUnreachable`` when the database cannot be reached (the first
+        statement the devstack sends)."""
+        try:
+            async with self.engine.begin() as connection:
+                await connection.run_sync(metadata.create_all)
+                for statement in search_ddl(self.dialect):
+                    await connection.exec_driver_sql(statement)
+        except (OperationalError, InterfaceError) as error:
+            raise DatabaseUnreachable(
+                f"{unreachable(self.url, error)}; is the database running there, and is "
+                "--database-url right?"
+            ) from None
 
     async def close(self) -> None:
         """Close every pooled connection."""

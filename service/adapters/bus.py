@@ -37,6 +37,7 @@ from collections.abc import Awaitable, Callable
 import psycopg
 from sqlalchemy.engine import make_url
 
+from service.adapters.store.engine import connect_args, conninfo
 from service.adapters.store.repository import CANCEL_CHANNEL, EVENTS_CHANNEL
 
 log = logging.getLogger(__name__)
@@ -64,10 +65,10 @@ class PgNotifier:
         max_backoff_s: float = 2.0,
         connect_timeout_s: int = 5,
     ) -> None:
-        parsed = make_url(url)
-        if parsed.get_backend_name() != "postgresql":
+        if make_url(url).get_backend_name() != "postgresql":
             raise ValueError("PgNotifier needs a PostgreSQL URL")
-        self._conninfo = parsed.set(drivername="postgresql").render_as_string(hide_password=False)
+        # Several hosts allowed: each reconnection finds the primary (a failover).
+        self._conninfo = conninfo(url)
         self._replica_id = replica_id
         self._min_backoff_s = min_backoff_s
         self._max_backoff_s = max_backoff_s
@@ -126,12 +127,10 @@ class PgNotifier:
                 conn = await psycopg.AsyncConnection.connect(
                     self._conninfo,
                     autocommit=True,
-                    connect_timeout=self._connect_timeout_s,
-                    application_name="ballet-planner-notifier",
-                    keepalives=1,
-                    keepalives_idle=30,
-                    keepalives_interval=10,
-                    keepalives_count=3,
+                    **connect_args(
+                        connect_timeout_s=self._connect_timeout_s,
+                        application_name="ballet-planner-notifier",
+                    ),
                 )
             except (psycopg.Error, OSError) as exc:
                 log.debug("notifier: connect failed: %s", exc)

@@ -244,6 +244,29 @@ class DatabaseSettings:
         ge=0,
         doc="Bytes of session contexts kept in memory between turns (0: none).",
     )
+    pool_timeout_s: float = _key(
+        10.0,
+        gt=0,
+        doc="Seconds a unit of work waits for a pooled connection before it fails "
+        "UNAVAILABLE/DATABASE_UNAVAILABLE (both pools).",
+    )
+    connect_timeout_s: int = _key(
+        5,
+        ge=2,
+        doc="PostgreSQL: seconds one connection attempt may take, per host of a multi-host "
+        "URL (libpq's connect_timeout; every connection: pools, LISTEN, migrate).",
+    )
+    pool_pre_ping: bool = _key(
+        False,
+        doc="Check every pooled connection at checkout (one round trip each, both pools); "
+        "off, a connection a restart or failover broke fails one unit of work per pool.",
+    )
+    abandoned_read_grace_s: float = _key(
+        5.0,
+        ge=0,
+        doc="Seconds a read whose caller left (a cancelled RPC) may go on before it is "
+        "cancelled on the server and gives its connection back.",
+    )
 
     @property
     def is_sqlite(self) -> bool:

@@ -40,7 +40,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from ballet_common import datadir
+from ballet_common import datadir, ports
+from ballet_common.databases import unreachable
 from ballet_common.files import DatabaseFileError, private_directory
 from ballet_common.grpc.channels import ChannelTls, make_channel
 from ballet_common.tokens import DevSecretError
@@ -101,7 +102,13 @@ CHECK_LEFT_S = 1.0
 
 
 class StartupError(RuntimeError):
-    """The planner cannot start; the message says why and what to do."""
+    """The planner cannot start; the message says why and what to do. ``setting``: the
+    setting to change (e.g. ``server.address``), when one is at fault, so that a command
+    can name its own flag for it."""
+
+    def __init__(self, message: str, *, setting: str = "") -> None:
+        super().__init__(message)
+        self.setting = setting
 
 
 class SystemClock:
@@ -400,11 +407,18 @@ async def _open_database(settings: Settings, tracing: Tracing | None) -> Databas
             pool_size=database.pool_size,
             max_overflow=database.max_overflow,
             hot_pool_size=database.hot_pool_size,
+            pool_timeout_s=database.pool_timeout_s,
+            connect_timeout_s=database.connect_timeout_s,
+            pool_pre_ping=database.pool_pre_ping,
+            abandoned_read_grace_s=database.abandoned_read_grace_s,
             context_cache_bytes=database.context_cache_bytes,
             tracer=OtelTracer(tracing.tracer) if tracing else NULL_TRACER,
         )
     except StoreUnavailable as error:
-        raise StartupError(f"the database is unreachable: {error}") from error
+        raise StartupError(
+            f"{unreachable(url, error)}; is the database running there, and is "
+            "database.url (BALLET_PLANNER__DATABASE__URL) right?"
+        ) from None
 
 
 async def migrate_database(url: str) -> None:
@@ -414,19 +428,27 @@ async def migrate_database(url: str) -> None:
     try:
         await migrate(url)
     except StoreUnavailable as error:
-        raise StartupError(f"the database is unreachable: {error}") from error
+        raise StartupError(f"{unreachable(url, error)}; is the database running there?") from None
 
 
 def _bind(server: Any, address: str, credentials: Any | None) -> int:
+    if ports.in_use(address):
+        raise StartupError(
+            f"server.address {address} is in use (another planner, or dev?): stop it, or "
+            "choose a free address (server.address, BALLET_PLANNER__SERVER__ADDRESS)",
+            setting="server.address",
+        )
     try:
         if credentials is None:
             port = server.add_insecure_port(address)
         else:
             port = server.add_secure_port(address, credentials)
     except RuntimeError as error:
-        raise StartupError(f"server.address: cannot bind {address}: {error}") from error
+        raise StartupError(
+            f"server.address: cannot bind {address}: {error}", setting="server.address"
+        ) from error
     if not port:
-        raise StartupError(f"server.address: cannot bind {address}")
+        raise StartupError(f"server.address: cannot bind {address}", setting="server.address")
     return int(port)
 
 
@@ -594,8 +616,10 @@ async def _start_planner(
                 app._metrics_server = start_metrics_server(metrics, settings.server.metrics_address)
             except OSError as error:
                 raise StartupError(
-                    f"server.metrics_address: cannot bind {settings.server.metrics_address}: "
-                    f"{error.strerror}"
+                    f"server.metrics_address: cannot bind {settings.server.metrics_address} "
+                    f"({(error.strerror or str(error)).lower()}): choose a free address "
+                    "(server.metrics_address, BALLET_PLANNER__SERVER__METRICS_ADDRESS)",
+                    setting="server.metrics_address",
                 ) from error
             app.metrics_address = app._metrics_server.address
         if app._retention is not None:

@@ -150,7 +150,9 @@ def build_turns(wiring: Wiring) -> PlannerTurns:
     )
     url = settings.database.url
     notifier: Notifier = (
-        PgNotifier(url, settings.server.replica_id)
+        PgNotifier(
+            url, settings.server.replica_id, connect_timeout_s=settings.database.connect_timeout_s
+        )
         if url.startswith("postgresql")
         else NullNotifier()
     )

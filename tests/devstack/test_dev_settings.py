@@ -9,7 +9,7 @@ from pathlib import Path
 
 from devstack.dev import OPENAI_MODEL_VARIABLE, DevOptions, dev_settings
 from devstack.gateway import openai_provider
-from service.config import channels
+from service.config import channels, load_settings
 
 
 def test_the_environment_applies_and_dev_points_every_dependency_at_the_devstack() -> None:
@@ -50,8 +50,15 @@ def test_the_openai_model_becomes_the_planners_model() -> None:
     environ = {OPENAI_MODEL_VARIABLE: "qwen2.5:7b"}
     assert dev_settings(DevOptions(provider="openai"), environ).planner.model == "qwen2.5:7b"
     default = dev_settings(DevOptions(provider="openai"), {}).planner.model
-    assert default == dev_settings(DevOptions(), {}).planner.model
-    assert dev_settings(DevOptions(provider="scripted"), environ).planner.model == default
+    assert default == load_settings(None, {}).planner.model
+
+
+def test_the_scripted_model_is_asked_for_by_its_name() -> None:
+    # The model line of the chat names what answers, not the planner's default model.
+    environ = {OPENAI_MODEL_VARIABLE: "qwen2.5:7b"}
+    assert dev_settings(DevOptions(provider="scripted"), environ).planner.model == "scripted demo"
+    scenario = DevOptions(scenario=Path("rules.json"))
+    assert dev_settings(scenario, {}).planner.model == "scripted (rules.json)"
 
 
 def test_the_project_is_demo_without_a_tracker_file() -> None:

@@ -13,7 +13,7 @@ from service.adapters.store.pg import PgSessionStore, PgStreamStore
 from service.adapters.store.repository import SqlSessionStore
 from service.adapters.store.retention import SqlRetentionStore
 from service.adapters.store.streams import SqlStreamStore
-from service.adapters.store.work import MARK, UnitsOfWork
+from service.adapters.store.work import MARK, READ_MARK, UnitsOfWork
 from service.core.errors import StoreUnavailable
 
 
@@ -113,3 +113,58 @@ async def test_a_bug_in_an_abandoned_unit_of_work_is_logged(
         await asyncio.sleep(0)
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and "whose caller left failed" in errors[0].getMessage()
+
+
+async def test_an_abandoned_read_is_cancelled_once_after_its_grace() -> None:
+    units = UnitsOfWork(abandoned_read_grace_s=0.05)
+    cancels: list[str] = []
+
+    async def read() -> None:
+        try:
+            await asyncio.Event().wait()  # a statement behind a lock
+        except asyncio.CancelledError:
+            cancels.append("read")
+            # What psycopg does on a cancel: ask the server, wait for its answer.
+            await asyncio.sleep(0.1)
+            raise
+
+    caller = asyncio.ensure_future(units.run(read(), read=True))
+    await asyncio.sleep(0)
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    assert units.in_flight == 1
+    await units.drain(1.0)  # the read is unwinding: drain does not cancel it again
+    assert cancels == ["read"]
+    assert units.in_flight == 0
+    assert units.abandoned_reads_cancelled == 1
+
+
+async def test_an_abandoned_write_runs_to_its_end() -> None:
+    units = UnitsOfWork(abandoned_read_grace_s=0)
+    release = asyncio.Event()
+    done: list[str] = []
+
+    async def write() -> None:
+        await release.wait()
+        done.append("committed")
+
+    caller = asyncio.ensure_future(units.run(write()))
+    await asyncio.sleep(0)
+    caller.cancel()
+    await asyncio.sleep(0.05)
+    release.set()
+    await units.drain(1.0)
+    assert done == ["committed"]
+    assert units.abandoned_reads_cancelled == 0
+
+
+def test_the_stores_reads_are_marked() -> None:
+    for store, name in [
+        (PgSessionStore, "get_session"),
+        (PgSessionStore, "ping"),
+        (SqlSessionStore, "list_messages"),
+        (SqlStreamStore, "count_streams"),
+    ]:
+        assert getattr(getattr(store, name), READ_MARK, False), (store, name)
+    assert not getattr(SqlSessionStore.commit, READ_MARK, False)

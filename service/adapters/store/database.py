@@ -26,7 +26,7 @@ from service.adapters.store.engine import is_postgresql, make_engine
 from service.adapters.store.pg import PgSessionStore, PgStreamStore, StatementObserver, make_pool
 from service.adapters.store.repository import SqlSessionStore
 from service.adapters.store.streams import SqlStreamStore
-from service.adapters.store.work import UnitsOfWork
+from service.adapters.store.work import ABANDONED_READ_GRACE_S, UnitsOfWork
 from service.core.errors import StoreUnavailable
 from service.core.ports import Tracer
 from service.core.tracing import NULL_TRACER
@@ -79,24 +79,41 @@ async def open_database(
     max_overflow: int = 10,
     hot_pool_size: int = 20,
     pool_timeout_s: float = 10.0,
+    connect_timeout_s: int = 5,
+    pool_pre_ping: bool = False,
+    abandoned_read_grace_s: float = ABANDONED_READ_GRACE_S,
     context_cache_bytes: int = 64 << 20,
     tracer: Tracer = NULL_TRACER,
 ) -> Database:
-    """Open ``url`` (PostgreSQL or SQLite; ``make_engine`` says which URLs) with the
-    stores of replica ``replica_id``. On PostgreSQL the hot path's pool is opened with one
-    connection at once, so a database that cannot be reached fails here
-    (``StoreUnavailable``) rather than at the first turn. ``tracer`` traces the units of
-    work (``work.py``)."""
+    """Open ``url`` (PostgreSQL or SQLite; ``make_engine`` says which URLs, a multi-host
+    PostgreSQL URL included) with the stores of replica ``replica_id``. On PostgreSQL the
+    hot path's pool is opened with one connection at once, so a database that cannot be
+    reached fails here (``StoreUnavailable``) rather than at the first turn.
+    ``pool_timeout_s``, ``connect_timeout_s`` (seconds, per host) and ``pool_pre_ping``
+    apply to both pools; a read whose caller left is cancelled after
+    ``abandoned_read_grace_s`` seconds (``work.py``). ``tracer`` traces the units of
+    work."""
     engine = make_engine(
-        url, pool_size=pool_size, max_overflow=max_overflow, pool_timeout_s=pool_timeout_s
+        url,
+        pool_size=pool_size,
+        max_overflow=max_overflow,
+        pool_timeout_s=pool_timeout_s,
+        pool_pre_ping=pool_pre_ping,
+        connect_timeout_s=connect_timeout_s,
     )
-    work = UnitsOfWork(tracer)
+    work = UnitsOfWork(tracer, abandoned_read_grace_s=abandoned_read_grace_s)
     if not is_postgresql(engine):
         sessions = SqlSessionStore(
             engine, replica_id, context_cache_bytes=context_cache_bytes, units_of_work=work
         )
         return Database(engine, None, sessions, SqlStreamStore(engine, units_of_work=work), work)
-    pool = make_pool(url, max_size=hot_pool_size, timeout_s=pool_timeout_s)
+    pool = make_pool(
+        url,
+        max_size=hot_pool_size,
+        timeout_s=pool_timeout_s,
+        connect_timeout_s=connect_timeout_s,
+        pre_ping=pool_pre_ping,
+    )
     try:
         await pool.open(wait=True, timeout=pool_timeout_s)
     except Exception as error:

@@ -17,6 +17,13 @@ SQLite needs care to behave like a database with concurrent writers in one proce
   (the recipe of SQLAlchemy's SQLite dialect documentation).
 - Reads (``read_only(engine)``) emit no BEGIN at all: each statement then runs in its own
   implicit read transaction, which in WAL mode never waits for the writer.
+
+A PostgreSQL URL may name several hosts, for a primary and its standbys:
+``postgresql+psycopg://user@/db?host=a:5432&host=b:5432&target_session_attrs=read-write``
+(SQLAlchemy's form). Every connection the planner opens reads it the same way
+(``conninfo`` turns it into libpq's ``host=a,b port=5432,5432 ...``): libpq tries the
+hosts in order and, with ``target_session_attrs=read-write``, takes the one that accepts
+writes, so after a failover new connections find the promoted standby.
 """
 
 from __future__ import annotations
@@ -24,7 +31,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from psycopg.conninfo import make_conninfo
 from sqlalchemy import event
+from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg
 from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
@@ -33,6 +42,45 @@ from ballet_common.files import check_sqlite_file, create_private_file
 #: The execution option that marks an engine (or connection) as read-only: PostgreSQL
 #: reads then run in autocommit, SQLite reads without BEGIN.
 READ_ONLY_OPTION = "ballet_read_only"
+
+
+#: TCP keepalives on every PostgreSQL connection: a peer that vanished without closing
+#: the socket (a failed host, a dropped NAT entry) is found in about a minute rather than
+#: the kernel's two hours.
+KEEPALIVES: dict[str, int] = {
+    "keepalives": 1,
+    "keepalives_idle": 30,
+    "keepalives_interval": 10,
+    "keepalives_count": 3,
+}
+
+
+def conninfo(url: str) -> str:
+    """The libpq connection string of a PostgreSQL URL (SQLAlchemy's
+    ``postgresql+psycopg://...`` form, several ``host=`` query keys included, or a libpq
+    URL), for the connections opened with psycopg directly (the hot path's pool, the
+    LISTEN connection). Raises ``ValueError`` for another backend."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "postgresql":
+        raise ValueError(f"not a PostgreSQL URL: {parsed!r}")
+    # SQLAlchemy's own reading of its URL (host lists, query keys), so the psycopg
+    # connections and the engine's agree; the dialect class carries no annotations.
+    dialect: Any = PGDialect_psycopg
+    _, kwargs = dialect().create_connect_args(parsed)
+    return make_conninfo("", **kwargs)
+
+
+def connect_args(*, connect_timeout_s: int, application_name: str, **more: Any) -> dict[str, Any]:
+    """The libpq parameters every PostgreSQL connection of the planner adds to its URL's:
+    ``connect_timeout_s`` bounds each host's connection attempt (libpq applies it per
+    host, so a dead primary costs at most that before the next host is tried), the
+    application name, keepalives (``KEEPALIVES``), and ``more``."""
+    return {
+        "connect_timeout": connect_timeout_s,
+        "application_name": application_name,
+        **KEEPALIVES,
+        **more,
+    }
 
 
 def is_postgresql(engine: AsyncEngine) -> bool:
@@ -76,9 +124,10 @@ def make_engine(
     ``StoreUnavailable``). ``pool_pre_ping`` costs one round trip per checkout and is off
     by default: after a database restart the first statement on a stale connection fails
     and SQLAlchemy then discards every pooled connection, so the pool heals after one
-    failed unit of work. ``connect_timeout_s`` bounds a PostgreSQL connection attempt, so
-    an unreachable server fails fast instead of hanging a turn. Raises ``ValueError`` for
-    any other backend.
+    failed unit of work; on it, every checkout first checks its connection, so no unit
+    of work meets a connection a failover left broken. ``connect_timeout_s`` bounds a
+    PostgreSQL connection attempt per host, so an unreachable server fails fast instead
+    of hanging a turn. Raises ``ValueError`` for any other backend.
     """
     parsed = make_url(url)
     backend = parsed.get_backend_name()
@@ -92,16 +141,9 @@ def make_engine(
             pool_timeout=pool_timeout_s,
             pool_pre_ping=pool_pre_ping,
             echo=echo,
-            connect_args={
-                "connect_timeout": connect_timeout_s,
-                "application_name": application_name,
-                # Find a peer that vanished without closing the socket (a failed host, a
-                # dropped NAT entry) in about a minute rather than the kernel's two hours.
-                "keepalives": 1,
-                "keepalives_idle": 30,
-                "keepalives_interval": 10,
-                "keepalives_count": 3,
-            },
+            connect_args=connect_args(
+                connect_timeout_s=connect_timeout_s, application_name=application_name
+            ),
         )
         return engine
     if backend == "sqlite":
@@ -155,3 +197,4 @@ def _configure_sqlite(engine: AsyncEngine, *, busy_timeout_ms: int) -> None:
         if connection.get_execution_options().get(READ_ONLY_OPTION):
             return
         connection.exec_driver_sql("BEGIN IMMEDIATE")
+

@@ -56,12 +56,14 @@ def alembic_config(connection: Connection | None = None) -> Config:
     return config
 
 
-async def migrate(url: str) -> None:
-    """Upgrade the database at ``url`` to this release's head, in one transaction.
+async def migrate(url: str, *, connect_timeout_s: int = 5) -> None:
+    """Upgrade the database at ``url`` (a multi-host URL finds the writable host) to this
+    release's head, in one transaction; ``connect_timeout_s`` bounds the connection
+    attempt per host.
 
     Raises ``StoreUnavailable`` when the database cannot be reached.
     """
-    engine = make_engine(url, pool_size=1, max_overflow=0)
+    engine = make_engine(url, pool_size=1, max_overflow=0, connect_timeout_s=connect_timeout_s)
     try:
         with translated():
             async with engine.begin() as conn:

@@ -16,8 +16,10 @@ character (``InvalidArgument``/``NUL_CHARACTER``).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
+import logging
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from datetime import datetime
@@ -28,11 +30,11 @@ from psycopg import errors as pg_errors
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
-from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from service.adapters.store import codec
 from service.adapters.store import turn_units as units
+from service.adapters.store.engine import connect_args, conninfo
 from service.adapters.store.errors import RequestIdTaken
 from service.adapters.store.repository import CONTEXT_CACHE_BYTES, SqlSessionStore
 from service.adapters.store.streams import SqlStreamStore
@@ -41,7 +43,7 @@ from service.adapters.store.tables import (
     UQ_SESSION_REQUEST_ID,
     UQ_TURN_REQUEST_ID,
 )
-from service.adapters.store.work import UnitsOfWork, every_method_a_unit_of_work
+from service.adapters.store.work import UnitsOfWork, every_method_a_unit_of_work, read_unit
 from service.core.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -58,6 +60,8 @@ from service.core.ports import (
     TurnStart,
     TurnStartOutcome,
 )
+
+log = logging.getLogger(__name__)
 
 #: Called after each hot-path statement with its text and the rows it returned or changed:
 #: what SQLAlchemy's ``after_cursor_execute`` event is for the rest of the store.
@@ -81,25 +85,22 @@ RETURNING cancel_requested
 """
 
 
-def conninfo(url: str) -> str:
-    """The libpq connection string of a SQLAlchemy ``postgresql+psycopg://`` URL."""
-    parsed = make_url(url).set(drivername="postgresql")
-    return parsed.render_as_string(hide_password=False)
-
-
 def make_pool(
     url: str,
     *,
     max_size: int,
     timeout_s: float,
     connect_timeout_s: int = 5,
+    pre_ping: bool = False,
     application_name: str = "ballet-planner",
 ) -> AsyncConnectionPool[Any]:
     """A closed pool of autocommit connections for the hot path (``open()`` it).
 
-    ``max_size`` bounds its connections (decision 0113 gives the sizing rule);
-    a unit of work that waits more than ``timeout_s`` seconds for one fails with
-    ``StoreUnavailable``.
+    ``url`` may name several hosts (``engine.conninfo``). ``max_size`` bounds its
+    connections (decision 0113 gives the sizing rule); a unit of work that waits more
+    than ``timeout_s`` seconds for one fails with ``StoreUnavailable``;
+    ``connect_timeout_s`` bounds each host's connection attempt. ``pre_ping`` checks
+    every connection at checkout (one round trip, ``database.pool_pre_ping``).
     """
     return AsyncConnectionPool(
         conninfo(url),
@@ -108,15 +109,12 @@ def make_pool(
         timeout=timeout_s,
         open=False,
         name="ballet-planner-hot",
-        kwargs={
-            "autocommit": True,
-            "connect_timeout": connect_timeout_s,
-            "application_name": application_name,
-            "keepalives": 1,
-            "keepalives_idle": 30,
-            "keepalives_interval": 10,
-            "keepalives_count": 3,
-        },
+        check=AsyncConnectionPool.check_connection if pre_ping else None,
+        kwargs=connect_args(
+            connect_timeout_s=connect_timeout_s,
+            application_name=application_name,
+            autocommit=True,
+        ),
     )
 
 
@@ -124,8 +122,11 @@ class PgHotPath:
     """The hot units of work on ``pool`` (see the module docstring). ``notify`` names the
     replica in the events notification (None: send none).
 
-    Connections are not checked at checkout (that would cost a round trip per unit of
-    work): one that the server dropped fails its unit of work once and leaves the pool.
+    Connections are not checked at checkout unless the pool was made with ``pre_ping``
+    (that costs a round trip per unit of work): one that the server dropped fails its
+    unit of work once and leaves the pool, and the pool then checks its idle connections
+    in the background, so a database restart or failover fails one unit of work per
+    pool, not one per pooled connection.
     Once the database could not be reached, and until the pool has a connection again
     (it reconnects in the background, backing off), each unit of work opens a connection
     of its own: a database that is down is reported at once, and one that is back is used
@@ -143,6 +144,7 @@ class PgHotPath:
         self._notify = notify
         self._unreachable = False
         self._observers = observers if observers is not None else []
+        self._checking: asyncio.Task[None] | None = None
 
     async def _run(
         self,
@@ -162,9 +164,7 @@ class PgHotPath:
             if self._unreachable and not self._pool.get_stats().get("pool_available", 0):
                 # make_pool gives the pool a plain string and dict (not callables).
                 kwargs = cast(dict[str, Any], self._pool.kwargs)
-                direct = await psycopg.AsyncConnection.connect(
-                    str(self._pool.conninfo), **kwargs
-                )
+                direct = await psycopg.AsyncConnection.connect(str(self._pool.conninfo), **kwargs)
                 try:
                     yield direct
                 finally:
@@ -174,10 +174,33 @@ class PgHotPath:
             try:
                 async with self._pool.connection() as conn:
                     yield conn
-            except (psycopg.OperationalError, PoolTimeout):
+            except (psycopg.OperationalError, PoolTimeout) as error:
                 self._unreachable = True
+                if isinstance(error, psycopg.OperationalError):
+                    self._check_idle()
                 raise
             self._unreachable = False
+
+    def _check_idle(self) -> None:
+        # The idle connections of a server that went away are broken too: drop them now
+        # rather than one failed unit of work at a time (as SQLAlchemy invalidates its
+        # pool on a disconnect).
+        if self._checking is None or self._checking.done():
+            self._checking = asyncio.get_running_loop().create_task(
+                self._pool.check(), name="hot-pool-check"
+            )
+            self._checking.add_done_callback(_retrieved)
+
+    async def ping(self) -> None:
+        """Check that the hot path's pool reaches the database (``SELECT 1``); a
+        connection found broken is retried once on another (see the class docstring)."""
+        for attempt in range(2):
+            try:
+                await self.one("SELECT 1", ())
+                return
+            except StoreUnavailable as error:
+                if attempt or not isinstance(error.__cause__, psycopg.OperationalError):
+                    raise
 
     async def one(self, query: str, params: Sequence[Any]) -> Mapping[str, Any] | None:
         """The first row of ``query`` as a mapping, or None."""
@@ -336,6 +359,14 @@ class PgSessionStore(SqlSessionStore):
         )
         self._hot = PgHotPath(pool, notify=replica_id, observers=observers)
 
+    @read_unit
+    async def ping(self) -> None:
+        """See ``SqlSessionStore.ping``; the hot path's pool is checked too, so readiness
+        after a restart or failover means both pools reach the (new) primary."""
+        await super().ping()
+        await self._hot.ping()
+
+    @read_unit
     async def get_session(self, session_id: str) -> Session | None:
         """The session, or None (one statement)."""
         return await self._hot.get_session(session_id)
@@ -480,3 +511,9 @@ def _event(row: Mapping[str, Any]) -> SessionEvent:
     if message is not None:
         prefixed = {units.MESSAGE_PREFIX + k: v for k, v in _timed(message).items()}
     return codec.event_from_row({**fields, **prefixed}, units.MESSAGE_PREFIX)
+
+
+def _retrieved(task: asyncio.Task[None]) -> None:
+    # A check that failed is tried again at the next broken connection.
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("hot pool: checking idle connections failed", exc_info=task.exception())

@@ -41,7 +41,7 @@ from service.adapters.store.tables import (
     turns,
 )
 from service.adapters.store.turn_units import CANCEL_CHANNEL, EVENTS_CHANNEL
-from service.adapters.store.work import UnitsOfWork, every_method_a_unit_of_work
+from service.adapters.store.work import UnitsOfWork, every_method_a_unit_of_work, read_unit
 from service.core.errors import InvalidArgument, StoreConflict, StoreUnavailable
 from service.core.model import Message, Session, SessionEvent, Turn
 from service.core.ports import (
@@ -125,6 +125,7 @@ class SqlSessionStore:
 
     # ------------------------------------------------------------------ health
 
+    @read_unit
     async def ping(self) -> None:
         """Check the database answers (``SELECT 1``); raises ``StoreUnavailable``.
 
@@ -218,11 +219,13 @@ class SqlSessionStore:
             return None
         return codec.session_from_row(row), row["create_request_hash"]
 
+    @read_unit
     async def get_session(self, session_id: str) -> Session | None:
         """The session, or None."""
         async with self._read() as conn:
             return await _session(conn, session_id)
 
+    @read_unit
     async def list_sessions(
         self, query: SessionQuery
     ) -> tuple[list[Session], SessionCursor | None]:
@@ -331,6 +334,7 @@ class SqlSessionStore:
 
     # ------------------------------------------------------------------ transcript
 
+    @read_unit
     async def list_messages(
         self, session_id: str, after_sequence: int, limit: int
     ) -> list[Message]:
@@ -346,6 +350,7 @@ class SqlSessionStore:
             rows = (await conn.execute(stmt)).mappings().all()
         return [codec.message_from_row(row) for row in rows]
 
+    @read_unit
     async def events_after(
         self, session_id: str, after_sequence: int, limit: int
     ) -> list[SessionEvent]:
@@ -366,6 +371,7 @@ class SqlSessionStore:
             rows = (await conn.execute(stmt)).mappings().all()
         return [codec.event_from_row(row, units.MESSAGE_PREFIX) for row in rows]
 
+    @read_unit
     async def turn_messages(self, turn_id: str) -> list[Message]:
         """The messages of one turn, in sequence order."""
         stmt = select(messages).where(messages.c.turn_id == turn_id).order_by(messages.c.sequence)
@@ -390,7 +396,7 @@ class SqlSessionStore:
             )
             ready.set_result(cached)
             return ready
-        return self.units_of_work.run(self._load_context(session_id))
+        return self.units_of_work.run(self._load_context(session_id), read=True)
 
     async def _load_context(self, session_id: str) -> ContextSnapshot | None:
         snapshot = await self._read_context(session_id)
@@ -425,6 +431,7 @@ class SqlSessionStore:
 
     # ------------------------------------------------------------------ turns
 
+    @read_unit
     async def get_turn(self, turn_id: str) -> Turn | None:
         """The turn, or None."""
         async with self._read() as conn:
@@ -435,6 +442,7 @@ class SqlSessionStore:
             )
         return None if row is None else codec.turn_from_row(row)
 
+    @read_unit
     async def running_turns(
         self, *, owner: str | None = None, lease_expired_before: datetime | None = None
     ) -> list[Turn]:

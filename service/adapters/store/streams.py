@@ -30,7 +30,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from service.adapters.store.engine import is_postgresql, read_only
 from service.adapters.store.errors import translated
 from service.adapters.store.tables import chat_streams, planner_replicas
-from service.adapters.store.work import UnitsOfWork, every_method_a_unit_of_work
+from service.adapters.store.work import UnitsOfWork, every_method_a_unit_of_work, read_unit
 from service.core.errors import StoreConflict
 from service.core.ports import OpenStream
 
@@ -127,6 +127,7 @@ class SqlStreamStore:
         async with self._write() as conn:
             await conn.execute(dialect_insert(chat_streams).values(rows).on_conflict_do_nothing())
 
+    @read_unit
     async def replica_streams(self, replica_id: str) -> list[str]:
         """The ids of the streams recorded for ``replica_id`` (one indexed read). Raises
         ``StoreUnavailable``."""
@@ -158,6 +159,7 @@ class SqlStreamStore:
             ).all()
         return len(gone)
 
+    @read_unit
     async def count_streams(self, human_id: str, now: datetime) -> int:
         """The human's streams on replicas whose lease holds at ``now`` (operations and
         tests)."""

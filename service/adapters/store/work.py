@@ -25,6 +25,14 @@ With a tracer, a unit of work run within a traced operation (a turn, an RPC) is 
 ``store.<method>`` of its own, opened in the unit's task so it ends with the unit, not
 with a caller who left; one run outside any (lease renewal, the sweeper, heartbeats) is
 not traced, so background upkeep sends no trace of its own (decision 0190).
+
+A read (a method marked ``@read_unit``) is the exception to "runs to its end": nothing
+is lost when one stops, and one waiting behind a lock would hold its connection for the
+lock's whole duration though nobody waits for its answer. So a read whose caller left is
+cancelled, once, ``abandoned_read_grace_s`` seconds later if it is still running: the
+single cancellation makes psycopg cancel the statement on the server and wait for it,
+and the connection goes back to its pool (a second cancellation is what 0180 rules
+out, and the store never sends one).
 """
 
 from __future__ import annotations
@@ -51,6 +59,11 @@ T = TypeVar("T")
 #: The attribute that marks a store method as a unit of work (tests check every public
 #: coroutine method of the stores carries it).
 MARK = "__unit_of_work__"
+#: The attribute that marks a store method as a read (``read_unit``).
+READ_MARK = "__read_unit__"
+#: Seconds a read whose caller left may go on before it is cancelled (the default of
+#: ``database.abandoned_read_grace_s``).
+ABANDONED_READ_GRACE_S = 5.0
 
 #: Failures of a unit of work that are the store's answers, not bugs.
 _EXPECTED = (StoreUnavailable, StoreConflict, PlannerError)
@@ -79,13 +92,24 @@ class UnitsOfWork:
     ``run`` never lets the caller's cancellation into the unit of work; ``drain`` waits
     for those in flight. Units still running when ``drain`` gives up are cancelled then,
     once, and awaited: a single cancellation lets them roll back and give their
-    connection back; the pools close next.
+    connection back; the pools close next. A read (``run(..., read=True)``) whose caller
+    left is cancelled once after ``abandoned_read_grace_s`` seconds (see the module
+    docstring); ``abandoned_reads_cancelled`` counts those.
     """
 
-    def __init__(self, tracer: Tracer = tracing.NULL_TRACER) -> None:
+    def __init__(
+        self,
+        tracer: Tracer = tracing.NULL_TRACER,
+        *,
+        abandoned_read_grace_s: float = ABANDONED_READ_GRACE_S,
+    ) -> None:
         self._running: set[asyncio.Task[Any]] = set()
         self._tracer = tracer
         self._on_failure: Callable[[str], object] | None = None
+        self._read_grace_s = max(0.0, abandoned_read_grace_s)
+        self.abandoned_reads_cancelled = 0
+        # Reads cancelled once already: ``drain`` does not cancel them a second time.
+        self._cancelled: set[asyncio.Task[Any]] = set()
 
     def on_failure(self, callback: Callable[[str], object]) -> None:
         """Call ``callback(kind)`` (``FAILURE_KINDS``) for every unit of work that fails
@@ -97,11 +121,12 @@ class UnitsOfWork:
         """Units of work running now."""
         return len(self._running)
 
-    async def run(self, work: Coroutine[Any, Any, T], name: str = "") -> T:
+    async def run(self, work: Coroutine[Any, Any, T], name: str = "", *, read: bool = False) -> T:
         """Run ``work`` in a task owned here and return its result (or raise its error).
 
         A caller cancelled while it waits gets ``CancelledError`` at once; ``work`` goes
-        on to its end. ``name`` (the store method's) names its span.
+        on to its end, or, when it is a ``read``, for at most ``abandoned_read_grace_s``
+        seconds more. ``name`` (the store method's) names its span.
         """
         if name and self._tracer.current() is not None:
             work = _traced(self._tracer, name, work)
@@ -116,7 +141,20 @@ class UnitsOfWork:
             # Nobody will read the outcome: report a failure that is a bug, and retrieve
             # the rest, so nothing is logged as "never retrieved".
             task.add_done_callback(_report_abandoned)
+            if read and not task.done():
+                self._cancel_later(task)
             raise
+
+    def _cancel_later(self, task: asyncio.Task[Any]) -> None:
+        def cancel() -> None:
+            if not task.done():
+                self.abandoned_reads_cancelled += 1
+                self._cancelled.add(task)
+                task.add_done_callback(self._cancelled.discard)
+                task.cancel()
+
+        handle = asyncio.get_running_loop().call_later(self._read_grace_s, cancel)
+        task.add_done_callback(lambda _: handle.cancel())
 
     def _report_failure(self, task: asyncio.Task[Any]) -> None:
         if task.cancelled() or self._on_failure is None:
@@ -135,7 +173,7 @@ class UnitsOfWork:
         _, pending = await asyncio.wait(running, timeout=max(0.0, timeout_s))
         if pending:
             log.warning("store: %d units of work still running at close; cancelled", len(pending))
-            for task in pending:
+            for task in pending - self._cancelled:
                 task.cancel()
             await asyncio.wait(pending)
 
@@ -166,12 +204,25 @@ def unit_of_work(
     """Make a store method a unit of work run by its store's ``UnitsOfWork``: the caller's
     cancellation never interrupts it (see the module docstring)."""
 
+    read = bool(getattr(method, READ_MARK, False))
+
     @functools.wraps(method)
     async def run(self: S, /, *args: P.args, **kwargs: P.kwargs) -> T:
-        return await self.units_of_work.run(method(self, *args, **kwargs), method.__name__)
+        work = method(self, *args, **kwargs)
+        return await self.units_of_work.run(work, method.__name__, read=read)
 
     setattr(run, MARK, True)
     return run
+
+
+def read_unit(
+    method: Callable[Concatenate[S, P], Coroutine[Any, Any, T]],
+) -> Callable[Concatenate[S, P], Coroutine[Any, Any, T]]:
+    """Mark a store method as a read: a unit of work that changes nothing, so it may be
+    cancelled once its caller has left (see the module docstring). Put it below
+    ``unit_of_work`` or on a method of a class marked ``@every_method_a_unit_of_work``."""
+    setattr(method, READ_MARK, True)
+    return method
 
 
 def every_method_a_unit_of_work(cls: C) -> C:
