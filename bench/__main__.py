@@ -1,5 +1,9 @@
 """``python -m bench``: run the benchmarks and print the table (see ``bench``).
 
+``python -m bench scale ...`` runs the scale benchmark instead (several replicas on one
+durable PostgreSQL, ``bench.scale``), and ``python -m bench idle ...`` the many idle
+streams benchmark (``bench.idle``); ``--help`` after either lists its options.
+
 Options: ``--quick`` (smaller samples and a 10 s idle window instead of 60 s; about two
 minutes instead of three and a half), ``--out DIR`` (default ``bench/results``),
 ``--database-url URL`` (an existing PostgreSQL whose role may create databases, instead
@@ -66,8 +70,13 @@ def _terminate(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    options = parse_args(argv)
+    args = sys.argv[1:] if argv is None else argv
     signal.signal(signal.SIGTERM, _terminate)
+    if args and args[0] in ("scale", "idle"):
+        from bench import idle, scale
+
+        return (scale.main if args[0] == "scale" else idle.main)(args[1:])
+    options = parse_args(args)
     report = asyncio.run(run(options))
     json_path, md_path = write(report, options.out)
     print(markdown(report))

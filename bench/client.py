@@ -106,6 +106,8 @@ class ChatStream:
         self.call: Any = stub.Chat(metadata=(("authorization", f"Bearer {token}"),))
         self.session_id = ""
         self.last_sequence = 0
+        #: Heartbeats read by ``wait_closed``.
+        self.heartbeats = 0
 
     async def _read(self) -> chat_pb2.ChatResponse:
         try:
@@ -194,15 +196,19 @@ class ChatStream:
                 return result
 
     async def wait_closed(self) -> str:
-        """Wait until the stream ends or delivers anything (an idle stream should not);
-        returns what happened."""
-        try:
-            response = await self.call.read()
-        except grpc.aio.AioRpcError as error:
-            return f"ended: {error.code().name}"
-        if response is grpc.aio.EOF:
-            return "ended"
-        return f"event: {response.WhichOneof('event')}"
+        """Wait until the stream ends or delivers anything but heartbeats (an idle stream
+        should not); returns what happened. Heartbeats are counted in ``heartbeats``."""
+        while True:
+            try:
+                response = await self.call.read()
+            except grpc.aio.AioRpcError as error:
+                return f"ended: {error.code().name}"
+            if response is grpc.aio.EOF:
+                return "ended"
+            kind = response.WhichOneof("event")
+            if kind != "heartbeat":
+                return f"event: {kind}"
+            self.heartbeats += 1
 
     def cancel(self) -> None:
         self.call.cancel()

@@ -205,11 +205,11 @@ def markdown(report: Report) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(report: Report, out: Path) -> tuple[Path, Path]:
-    """Write ``latest.json`` and ``latest.md`` into ``out``; returns their paths."""
+def write(report: Report, out: Path, name: str = "latest") -> tuple[Path, Path]:
+    """Write ``<name>.json`` and ``<name>.md`` into ``out``; returns their paths."""
     out.mkdir(parents=True, exist_ok=True)
-    json_path = out / "latest.json"
-    md_path = out / "latest.md"
+    json_path = out / f"{name}.json"
+    md_path = out / f"{name}.md"
     document = asdict(report)
     json_path.write_text(json.dumps(document, indent=2) + "\n")
     md_path.write_text(markdown(report))

@@ -113,6 +113,8 @@ class Sizes:
     idle_turn_runs: int
     idle_turns: int
     profile_s: int
+    #: Idle streams per client connection (HTTP/2 streams on one channel).
+    streams_per_channel: int = 100
 
 
 FULL = Sizes(
@@ -190,7 +192,11 @@ class Environment:
         )
 
     @classmethod
-    async def start(cls, options: Options) -> Environment:
+    async def start(
+        cls, options: Options, cluster_settings: dict[str, str] | None = None
+    ) -> Environment:
+        """Start the process tree; ``cluster_settings`` (postgresql.conf names and
+        values) are added to the throwaway cluster's configuration (e.g. durability on)."""
         work = Path(tempfile.mkdtemp(prefix="ballet-bench-"))
         cluster: PgCluster | None = None
         server: PgServer
@@ -200,7 +206,9 @@ class Environment:
             cluster = PgCluster.temporary()
             # Counts the planner's SQL statements per turn (T1); top-level statements
             # only, so a server-side function is one statement, as it is one round trip.
-            cluster.configure({"shared_preload_libraries": "'pg_stat_statements'"})
+            cluster.configure(
+                {"shared_preload_libraries": "'pg_stat_statements'", **(cluster_settings or {})}
+            )
             cluster.start()
             server = cluster
         env = cls(work, server, cluster)
@@ -237,33 +245,41 @@ class Environment:
         log("starting the planner (ballet-planner serve)")
         self.planner_address = f"127.0.0.1:{_free_port()}"
         self.metrics_address = f"127.0.0.1:{_free_port()}"
-        env = {
-            "BALLET_PLANNER__DATA_DIR": str(self.work),
-            "BALLET_PLANNER__SERVER__ADDRESS": self.planner_address,
-            "BALLET_PLANNER__SERVER__METRICS_ADDRESS": self.metrics_address,
-            "BALLET_PLANNER__SERVER__GRACE_S": "7",
-            "BALLET_PLANNER__DATABASE__URL": self.planner_url,
-        }
-        for name in ("TRACKER", "SKILLS", "KNOWLEDGE", "GATEWAY"):
-            env[f"BALLET_PLANNER__DEPENDENCIES__{name}__ADDRESS"] = self.stack_address
-        for key, value in self.overrides.items():
-            env["BALLET_PLANNER__" + key.upper().replace(".", "__")] = value
-        self.planner = Child(
-            "planner",
-            [sys.executable, "-m", "service.cli", "serve"],
-            self.work / "planner.log",
-            env=env,
-            wait_line=False,
+        self.planner = await self.start_planner(
+            "planner", self.planner_address, self.metrics_address
         )
-        self.children.append(self.planner)
-        await self._wait_serving(self.planner)
         self.bare = python_child("bare", "bench.bare", [], self.work / "bare.log")
         self.children.append(self.bare)
         self.bare_address = str(self.bare.ready["address"])
 
-    async def _wait_serving(self, child: Child) -> None:
+    async def start_planner(self, name: str, address: str, metrics_address: str) -> Child:
+        """Start one ``ballet-planner serve`` on this environment's database and stack
+        (another replica when one runs already), wait until it serves; its child."""
+        env = {
+            "BALLET_PLANNER__DATA_DIR": str(self.work),
+            "BALLET_PLANNER__SERVER__ADDRESS": address,
+            "BALLET_PLANNER__SERVER__METRICS_ADDRESS": metrics_address,
+            "BALLET_PLANNER__SERVER__GRACE_S": "7",
+            "BALLET_PLANNER__DATABASE__URL": self.planner_url,
+        }
+        for dependency in ("TRACKER", "SKILLS", "KNOWLEDGE", "GATEWAY"):
+            env[f"BALLET_PLANNER__DEPENDENCIES__{dependency}__ADDRESS"] = self.stack_address
+        for key, value in self.overrides.items():
+            env["BALLET_PLANNER__" + key.upper().replace(".", "__")] = value
+        child = Child(
+            name,
+            [sys.executable, "-m", "service.cli", "serve"],
+            self.work / f"{name}.log",
+            env=env,
+            wait_line=False,
+        )
+        self.children.append(child)
+        await self._wait_serving(child, address)
+        return child
+
+    async def _wait_serving(self, child: Child, address: str) -> None:
         # No event to await across processes: poll health, bounded.
-        async with grpc.aio.insecure_channel(self.planner_address) as chan:
+        async with grpc.aio.insecure_channel(address) as chan:
             stub = health_pb2_grpc.HealthStub(chan)
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
@@ -1106,25 +1122,42 @@ class Bench:
             started = time.monotonic()
             await asyncio.sleep(s.idle_base_s)
             idle_base = (env.planner.cpu_seconds() - cpu0) / (time.monotonic() - started)
-            # 100 streams per connection: the server allows 1,000 HTTP/2 streams on one
-            # (server.max_concurrent_streams), and a client multiplexes onto few.
-            per_channel = 100
-            chans = [channel(env.planner_address) for _ in range(s.streams // per_channel)]
+            # 100 streams per connection by default: the server allows 1,000 HTTP/2
+            # streams on one (server.max_concurrent_streams), and a client multiplexes
+            # onto few.
+            per_channel = s.streams_per_channel
+            chans = [channel(env.planner_address) for _ in range(-(-s.streams // per_channel))]
             projects = project_ids(PROJECTS)
             opened_at = time.monotonic()
-            for first in range(0, s.streams, 100):
-                batch = await asyncio.gather(
-                    *(
-                        self.stream(
+            retried: list[str] = []
+
+            async def open_one(i: int) -> ChatStream:
+                # On a loaded machine a dependency may miss its deadline during the
+                # opening burst; an open refused UNAVAILABLE is retried (twice at most).
+                for attempt in range(3):
+                    try:
+                        return await self.stream(
                             human_id(i % 100),
                             project=projects[(i // 100) % PROJECTS],
                             chan=chans[i // per_channel],
                         )
-                        for i in range(first, min(s.streams, first + 100))
-                    )
+                    except ChatError as error:
+                        if attempt == 2 or "refused: 14 " not in str(error):
+                            raise
+                        retried.append(str(error))
+                raise AssertionError("unreachable")
+
+            for first in range(0, s.streams, 100):
+                batch = await asyncio.gather(
+                    *(open_one(i) for i in range(first, min(s.streams, first + 100)))
                 )
                 idle.extend(batch)
             open_s = time.monotonic() - opened_at
+            if retried:
+                self.report.notes.append(
+                    f"T5: {len(retried)} opens were refused UNAVAILABLE and retried: "
+                    + "; ".join(sorted(set(retried)))[:160]
+                )
             loop = asyncio.get_running_loop()
             watchers = [loop.create_task(stream.wait_closed()) for stream in idle]
             # Let the planner finish the open work (replies, session creation) before
@@ -1133,9 +1166,11 @@ class Bench:
             rss_after = env.planner.rss_bytes()
             connections_after = await probe.connections("ballet-planner")
             meter = CpuMeter(env.cpu_sources())
+            heartbeats = -sum(stream.heartbeats for stream in idle)
             meter.start()
             await asyncio.sleep(s.idle_s)
             idle_cpu = meter.stop()
+            heartbeats += sum(stream.heartbeats for stream in idle)
             window = meter.wall_s
             during = repeated_medians(
                 [
@@ -1207,6 +1242,22 @@ class Bench:
             )
         )
         judge(row, "<= 1%", idle_share <= 1.0)
+        heartbeat = env.overrides.get("planner.stream_heartbeat_s")
+        if heartbeat:
+            interval = float(heartbeat)
+            add(
+                Row(
+                    section,
+                    "t5.heartbeat",
+                    f"planner CPU per heartbeat interval ({interval:g} s), streams idle",
+                    "ms",
+                    idle_cpu["planner"] / window * interval * 1000,
+                    samples=f"{window:.0f} s",
+                    note=f"{idle_cpu['planner'] / window * interval / max(1, len(idle)) * 1e6:.1f}"
+                    f" us per stream; {heartbeats:,} heartbeats read in the window, "
+                    f"{len(idle) * window / interval:,.0f} expected",
+                )
+            )
         row = add(
             time_row(
                 section, "t5.turn", "one-round turn on another session, p50, streams open", during
