@@ -550,7 +550,7 @@ Global___KnowledgeWritten: _TypeAlias = KnowledgeWritten  # noqa: Y015
 
 @_typing.final
 class Compacted(_message.Message):
-    """The model's context was compacted (seed: Context compaction)."""
+    """The model's context was compacted (docs/spec/compaction.md)."""
 
     DESCRIPTOR: _descriptor.Descriptor
 

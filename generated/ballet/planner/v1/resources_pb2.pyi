@@ -39,7 +39,7 @@ class _MessageKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_MessageKi
     """A marker showing where the conversation was compacted."""
 
 class MessageKind(_MessageKind, metaclass=_MessageKindEnumTypeWrapper):
-    """The kind of a transcript message (seed: Context compaction; SPEC section 3)."""
+    """The kind of a transcript message (docs/spec/compaction.md and docs/spec/api-and-streams.md)."""
 
 MESSAGE_KIND_UNSPECIFIED: MessageKind.ValueType  # 0
 """The kind is not set; never stored."""
@@ -99,7 +99,7 @@ class _TurnEndReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TurnEnd
     """The replica running the turn stopped or lost its lease."""
 
 class TurnEndReason(_TurnEndReason, metaclass=_TurnEndReasonEnumTypeWrapper):
-    """Why a turn ended (seed: Limits)."""
+    """Why a turn ended (docs/spec/turn-loop.md)."""
 
 TURN_END_REASON_UNSPECIFIED: TurnEndReason.ValueType  # 0
 """Never sent."""

@@ -27,7 +27,7 @@ if _version_not_supported:
 
 class TrackerServiceStub:
     """The tracker backend: projects, their milestones, epics and tickets, and changesets.
-    Every call acts for the human in the bearer token; see the planner SPEC section 4.
+    Every call acts for the human in the bearer token; see the planner docs/spec/authority.md.
     """
 
     def __init__(self, channel):
@@ -75,7 +75,7 @@ class TrackerServiceStub:
 
 class TrackerServiceServicer:
     """The tracker backend: projects, their milestones, epics and tickets, and changesets.
-    Every call acts for the human in the bearer token; see the planner SPEC section 4.
+    Every call acts for the human in the bearer token; see the planner docs/spec/authority.md.
     """
 
     def GetProject(self, request, context):
@@ -175,7 +175,7 @@ def add_TrackerServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class TrackerService:
     """The tracker backend: projects, their milestones, epics and tickets, and changesets.
-    Every call acts for the human in the bearer token; see the planner SPEC section 4.
+    Every call acts for the human in the bearer token; see the planner docs/spec/authority.md.
     """
 
     @staticmethod

@@ -28,7 +28,7 @@ GRPC_VERSION: str
 
 class TrackerServiceStub:
     """The tracker backend: projects, their milestones, epics and tickets, and changesets.
-    Every call acts for the human in the bearer token; see the planner SPEC section 4.
+    Every call acts for the human in the bearer token; see the planner docs/spec/authority.md.
     """
 
     @_typing.overload
@@ -53,7 +53,7 @@ class TrackerServiceStub:
 @_typing.type_check_only
 class TrackerServiceAsyncStub(TrackerServiceStub):
     """The tracker backend: projects, their milestones, epics and tickets, and changesets.
-    Every call acts for the human in the bearer token; see the planner SPEC section 4.
+    Every call acts for the human in the bearer token; see the planner docs/spec/authority.md.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -74,7 +74,7 @@ class TrackerServiceAsyncStub(TrackerServiceStub):
 
 class TrackerServiceServicer(metaclass=_abc_1.ABCMeta):
     """The tracker backend: projects, their milestones, epics and tickets, and changesets.
-    Every call acts for the human in the bearer token; see the planner SPEC section 4.
+    Every call acts for the human in the bearer token; see the planner docs/spec/authority.md.
     """
 
     @_abc_1.abstractmethod
