@@ -24,9 +24,6 @@ INDEX = DECISIONS / "README.md"
 RECORD = re.compile(r"^\d{4}-[a-z0-9-]+\.md$")
 #: Markdown links and images: ``[text](target)``; the target up to a space or ``)``.
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
-#: Pages linked before they are merged from a parallel line of work; a name here is
-#: only excused while the file is absent, so a stale entry hides nothing.
-PENDING_PAGES = {DOCS / "clients.md"}
 #: Code (fenced blocks and inline spans): what looks like a link there is an example.
 CODE = re.compile(r"```.*?```|`[^`\n]*`", re.DOTALL)
 
@@ -119,7 +116,7 @@ def test_every_relative_link_in_the_docs_resolves() -> None:
             if not _is_relative(target):
                 continue
             path = (page.parent / target.split("#", 1)[0]).resolve()
-            if path.exists() or (path in PENDING_PAGES):
+            if path.exists():
                 continue
             broken.append(f"{page.relative_to(ROOT)}: {target}")
     assert not broken, "links to nothing:\n" + "\n".join(broken)
