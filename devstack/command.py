@@ -125,7 +125,7 @@ def dev(args: argparse.Namespace) -> int:
     if args.provider == "openai" and args.scenario is not None:
         print("ballet-planner dev: --scenario is for --provider scripted", file=sys.stderr)
         return 2
-    from devstack.dev import DevError, DevOptions, dev_settings, run_dev
+    from devstack.dev import DevError, DevOptions, dev_settings, hold_data_dir, run_dev
     from service.server.logs import configure_logging
     from service.server.root import StartupError
 
@@ -150,6 +150,10 @@ def dev(args: argparse.Namespace) -> int:
         datadir.check_folder(settings.data_dir, datadir.WITH_OPTION)
     except datadir.DataDirError as error:
         print(f"ballet-planner dev: cannot start: {error}", file=sys.stderr)
+        return 1
+    held = hold_data_dir(settings.data_dir)
+    if isinstance(held, str):
+        print(f"ballet-planner dev: cannot start: {held}", file=sys.stderr)
         return 1
     configure_logging(settings.logging)
     quiet_start_loggers(settings.logging.level)

@@ -36,17 +36,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import fcntl
 import json
+import logging
 import os
 import shlex
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import grpc
 
-from ballet_common import datadir
 from ballet_common.signals import StopSignals, stop_when_signalled
 from ballet_common.tokens import DevSecretError, Trust, dev_secret
 from ballet_common.tracing import Tracing, TracingConfigError, tracing_from_environment
@@ -93,6 +95,8 @@ DEPENDENCY_SERVICES = (
     "ballet.knowledge.v1.KnowledgeService",
     "ballet.llm.v1.GatewayService",
 )
+
+log = logging.getLogger(__name__)
 
 
 class DevError(RuntimeError):
@@ -167,9 +171,7 @@ def dev_settings(options: DevOptions, environ: Mapping[str, str] | None = None) 
         # The scripted model answers whatever model is asked for: unless a model was
         # configured, asking for it by its name makes every turn (and the chat's model
         # line) name what answers.
-        planner = dataclasses.replace(
-            settings.planner, model=scripted_model_name(options.scenario)
-        )
+        planner = dataclasses.replace(settings.planner, model=scripted_model_name(options.scenario))
         settings = dataclasses.replace(settings, planner=planner)
     return settings
 
@@ -387,10 +389,11 @@ def banner(app: DevApp) -> str:
         loaded += f"; {report.adrs.created + report.adrs.updated + report.adrs.unchanged} ADRs"
     if report.skills is not None:
         loaded += f"; {len(report.skills.versions)} skills"
-    quoted_dir = shlex.quote(str(data_dir))
+    # Absolute, so the lines work pasted into a terminal in any folder.
+    shown_dir = data_dir.absolute()
+    quoted_dir = shlex.quote(str(shown_dir))
     chat = ["ballet-planner", "chat", "--project", project, "--user", "alice"]
-    if data_dir != datadir.DEFAULT_DATA_DIR:
-        chat += ["--data-dir", str(data_dir)]
+    chat += ["--data-dir", str(shown_dir)]
     if app.planner.address != PLANNER_ADDRESS:
         chat += ["--address", app.planner.address]
     token = f"$(ballet-planner token --user alice --data-dir {quoted_dir})"
@@ -401,15 +404,16 @@ def banner(app: DevApp) -> str:
         f"  devstack   {stack.address}  (tracker, skills, knowledge, LLM gateway)",
         f"  model      {app.provider_description}",
         f"  project    {project} of organization acme: {loaded}",
-        "  users      alice (all five permissions), bob (read permissions only)",
-        f"  data       {data_dir.absolute()} ({database})",
+        "  users      alice (all five permissions), bob (read permissions only); dave, erin "
+        "and carol (organization globex) for tests",
+        f"  data       {shown_dir} ({database})",
         "",
         "Chat in the terminal:",
         f"  {shlex.join(chat)}",
         "A token for other clients:",
         f"  ballet-planner token --user alice --data-dir {quoted_dir}",
         "buf curl (server reflection on both addresses; get buf with `npm install "
-        "@bufbuild/buf`, then npx buf, or use grpcurl the same way):",
+        "@bufbuild/buf` in a scratch folder, then npx buf, or use grpcurl the same way):",
         f'  buf curl --protocol grpc --http2-prior-knowledge -H "authorization: Bearer {token}"'
         f" -d '{body}' http://{app.planner.address}/ballet.planner.v1.PlannerService/ListSessions",
         f"  buf curl --protocol grpc --http2-prior-knowledge --list-services http://{stack.address}",
@@ -441,6 +445,9 @@ async def run_dev(options: DevOptions, settings: Settings | None = None) -> int:
     during the stop skips to its end (decision 0185). Returns the exit code: 0, or
     ``128 + signum`` when a second signal hurried the stop."""
     app = await start_dev(options, settings=settings)
+    # A data directory created by this start is held from now on.
+    if isinstance(hold_data_dir(app.planner.settings.data_dir), str):
+        log.warning("dev: another dev holds the data directory too")
 
     def stopping(signum: int) -> None:
         print(f"ballet-planner dev: {stopping_message(app.planner)}", flush=True)
@@ -453,9 +460,7 @@ async def run_dev(options: DevOptions, settings: Settings | None = None) -> int:
     with StopSignals("ballet-planner dev") as signals:
         try:
             print(banner(app), flush=True)
-            code = await stop_when_signalled(
-                signals, app.stop, on_stop=stopping, on_hurry=hurrying
-            )
+            code = await stop_when_signalled(signals, app.stop, on_stop=stopping, on_hurry=hurrying)
         finally:
             await app.stop(0 if signals.hurried.is_set() else None)
     left = app.planner.turns_left_running
@@ -473,3 +478,41 @@ async def run_dev(options: DevOptions, settings: Settings | None = None) -> int:
         )
     print("ballet-planner dev: stopped", flush=True)
     return code
+
+
+#: The file a running ``dev`` holds locked in its data directory.
+DEV_LOCK_FILE = "dev.lock"
+_HELD: list[IO[str]] = []
+
+
+def hold_data_dir(data_dir: Path) -> IO[str] | str | None:
+    """Lock ``data_dir`` for this ``dev`` for the life of the process: its SQLite files
+    and secrets are for one process. Returns the open lock file (kept open), None when
+    the folder does not exist yet (the start creates it), or the one line that says it
+    is in use. Idempotent within a process (flock locks conflict across descriptors)."""
+    if _HELD:
+        return _HELD[0]
+    if not data_dir.is_dir():
+        return None
+    path = data_dir / DEV_LOCK_FILE
+    try:
+        handle = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held until exit
+    except OSError:
+        return None  # an unwritable folder is reported by the start itself
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        pid = handle.read().strip()
+        handle.close()
+        by = f" (pid {pid})" if pid.isdigit() else ""
+        return (
+            f"{data_dir.absolute()} is in use by another `ballet-planner dev`{by}; stop "
+            "it, or give this one its own --data-dir"
+        )
+    os.chmod(path, 0o600)
+    handle.truncate(0)
+    handle.write(str(os.getpid()))
+    handle.flush()
+    _HELD.append(handle)
+    return handle

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from ballet_common import datadir
+from ballet_common import datadir, devusers
 from ballet_common.tokens import DEFAULT_DEV_TOKEN_TTL_S
 from service.config import ConfigError, Settings, is_loopback, load_settings, split_address
 
@@ -242,6 +242,13 @@ def _token(args: argparse.Namespace) -> int:
             ttl_s=args.ttl,
         )
     else:
+        # The devstack's users, when it recorded them: a token of nobody it knows would
+        # only be refused later as a project not found.
+        users = devusers.read(data_dir)
+        mismatch = devusers.mismatch(users, args.user, args.org) if users is not None else ""
+        if mismatch:
+            print(f"ballet-planner token: {mismatch}", file=sys.stderr)
+            return 2
         token = mint_dev_token(secret, args.user, organization_id=args.org, ttl_s=args.ttl)
     print(token)
     return 0
@@ -321,8 +328,12 @@ def _health(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                 )
                 return 1
+            hint = ""
+            if code == grpc.StatusCode.UNAVAILABLE:
+                hint = "; is `ballet-planner dev` (or serve) running there? (--address)"
             print(
-                f"ballet-planner health: {target}: {code.name}: {error.details()}", file=sys.stderr
+                f"ballet-planner health: {target}: {code.name}: {error.details()}{hint}",
+                file=sys.stderr,
             )
             return 1
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)

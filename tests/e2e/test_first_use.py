@@ -320,6 +320,14 @@ def test_a_taken_port_is_one_line_naming_the_flag_and_the_variable(tmp_path: Pat
         assert "add_port" not in devstack.stderr
 
 
+def test_a_second_dev_on_the_same_data_directory_is_refused(dev: DevProcess) -> None:
+    free = ["--address", "127.0.0.1:0", "--metrics-address", "127.0.0.1:0"]
+    result = run_cli(["dev", "--devstack-address", "127.0.0.1:0", *free], dev.cwd)
+    assert result.returncode == 1
+    line = _one_line(result, "is in use by another `ballet-planner dev`", "--data-dir")
+    assert line.startswith("ballet-planner dev: cannot start:")
+
+
 # --------------------------------------------------------------------------- usage
 
 
@@ -343,6 +351,25 @@ def test_token_refuses_an_unknown_scope_with_the_known_ones(dev: DevProcess) -> 
     _one_line(result, "unknown scope bogus.scope", "planner.sessions.read")
 
 
+def test_token_refuses_a_user_the_devstack_does_not_know(dev: DevProcess) -> None:
+    result = run_cli(["token", "--user", "zzz"], dev.cwd)
+    assert result.returncode == 2 and not result.stdout
+    _one_line(result, "no dev user 'zzz'", "alice")
+    result = run_cli(["token", "--user", "carol"], dev.cwd)
+    assert result.returncode == 2 and not result.stdout
+    _one_line(result, "organization 'globex'", "--org globex")
+    assert run_cli(["token", "--user", "carol", "--org", "globex"], dev.cwd).returncode == 0
+
+
+def test_health_with_nothing_listening_says_what_to_start(tmp_path: Path) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    result = run_cli(["health", "--address", address, "--timeout", "2"], tmp_path)
+    assert result.returncode == 1
+    _one_line(result, "UNAVAILABLE", "ballet-planner dev", "--address")
+
+
 def test_the_devstack_names_its_allow_non_loopback_flag(tmp_path: Path) -> None:
     result = run_cli(["dev", "--devstack-address", "0.0.0.0:0"], tmp_path)
     assert result.returncode == 1
@@ -353,7 +380,8 @@ def test_the_devstack_names_its_allow_non_loopback_flag(tmp_path: Path) -> None:
 def test_the_readme_says_how_to_get_buf_where_it_shows_buf_curl() -> None:
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     first = readme.index("buf curl")
-    assert "npm install @bufbuild/buf" in readme[first - 200 : first + 400]
+    near = readme[first - 200 : first + 400]
+    assert "npm install" in near and "@bufbuild/buf" in near
 
 
 def test_what_was_tried_names_every_host_and_never_the_password() -> None:
