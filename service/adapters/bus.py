@@ -67,18 +67,24 @@ HEAL_INTERVAL_S = 1.0
 #: The longest a new follow waits to be listened to, in seconds.
 WAIT_S = 0.1
 
-# The ids go as one text parameter: adapting a Python list of 10,000 strings to an array
-# costs more than the read itself. Session ids are UUIDs; ids with a comma (none the
-# planner makes) go as an array.
-_LAST_SEQUENCES = (
-    "SELECT session_id, last_sequence FROM sessions "
-    "WHERE session_id = ANY(string_to_array(%s, ','))"
+# The heal read sends the followed ids and the sequence last known of each as two text
+# parameters (adapting Python lists of 10,000 items to arrays costs more than the read),
+# and gets back only the sessions whose stored sequence moved, or that are gone: at
+# 10,000 followed sessions the answer is the few that changed, not 10,000 rows. Session
+# ids are UUIDs; with ids holding a comma (none the planner makes) every row is read.
+_MOVED_SEQUENCES = (
+    "SELECT k.id, coalesce(s.last_sequence, -1) "
+    "FROM unnest(string_to_array(%s, ','), string_to_array(%s, ',')::bigint[]) AS k(id, seq) "
+    "LEFT JOIN sessions s ON s.session_id = k.id "
+    "WHERE s.session_id IS NULL OR s.last_sequence <> k.seq"
 )
 _LAST_SEQUENCES_OF_ANY_IDS = (
     "SELECT session_id, last_sequence FROM sessions WHERE session_id = ANY(%s)"
 )
-#: Every this many heals, every followed session is passed on, changed or not (a fill
-#: that failed is retried); in between, only those whose stored sequence moved.
+#: The sequence sent for a session not read yet: never a stored one, so it is read.
+_UNKNOWN = -2
+#: Every this many heals, every followed session is passed on with its known sequence,
+#: changed or not (a fill that failed is retried); in between, only those that moved.
 _FULL_HEAL_EVERY = 10
 
 
@@ -297,23 +303,30 @@ class PgNotifier:
         followed = list(self._followed)
         if any("," in session_id for session_id in followed):
             cursor = await conn.execute(_LAST_SEQUENCES_OF_ANY_IDS, (followed,))
+            rows = await cursor.fetchall()
+            stored = {str(row[0]): int(str(row[1])) for row in rows}
+            moved = {s: stored.get(s, DELETED_SEQUENCE) for s in followed}
         else:
-            cursor = await conn.execute(_LAST_SEQUENCES, (",".join(followed),))
-        stored = {str(row[0]): int(str(row[1])) for row in await cursor.fetchall()}
+            known_text = ",".join(str(self._known.get(s, _UNKNOWN)) for s in followed)
+            cursor = await conn.execute(_MOVED_SEQUENCES, (",".join(followed), known_text))
+            moved = {str(row[0]): int(str(row[1])) for row in await cursor.fetchall()}
         self._heals += 1
-        everything = self._heals % _FULL_HEAL_EVERY == 0
         healed = 0
-        for session_id in followed:
+        for session_id, sequence in moved.items():
             if session_id not in self._followed or self._on_events is None:
                 continue
-            sequence = stored.get(session_id, DELETED_SEQUENCE)
             known = self._known.get(session_id)
-            moved = known is None or sequence != known
+            if known == sequence:
+                continue  # a session gone for a while: said already
             if known is not None and (sequence > known or sequence == DELETED_SEQUENCE):
                 healed += 1
             self._known[session_id] = sequence
-            if moved or everything:
-                await self._call(self._on_events, session_id, sequence)
+            await self._call(self._on_events, session_id, sequence)
+        if self._heals % _FULL_HEAL_EVERY == 0 and self._on_events is not None:
+            for session_id in followed:
+                known = self._known.get(session_id)
+                if known is not None and session_id in self._followed and session_id not in moved:
+                    await self._call(self._on_events, session_id, known)
         self._count("healed", healed)
 
     async def _dispatch(self, channel: str, payload: str) -> None:
