@@ -49,6 +49,7 @@ from typing import IO
 
 import grpc
 
+from ballet_common.readyfile import remove_ready_file, write_ready_file
 from ballet_common.signals import StopSignals, stop_when_signalled
 from ballet_common.tokens import DevSecretError, Trust, dev_secret
 from ballet_common.tracing import Tracing, TracingConfigError, tracing_from_environment
@@ -120,6 +121,8 @@ class DevOptions:
       picks a free port. ``metrics_address``: the planner's metrics ``host:port`` (None:
       ``server.metrics_address``, default ``127.0.0.1:9464``; empty: off).
     - ``log_format``: ``text`` or ``json`` (None: ``logging.format`` of the settings).
+    - ``ready_file``: once both serve, the bound addresses, the data directory and the
+      project are written there as JSON (``ballet_common.readyfile``); removed at the stop.
     """
 
     config_file: Path | None = None
@@ -135,6 +138,7 @@ class DevOptions:
     devstack_address: str = DEVSTACK_ADDRESS
     metrics_address: str | None = None
     log_format: str | None = None
+    ready_file: Path | None = None
 
     @property
     def project(self) -> str:
@@ -422,6 +426,18 @@ def banner(app: DevApp) -> str:
     return "\n".join(lines)
 
 
+def ready_values(app: DevApp) -> dict[str, str]:
+    """What ``--ready-file`` holds: the bound ``address``, ``metrics_address`` (empty:
+    off) and ``devstack_address``, the absolute ``data_dir`` and the ``project``."""
+    return {
+        "address": app.planner.address,
+        "metrics_address": app.planner.metrics_address,
+        "devstack_address": app.stack.address,
+        "data_dir": str(app.settings.data_dir.absolute()),
+        "project": app.options.project,
+    }
+
+
 def stopping_message(planner: PlannerApp) -> str:
     """What a graceful stop waits for, and how to skip it: "stopping: 1 running turn gets
     up to 13 s to end, then is interrupted; at most 20 s in all; press Ctrl-C again to
@@ -460,8 +476,11 @@ async def run_dev(options: DevOptions, settings: Settings | None = None) -> int:
     with StopSignals("ballet-planner dev") as signals:
         try:
             print(banner(app), flush=True)
+            if options.ready_file is not None:
+                write_ready_file(options.ready_file, ready_values(app))
             code = await stop_when_signalled(signals, app.stop, on_stop=stopping, on_hurry=hurrying)
         finally:
+            remove_ready_file(options.ready_file)
             await app.stop(0 if signals.hurried.is_set() else None)
     left = app.planner.turns_left_running
     if left is None:
