@@ -64,13 +64,16 @@ def _assigned_from_getsockname(block: list[ast.stmt], sock: str) -> set[str]:
     names: set[str] = set()
     for statement in block:
         for node in ast.walk(statement):
-            if isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
-                if _calls_on(node.value, sock, "getsockname"):
-                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                    for target in targets:
-                        for leaf in ast.walk(target):
-                            if isinstance(leaf, ast.Name):
-                                names.add(leaf.id)
+            if (
+                isinstance(node, ast.Assign | ast.AnnAssign)
+                and node.value is not None
+                and _calls_on(node.value, sock, "getsockname")
+            ):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:
+                    for leaf in ast.walk(target):
+                        if isinstance(leaf, ast.Name):
+                            names.add(leaf.id)
     return names
 
 
@@ -121,7 +124,9 @@ def pick_and_close(source: str) -> list[tuple[int, str]]:
                 )
                 used_after = bool(ports) and _uses(body[index + 1 :], ports)
                 if not held and (returns or used_after):
-                    found.append((statement.lineno, "a socket bound to port 0, closed, its port used"))
+                    found.append(
+                        (statement.lineno, "a socket bound to port 0, closed, its port used")
+                    )
             if isinstance(statement, ast.With | ast.AsyncWith):
                 continue
             for sub in ast.walk(statement):
