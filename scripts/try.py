@@ -38,6 +38,8 @@ START_LIMIT_S = 120.0
 #: dev's own stop takes at most its server.grace_s (20 s by default); then SIGKILL.
 STOP_LIMIT_S = 30.0
 USER = "alice"
+#: The last line of dev's banner.
+BANNER_END = "Stop with Ctrl-C."
 
 
 def say(message: str) -> None:
@@ -74,7 +76,8 @@ def stop(dev: subprocess.Popen[bytes]) -> int:
 def said_after_banner(log: Path) -> list[str]:
     """dev's own lines after its banner (what the stop waited for, "stopped")."""
     text = log.read_text(errors="replace") if log.exists() else ""
-    return [line for line in text.splitlines() if line.startswith("ballet-planner dev: ")]
+    _, _, after = text.partition(BANNER_END)
+    return [line for line in after.splitlines() if line.startswith("ballet-planner dev: ")]
 
 
 def tail(log: Path, lines: int = 15) -> str:
@@ -138,8 +141,6 @@ def main(argv: list[str]) -> int:
             signal.signal(signal.SIGINT, previous)
         return code
     finally:
-        if dev.poll() is None:
-            say("stopping dev")
         stopped = stop(dev)
         for line in said_after_banner(log):
             say(line.removeprefix("ballet-planner "))
