@@ -53,6 +53,7 @@ from ballet_common.readyfile import remove_ready_file, write_ready_file
 from ballet_common.signals import StopSignals, stop_when_signalled
 from ballet_common.tokens import DevSecretError, Trust, dev_secret
 from ballet_common.tracing import Tracing, TracingConfigError, tracing_from_environment
+from devstack.defaults import BUF_INSTALL, BUF_PROGRAM
 from devstack.gateway import GatewayServicer, Provider, add_gateway_service
 from devstack.importers.errors import ImportFileError
 from devstack.model import (
@@ -64,6 +65,7 @@ from devstack.model import (
 )
 from devstack.server import DEFAULT_ADDRESS as DEVSTACK_ADDRESS
 from devstack.server import DevStack, DevStackConfig
+from devstack.store.access import describe_users
 from devstack.store.db import DatabaseUnreachable
 from service.config import ENV_PREFIX, ChannelSettings, PlannerSettings, Settings, load_settings
 from service.server.root import (
@@ -408,16 +410,18 @@ def banner(app: DevApp) -> str:
         f"  devstack   {stack.address}  (tracker, skills, knowledge, LLM gateway)",
         f"  model      {app.provider_description}",
         f"  project    {project} of organization acme: {loaded}",
-        "  users      alice (all five permissions), bob (read permissions only); dave, erin "
-        "and carol (organization globex) for tests",
+        *(
+            f"  {'users' if index == 0 else '':<10} {line}"
+            for index, line in enumerate(describe_users())
+        ),
         f"  data       {shown_dir} ({database})",
         "",
         "Chat in the terminal:",
         f"  {shlex.join(chat)}",
         "A token for other clients:",
         f"  ballet-planner token --user alice --data-dir {quoted_dir}",
-        "buf curl (server reflection on both addresses; get buf with `npm install "
-        "@bufbuild/buf` in a scratch folder, then npx buf, or use grpcurl the same way):",
+        f"buf curl (server reflection on both addresses; get buf with `{BUF_INSTALL}` in the "
+        f"checkout, then run {BUF_PROGRAM}, or use grpcurl the same way):",
         f'  buf curl --protocol grpc --http2-prior-knowledge -H "authorization: Bearer {token}"'
         f" -d '{body}' http://{app.planner.address}/ballet.planner.v1.PlannerService/ListSessions",
         f"  buf curl --protocol grpc --http2-prior-knowledge --list-services http://{stack.address}",

@@ -93,9 +93,10 @@ def ensure(purpose: str) -> Path:
     if any(stamp.get(done) == wanted and purpose in COVERS[done] for done in stamp):
         return python
     started = time.monotonic()
+    tools = " with the test tools" if purpose == "test" else ""
     _say(
-        f"installing the planner and its devstack{' with the test tools' if purpose == 'test' else ''}"
-        f" into {_shown(venv)} (editable; once: a rerun takes a second)"
+        f"installing the planner and its devstack{tools} into {_shown(venv)} (editable; "
+        "once: a rerun takes a second)"
     )
     installed = subprocess.run(
         [str(python), "-m", "pip", "install", "--quiet", *PURPOSES[purpose]],

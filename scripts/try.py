@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import setup  # noqa: E402 - the sibling script, found through the path above
+import setup  # the sibling script, found through the path above
 
 ROOT = setup.ROOT
 #: How long dev may take to start (a first start migrates and loads the demo: ~3 s).
