@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from devstack.defaults import BUF_INSTALL
+from devstack.store.access import USERS
 from tests.e2e.dev_support import DevProcess, Terminal, clean_env, command, run_cli
 from tests.ports import refused_port
 
@@ -297,7 +299,13 @@ def test_dev_on_a_terminal_logs_text_and_keeps_start_and_call_lines_out(tmp_path
     assert "WARNING service.server.root: dev mode" in before
     assert "Running upgrade" not in terminal.output
     assert "generate done" not in terminal.output
-    assert "npm install @bufbuild/buf" in terminal.output
+    # One recipe for buf: the README's, word for word.
+    assert BUF_INSTALL in terminal.output.replace("\n", " ")
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert f"`{BUF_INSTALL}`" in readme
+    # The users as the devstack knows them (the same table the chat's check reads).
+    for user, (org, _) in USERS.items():
+        assert re.search(rf"organization {org}: [^\n]*\b{user} \(", terminal.output), user
 
 
 def test_dev_logs_json_when_not_on_a_terminal_or_when_asked(dev: DevProcess) -> None:
