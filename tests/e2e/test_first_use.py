@@ -24,7 +24,7 @@ import pytest
 
 from devstack.defaults import BUF_INSTALL
 from devstack.store.access import USERS
-from tests.e2e.dev_support import DevProcess, Terminal, clean_env, command, run_cli
+from tests.e2e.dev_support import ANY_PORTS, DevProcess, Terminal, clean_env, command, run_cli
 from tests.ports import refused_port
 
 PASSWORD = "s3cret-pw"
@@ -268,16 +268,7 @@ def test_no_api_field_names_in_what_the_chat_client_says() -> None:
 
 def test_dev_on_a_terminal_logs_text_and_keeps_start_and_call_lines_out(tmp_path: Path) -> None:
     terminal = Terminal(
-        [
-            *command(),
-            "dev",
-            "--address",
-            "127.0.0.1:0",
-            "--devstack-address",
-            "127.0.0.1:0",
-            "--metrics-address",
-            "127.0.0.1:0",
-        ],
+        [*command(), "dev", *ANY_PORTS],
         tmp_path,
         clean_env(TERM="xterm"),
     )

@@ -27,17 +27,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.dev_support import REPO, clean_env
+from tests.e2e.dev_support import ANY_PORTS, REPO, clean_env
 
 QUESTION = "What are the open epics?\n"
-ANY_PORTS = [
-    "--address",
-    "127.0.0.1:0",
-    "--devstack-address",
-    "127.0.0.1:0",
-    "--metrics-address",
-    "127.0.0.1:0",
-]
 
 
 def clone(tmp_path: Path) -> Path:
