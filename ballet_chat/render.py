@@ -282,10 +282,15 @@ def ended_ok(ended: chat_pb2.TurnEnded) -> bool:
 
 def describe_turn_end(ended: chat_pb2.TurnEnded) -> str:
     """``[COMPLETED: 1 round, 812 tokens]`` (tokens when the model reported usage), with
-    the error of a failed turn."""
+    the error of a failed turn; a turn whose answer called no tool (no round of tool
+    calls) reads ``[COMPLETED: answered without tools]``, not "0 rounds", which read as
+    "nothing happened"."""
     reason = resources_pb2.TurnEndReason.Name(ended.reason).removeprefix("TURN_END_REASON_")
     tokens = ended.usage.input_tokens + ended.usage.output_tokens
-    text = f"[{reason}: {plural(ended.rounds, 'round')}"
+    if ended.rounds == 0 and ended.reason == resources_pb2.TURN_END_REASON_COMPLETED:
+        text = f"[{reason}: answered without tools"
+    else:
+        text = f"[{reason}: {plural(ended.rounds, 'round')}"
     text += f", {plural(tokens, 'token')}" if tokens else ""
     if ended.reason == resources_pb2.TURN_END_REASON_MAX_ROUNDS:
         text += "; send a message to continue"
