@@ -52,6 +52,7 @@ from google.rpc import status_pb2
 
 from ballet_chat.input import LineSource, utf8_text
 from ballet_chat.render import (
+    DEPENDENCY_UNAVAILABLE,
     Renderer,
     TextStitcher,
     describe_status,
@@ -201,6 +202,9 @@ class ChatClient:
     def _fail(self, error: grpc.aio.AioRpcError, doing: str) -> ChatError:
         code, reason, message = error_of(error)
         address = self.options.address
+        if reason == DEPENDENCY_UNAVAILABLE:
+            # The planner answered: it is one of its own dependencies that is missing.
+            return ChatError(f"{doing}: {describe_status(code, reason, message)}")
         if code == "UNAVAILABLE" and self.session is not None:
             # The planner's own words speak to API clients (how to reopen the stream):
             # the human gets what to do with this command.

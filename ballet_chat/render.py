@@ -136,10 +136,23 @@ PLAIN_MESSAGES = {
 }
 
 
+#: What to do when the planner answers but cannot reach a dependency (a ``serve`` started
+#: without the devstack, say): the reason, and the hint the chat adds to it.
+DEPENDENCY_UNAVAILABLE = "DEPENDENCY_UNAVAILABLE"
+DEPENDENCY_HINT = (
+    "the planner runs but cannot reach its tracker, skills, knowledge or LLM gateway: start "
+    "them (`python -m devstack` beside `ballet-planner serve`, or run `ballet-planner dev` "
+    "instead, which starts both), or check the planner's dependencies.* addresses"
+)
+
+
 def describe_status(code: str, reason: str, message: str) -> str:
     """``CODE REASON: message`` (reason left out when empty); for the reasons of
-    ``PLAIN_MESSAGES``, their plain sentence instead of the planner's message."""
+    ``PLAIN_MESSAGES``, their plain sentence instead of the planner's message; for a
+    dependency the planner cannot reach, what to start (``DEPENDENCY_HINT``)."""
     message = PLAIN_MESSAGES.get(reason, message)
+    if reason == DEPENDENCY_UNAVAILABLE:
+        message = f"{message}; {DEPENDENCY_HINT}"
     return f"{code} {reason}: {message}" if reason else f"{code}: {message}"
 
 

@@ -551,7 +551,7 @@ async def test_demo_scenario_answers_with_the_tool_result(start_gateway: StartGa
     call = assistant(calls=[("c1", "list_items", '{"kind":"epic","state":"open"}')])
     req = request(human("open epics?"), call, tool("c1", "list_items", result))
     answer = await gw.generate(req)
-    # The result as a line a human reads (issue 32: no raw tool JSON).
+    # The result as a line a human reads, not raw tool JSON (decision 0324).
     assert "- demo-3: Ship the planner (kind epic)" in answer.text
     assert result not in answer.text
     assert answer.tool_calls == []
