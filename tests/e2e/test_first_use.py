@@ -25,7 +25,7 @@ import pytest
 from devstack.defaults import BUF_INSTALL
 from devstack.store.access import USERS
 from tests.e2e.dev_support import ANY_PORTS, DevProcess, Terminal, clean_env, command, run_cli
-from tests.e2e.test_cli_serve import serve_address
+from tests.e2e.test_cli_serve import start_serve
 from tests.ports import refused_port
 
 PASSWORD = "s3cret-pw"
@@ -424,17 +424,8 @@ def test_serve_without_its_dependencies_says_what_to_start(tmp_path: Path) -> No
             },
         }
         log_path = tmp_path / "serve.log"
-        with log_path.open("w") as log:
-            served = subprocess.Popen(
-                [*command(), "serve", "--ready-file", "ready.json"],
-                cwd=tmp_path,
-                env=clean_env(**env),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
+        served, address = start_serve(tmp_path, env)
         try:
-            address = serve_address(tmp_path / "ready.json", served, log_path)
             chat = run_cli(
                 ["chat", "--address", address, "--user", "alice", "--message", "hello"], tmp_path
             )
