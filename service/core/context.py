@@ -6,7 +6,7 @@ After a compaction the model gets, after the fixed system prompt, one delimited 
 data: the summary of the earlier conversation (written from the conversation, tool
 output included) and the changesets this session proposed that still wait for the human
 (read from the tracker when the turn starts). Neither is ever sent in the human's role;
-the built-in instructions (v2) say what the block is and that it is data, not
+the built-in instructions (v2 and later) say what the block is and that it is data, not
 instructions.
 """
 
@@ -33,23 +33,32 @@ _MAX_TITLE_CHARS = 160
 
 
 def build_system_prompt(project: ProjectInfo, skill: SkillDocument | None) -> str:
-    """The system prompt (docs/spec/turn-loop.md): the built-in instructions, the project
-    and organization, and the planner skill's SKILL.md when the project uses one."""
-    parts = [
-        prompts.instructions(),
+    """The system prompt (docs/spec/turn-loop.md): the built-in instructions, then
+    ``project_block``."""
+    return f"{prompts.instructions()}\n\n{project_block(project, skill)}"
+
+
+def project_block(project: ProjectInfo, skill: SkillDocument | None) -> str:
+    """What the system prompt says of the project: the project and organization, and
+    ``skill_block`` when the project uses a planner skill. The same text on every turn of
+    every session of the project while neither changes."""
+    head = (
         "## Project\n"
         f"- id: {project.project_id}\n"
         f"- name: {project.name}\n"
-        f"- description: {project.description or '(none)'}",
-        f"## Organization\n- id: {project.organization_id}\n- name: {project.organization_name}",
-    ]
-    if skill is not None:
-        parts.append(
-            f"## Planner skill: {skill.name} (version {skill.version})\n"
-            "The project's own process rules for you:\n\n"
-            f"{skill.content}"
-        )
-    return "\n\n".join(parts)
+        f"- description: {project.description or '(none)'}\n\n"
+        f"## Organization\n- id: {project.organization_id}\n- name: {project.organization_name}"
+    )
+    return head if skill is None else f"{head}\n\n{skill_block(skill)}"
+
+
+def skill_block(skill: SkillDocument) -> str:
+    """The planner skill's SKILL.md, headed by its name and version."""
+    return (
+        f"## Planner skill: {skill.name} (version {skill.version})\n"
+        "The project's own process rules for you:\n\n"
+        f"{skill.content}"
+    )
 
 
 def data_block(tag: str, text: str) -> str:
