@@ -2,12 +2,15 @@
 (docs/spec/turn-loop.md, docs/spec/authority.md and docs/spec/compaction.md;
 decisions 0012 and 0172). Pure functions.
 
-After a compaction the model gets, after the fixed system prompt, one delimited block of
-data: the summary of the earlier conversation (written from the conversation, tool
-output included) and the changesets this session proposed that still wait for the human
-(read from the tracker when the turn starts). Neither is ever sent in the human's role;
-the built-in instructions (v2 and later) say what the block is and that it is data, not
-instructions.
+The system prompt is the built-in instructions alone, the same for every project and
+sent before the tools; the project block (``project_block``) and, after a compaction, the
+context block follow the tools as system-side context (``ModelRequest.system_context``,
+decision 0296). After a compaction the model gets, after the project block, one
+delimited block of data: the summary of the earlier conversation (written from the
+conversation, tool output included) and the changesets this session proposed that
+still wait for the human (read from the tracker when the turn starts). Neither is ever
+sent in the human's role; the built-in instructions (v2 and later) say what the block is
+and that it is data, not instructions.
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ _MAX_TITLE_CHARS = 160
 
 
 def build_system_prompt(project: ProjectInfo, skill: SkillDocument | None) -> str:
-    """The system prompt (docs/spec/turn-loop.md): the built-in instructions, then
-    ``project_block``."""
+    """The system prompt as one text (docs/spec/turn-loop.md): the built-in instructions,
+    then ``project_block``. For a client that takes a single system text (the peer
+    benchmark); the planner's own requests send the two apart (decision 0296)."""
     return f"{prompts.instructions()}\n\n{project_block(project, skill)}"
 
 
@@ -113,11 +117,12 @@ def context_block(summary: str, pending: PendingChangesets | None) -> str:
     return "\n\n".join(parts)
 
 
-def with_context(system: str, block: str) -> str:
-    """The system prompt sent to the model: the fixed prompt, then ``block`` when there
-    is one. The fixed part comes first and never changes with the block, so a provider's
-    prompt cache of the instructions and tool declarations survives a compaction."""
-    return f"{system}\n\n{block}" if block else system
+def with_context(project: str, block: str) -> str:
+    """The system-side context sent after the tools: the project block, then ``block``
+    when there is one. The project block comes first and never changes with the block,
+    so a provider's prompt cache of the instructions, tools and project survives a
+    compaction."""
+    return f"{project}\n\n{block}" if block else project
 
 
 def _render_pending(pending: PendingChangesets) -> str:
