@@ -1,4 +1,5 @@
-"""``python -m bench prompt``: the fixed prompt's tokens per part (SPEC T8; decision 0295).
+"""``python -m bench prompt``: the fixed prompt's tokens per part (target T8 of
+docs/performance.md; decision 0295).
 
 Counts with a real tokenizer, OpenAI's ``cl100k_base`` (``bench.cl100k``, offline), what
 every turn's model request carries before the conversation:
@@ -30,7 +31,7 @@ from service.core.estimate import text_tokens
 from service.core.ports import ProjectInfo, SkillDocument, ToolDeclaration
 from service.core.tools import declarations
 
-#: SPEC T8: the instructions plus the twelve tool declarations, in cl100k_base tokens.
+#: Target T8: the instructions plus the twelve tool declarations, in cl100k_base tokens.
 TARGET_TOKENS = 2000
 
 
@@ -132,5 +133,5 @@ def main(argv: list[str] | None = None) -> int:
     lean = next(p for p in parts if p.name == "instructions + tools")
     verdict = "within" if lean.tokens <= TARGET_TOKENS else "OVER"
     print(f"\ninstructions + tools: {lean.tokens:,} cl100k_base tokens, {verdict} the "
-          f"target of {TARGET_TOKENS:,} (SPEC T8)")  # fmt: skip
+          f"target of {TARGET_TOKENS:,} (T8)")  # fmt: skip
     return 0 if lean.tokens <= TARGET_TOKENS else 1

@@ -221,7 +221,7 @@ async def test_the_model_request_carries_the_twelve_tool_declarations(seed: Seed
 async def test_sessions_of_a_project_send_one_prefix_and_projects_share_the_first_part(
     seed: Seed,
 ) -> None:
-    # SPEC T8, decision 0296: instructions and tools first, the same for every project;
+    # Decision 0296 (target T8): instructions and tools first, the same for every project;
     # then the project block, the same for every session of the project.
     before = len(seed.app.gateway.requests)
     for project, user in (("demo", "alice"), ("demo", "alice"), ("globex-ops", "carol")):

@@ -1,7 +1,8 @@
-"""The fixed prompt fits small windows (SPEC T8, decision 0295): the built-in instructions
-plus the twelve tool declarations, as a compact Chat Completions ``tools`` array, at most
-2,000 ``cl100k_base`` tokens, counted with the real tokenizer (``bench.cl100k``, a dev
-dependency); ``python -m bench prompt`` prints the figures per part."""
+"""The fixed prompt fits small windows (target T8 of docs/performance.md, decision
+0295): the built-in instructions plus the twelve tool declarations, as a compact Chat
+Completions ``tools`` array, at most 2,000 ``cl100k_base`` tokens, counted with the real
+tokenizer (``bench.cl100k``, a dev dependency); ``python -m bench prompt`` prints the
+figures per part."""
 
 from __future__ import annotations
 
