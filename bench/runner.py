@@ -28,8 +28,8 @@ import itertools
 import json
 import os
 import shutil
-import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -154,11 +154,20 @@ class Options:
     traced: bool = False
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+def _ready_file(path: Path, child: Child, limit_s: float = 60.0) -> dict[str, object]:
+    """What ``serve --ready-file PATH`` wrote once it bound its ports (it was given port 0:
+    no port is picked here for it to bind later, decision 0322)."""
+    deadline = time.monotonic() + limit_s
+    while not path.exists():
+        try:
+            child.process.wait(0.05)
+        except subprocess.TimeoutExpired:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{child.name}: no ready file in {limit_s} s") from None
+            continue
+        raise RuntimeError(f"{child.name} exited before it was ready:\n{child.log_tail()}")
+    values: dict[str, object] = json.loads(path.read_text())
+    return values
 
 
 def log(message: str) -> None:
@@ -243,22 +252,21 @@ class Environment:
         self.children.append(self.stack)
         self.stack_address = str(self.stack.ready["address"])
         log("starting the planner (ballet-planner serve)")
-        self.planner_address = f"127.0.0.1:{_free_port()}"
-        self.metrics_address = f"127.0.0.1:{_free_port()}"
-        self.planner = await self.start_planner(
-            "planner", self.planner_address, self.metrics_address
-        )
+        self.planner = await self.start_planner("planner")
+        self.planner_address = str(self.planner.ready["address"])
+        self.metrics_address = str(self.planner.ready["metrics_address"])
         self.bare = python_child("bare", "bench.bare", [], self.work / "bare.log")
         self.children.append(self.bare)
         self.bare_address = str(self.bare.ready["address"])
 
-    async def start_planner(self, name: str, address: str, metrics_address: str) -> Child:
+    async def start_planner(self, name: str) -> Child:
         """Start one ``ballet-planner serve`` on this environment's database and stack
-        (another replica when one runs already), wait until it serves; its child."""
+        (another replica when one runs already) on port 0, wait until it serves; its child,
+        whose ``ready`` holds the bound ``address`` and ``metrics_address``."""
         env = {
             "BALLET_PLANNER__DATA_DIR": str(self.work),
-            "BALLET_PLANNER__SERVER__ADDRESS": address,
-            "BALLET_PLANNER__SERVER__METRICS_ADDRESS": metrics_address,
+            "BALLET_PLANNER__SERVER__ADDRESS": "127.0.0.1:0",
+            "BALLET_PLANNER__SERVER__METRICS_ADDRESS": "127.0.0.1:0",
             "BALLET_PLANNER__SERVER__GRACE_S": "7",
             "BALLET_PLANNER__DATABASE__URL": self.planner_url,
         }
@@ -266,15 +274,18 @@ class Environment:
             env[f"BALLET_PLANNER__DEPENDENCIES__{dependency}__ADDRESS"] = self.stack_address
         for key, value in self.overrides.items():
             env["BALLET_PLANNER__" + key.upper().replace(".", "__")] = value
+        ready = self.work / f"{name}.ready.json"
+        ready.unlink(missing_ok=True)
         child = Child(
             name,
-            [sys.executable, "-m", "service.cli", "serve"],
+            [sys.executable, "-m", "service.cli", "serve", "--ready-file", str(ready)],
             self.work / f"{name}.log",
             env=env,
             wait_line=False,
         )
         self.children.append(child)
-        await self._wait_serving(child, address)
+        child.ready = await asyncio.to_thread(_ready_file, ready, child)
+        await self._wait_serving(child, str(child.ready["address"]))
         return child
 
     async def _wait_serving(self, child: Child, address: str) -> None:

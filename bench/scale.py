@@ -48,7 +48,6 @@ from bench.runner import (
     Environment,
     Options,
     Rotating,
-    _free_port,
     log,
 )
 from bench.stack import human_id, project_ids
@@ -379,10 +378,9 @@ async def run_scale(options: ScaleOptions) -> Report:
         for count in options.replicas:
             while len(replicas) < count:
                 name = f"planner{len(replicas) + 1}"
-                address = f"127.0.0.1:{_free_port()}"
                 log(f"starting replica {name}")
-                child = await env.start_planner(name, address, f"127.0.0.1:{_free_port()}")
-                replicas.append((child, address))
+                child = await env.start_planner(name)
+                replicas.append((child, str(child.ready["address"])))
             for chan in chans:
                 await chan.close()
             chans = [channel(address) for _, address in replicas[:count]]

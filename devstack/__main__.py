@@ -27,6 +27,7 @@ from pathlib import Path
 
 import grpc
 
+from ballet_common.readyfile import remove_ready_file, write_ready_file
 from ballet_common.signals import StopSignals, stop_when_signalled
 from ballet_common.tokens import Trust, dev_secret
 from ballet_common.tracing import Tracing, tracing_from_environment
@@ -61,6 +62,8 @@ class Options:
     config: DevStackConfig
     provider: ProviderName = "scripted"
     scenario: Path | None = None
+    #: Where to write the bound address once serving (``ballet_common.readyfile``).
+    ready_file: Path | None = None
 
 
 def parse_args(argv: list[str] | None = None) -> Options:
@@ -84,6 +87,12 @@ def parse_args(argv: list[str] | None = None) -> Options:
         action="store_true",
         help="bind a non-loopback address (plaintext, dev tokens: only on a trusted network)",
     )
+    parser.add_argument(
+        "--ready-file",
+        type=Path,
+        default=None,
+        help="once serving, write the bound address there as JSON (for port 0)",
+    )
     args = parser.parse_args(argv)
     for name in ("tracker", "knowledge", "skills", "scenario"):
         path = getattr(args, name)
@@ -101,7 +110,7 @@ def parse_args(argv: list[str] | None = None) -> Options:
         skills_dir=args.skills,
         allow_non_loopback=args.allow_non_loopback,
     )
-    return Options(config, args.provider, args.scenario)
+    return Options(config, args.provider, args.scenario, args.ready_file)
 
 
 def planner_environment(stack_address: str, data_dir: Path) -> dict[str, str]:
@@ -198,6 +207,11 @@ async def serve(options: Options) -> int:
             print(banner(stack, options, model), flush=True)
             stopper = _Stopper(stack, provider, tracing)
             try:
+                if options.ready_file is not None:
+                    data_dir = str(options.config.data_dir.absolute())
+                    write_ready_file(
+                        options.ready_file, {"address": stack.address, "data_dir": data_dir}
+                    )
                 return await stop_when_signalled(
                     signals,
                     stopper.stop,
@@ -207,7 +221,9 @@ async def serve(options: Options) -> int:
                     ),
                 )
             finally:
+                remove_ready_file(options.ready_file)
                 await stopper.stop(0 if signals.hurried.is_set() else None)
+                print("python -m devstack: stopped", flush=True)
     finally:
         if tracing is not None:
             # Nothing when the stop exported already; after a failed start, what is queued.
@@ -257,14 +273,15 @@ async def _close(provider: Provider) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m devstack``: 0 after Ctrl-C or SIGTERM (130 or 143 when
-    a second one cut the stop short); 2 when the model or an address cannot be used (one
-    line on stderr)."""
+    a second one cut the stop short); 1 when it cannot start (the model or an address
+    cannot be used: one line on stderr), as ``ballet-planner dev`` for the same problem;
+    2 for a usage error (argparse)."""
     options = parse_args(argv)
     try:
         return asyncio.run(serve(options))
     except (ProviderSetupError, OSError, ValueError) as error:
         print(f"python -m devstack: cannot start: {error}", file=sys.stderr)
-        return 2
+        return 1
     except KeyboardInterrupt:
         # Ctrl-C during the start, before the loop handles the signals.
         return 130

@@ -53,6 +53,14 @@ ROLE_PERMISSIONS: dict[str, frozenset[str]] = {
     "skill-reader": frozenset({SKILL_READ}),
 }
 
+#: What each role lets a human do, as the dev banner says it.
+ROLE_SUMMARIES = {
+    "maintainer": "all five permissions",
+    "viewer": "read permissions only",
+    "guest": "sees the project, may read nothing of it",
+    "skill-reader": "may read only its skills",
+}
+
 #: The only actors a planner credential may claim: ``planner:<session_id>``.
 PLANNER_ACTOR_PREFIX = "planner:"
 

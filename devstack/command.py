@@ -71,6 +71,12 @@ def add_dev(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         help="logs on stderr: text (the default on a terminal) or json (the default "
         "otherwise, and whenever logging.format is set)",
     )
+    parser.add_argument(
+        "--ready-file",
+        type=Path,
+        help="once ready, write the bound addresses, data directory and project there as "
+        "JSON (for port 0); removed at the stop",
+    )
     parser.set_defaults(handler=dev)
 
 
@@ -143,6 +149,7 @@ def dev(args: argparse.Namespace) -> int:
         devstack_address=args.devstack_address,
         metrics_address=args.metrics_address,
         log_format=log_format(args.log_format, args.config, dict(os.environ)),
+        ready_file=args.ready_file,
     )
     settings = dev_settings(options)
     try:

@@ -49,9 +49,11 @@ from typing import IO
 
 import grpc
 
+from ballet_common.readyfile import remove_ready_file, write_ready_file
 from ballet_common.signals import StopSignals, stop_when_signalled
 from ballet_common.tokens import DevSecretError, Trust, dev_secret
 from ballet_common.tracing import Tracing, TracingConfigError, tracing_from_environment
+from devstack.defaults import BUF_INSTALL, BUF_PROGRAM
 from devstack.gateway import GatewayServicer, Provider, add_gateway_service
 from devstack.importers.errors import ImportFileError
 from devstack.model import (
@@ -63,6 +65,7 @@ from devstack.model import (
 )
 from devstack.server import DEFAULT_ADDRESS as DEVSTACK_ADDRESS
 from devstack.server import DevStack, DevStackConfig
+from devstack.store.access import describe_users
 from devstack.store.db import DatabaseUnreachable
 from service.config import ENV_PREFIX, ChannelSettings, PlannerSettings, Settings, load_settings
 from service.server.root import (
@@ -120,6 +123,8 @@ class DevOptions:
       picks a free port. ``metrics_address``: the planner's metrics ``host:port`` (None:
       ``server.metrics_address``, default ``127.0.0.1:9464``; empty: off).
     - ``log_format``: ``text`` or ``json`` (None: ``logging.format`` of the settings).
+    - ``ready_file``: once both serve, the bound addresses, the data directory and the
+      project are written there as JSON (``ballet_common.readyfile``); removed at the stop.
     """
 
     config_file: Path | None = None
@@ -135,6 +140,7 @@ class DevOptions:
     devstack_address: str = DEVSTACK_ADDRESS
     metrics_address: str | None = None
     log_format: str | None = None
+    ready_file: Path | None = None
 
     @property
     def project(self) -> str:
@@ -404,22 +410,36 @@ def banner(app: DevApp) -> str:
         f"  devstack   {stack.address}  (tracker, skills, knowledge, LLM gateway)",
         f"  model      {app.provider_description}",
         f"  project    {project} of organization acme: {loaded}",
-        "  users      alice (all five permissions), bob (read permissions only); dave, erin "
-        "and carol (organization globex) for tests",
+        *(
+            f"  {'users' if index == 0 else '':<10} {line}"
+            for index, line in enumerate(describe_users())
+        ),
         f"  data       {shown_dir} ({database})",
         "",
         "Chat in the terminal:",
         f"  {shlex.join(chat)}",
         "A token for other clients:",
         f"  ballet-planner token --user alice --data-dir {quoted_dir}",
-        "buf curl (server reflection on both addresses; get buf with `npm install "
-        "@bufbuild/buf` in a scratch folder, then npx buf, or use grpcurl the same way):",
+        f"buf curl (server reflection on both addresses; get buf with `{BUF_INSTALL}` in the "
+        f"checkout, then run {BUF_PROGRAM}, or use grpcurl the same way):",
         f'  buf curl --protocol grpc --http2-prior-knowledge -H "authorization: Bearer {token}"'
         f" -d '{body}' http://{app.planner.address}/ballet.planner.v1.PlannerService/ListSessions",
         f"  buf curl --protocol grpc --http2-prior-knowledge --list-services http://{stack.address}",
         "Stop with Ctrl-C.",
     ]
     return "\n".join(lines)
+
+
+def ready_values(app: DevApp) -> dict[str, str]:
+    """What ``--ready-file`` holds: the bound ``address``, ``metrics_address`` (empty:
+    off) and ``devstack_address``, the absolute ``data_dir`` and the ``project``."""
+    return {
+        "address": app.planner.address,
+        "metrics_address": app.planner.metrics_address,
+        "devstack_address": app.stack.address,
+        "data_dir": str(app.settings.data_dir.absolute()),
+        "project": app.options.project,
+    }
 
 
 def stopping_message(planner: PlannerApp) -> str:
@@ -460,8 +480,11 @@ async def run_dev(options: DevOptions, settings: Settings | None = None) -> int:
     with StopSignals("ballet-planner dev") as signals:
         try:
             print(banner(app), flush=True)
+            if options.ready_file is not None:
+                write_ready_file(options.ready_file, ready_values(app))
             code = await stop_when_signalled(signals, app.stop, on_stop=stopping, on_hurry=hurrying)
         finally:
+            remove_ready_file(options.ready_file)
             await app.stop(0 if signals.hurried.is_set() else None)
     left = app.planner.turns_left_running
     if left is None:

@@ -66,11 +66,32 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "serve", help="run the planner service", description="Run the planner gRPC service."
     )
     parser.add_argument("--config", type=Path, help="TOML configuration file")
+    _add_database_url(parser)
+    _add_ready_file(parser)
     parser.set_defaults(handler=_serve)
 
 
+def _add_database_url(parser: argparse.ArgumentParser) -> None:
+    """``--database-url``: the flag of every subcommand that opens the planner's database
+    (serve, migrate, purge; dev has its own, for both halves)."""
+    parser.add_argument("--database-url", help="SQLAlchemy URL (overrides database.url)")
+
+
+def _add_ready_file(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--ready-file",
+        type=Path,
+        help="once serving, write the bound addresses there as JSON (for port 0); removed "
+        "at the stop",
+    )
+
+
+def _database_overrides(args: argparse.Namespace) -> dict[str, str]:
+    return {"DATABASE__URL": args.database_url} if args.database_url else {}
+
+
 def _serve(args: argparse.Namespace) -> int:
-    settings = _settings(args.config)
+    settings = _settings(args.config, **_database_overrides(args))
     from service.server.logs import configure_logging
     from service.server.root import StartupError
     from service.server.serving import serve
@@ -78,7 +99,7 @@ def _serve(args: argparse.Namespace) -> int:
     configure_logging(settings.logging)
     try:
         # 0, or 128 + the signal's number when a second one cut the shutdown short.
-        return asyncio.run(serve(settings))
+        return asyncio.run(serve(settings, args.ready_file))
     except StartupError as error:
         print(f"ballet-planner: cannot start: {error}", file=sys.stderr)
         return 1
@@ -95,13 +116,12 @@ def _add_migrate(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "serving on PostgreSQL).",
     )
     parser.add_argument("--config", type=Path, help="TOML configuration file")
-    parser.add_argument("--database-url", help="SQLAlchemy URL (overrides database.url)")
+    _add_database_url(parser)
     parser.set_defaults(handler=_migrate)
 
 
 def _migrate(args: argparse.Namespace) -> int:
-    overrides = {"DATABASE__URL": args.database_url} if args.database_url else {}
-    settings = _settings(args.config, **overrides)
+    settings = _settings(args.config, **_database_overrides(args))
     from ballet_common.databases import unreachable
     from service.adapters.store import migrate, schema_status
     from service.core.errors import StoreUnavailable
@@ -358,7 +378,7 @@ def _add_purge(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "incomplete; 2: a usage or configuration error.",
     )
     parser.add_argument("--config", type=Path, help="TOML configuration file (as for serve)")
-    parser.add_argument("--database-url", help="SQLAlchemy URL (overrides database.url)")
+    _add_database_url(parser)
     parser.add_argument("--human", metavar="ID", help="erase this human (their tokens' sub)")
     parser.add_argument("--dry-run", action="store_true", help="count only; delete nothing")
     parser.add_argument("--json", action="store_true", help="print the outcome as one JSON line")
@@ -376,8 +396,7 @@ def _purge(args: argparse.Namespace) -> int:
 
     from service.server import retention
 
-    overrides = {"DATABASE__URL": args.database_url} if args.database_url else {}
-    settings = _settings(args.config, **overrides)
+    settings = _settings(args.config, **_database_overrides(args))
     if args.human is not None and not args.human.strip():
         print("ballet-planner purge: --human must name someone", file=sys.stderr)
         return 2

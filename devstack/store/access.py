@@ -16,7 +16,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from devstack.auth import ROLE_PERMISSIONS
+from devstack.auth import ROLE_PERMISSIONS, ROLE_SUMMARIES
 from devstack.errors import NotFound, PermissionDenied
 from devstack.store.records import Access, ProjectRecord
 from devstack.store.schema import organizations, project_roles, projects, users
@@ -41,6 +41,17 @@ DEFAULT_ROLES = {
     "dave": "guest",
     "erin": "skill-reader",
 }
+
+
+def describe_users() -> list[str]:
+    """The dev users as ``dev``'s banner lists them, one line per organization, from
+    ``USERS`` and ``DEFAULT_ROLES`` (the table the devstack seeds and records for the
+    chat's and token's check, ``ballet_common.devusers``): "organization acme: alice (all
+    five permissions), bob (read permissions only), ..."."""
+    by_org: dict[str, list[str]] = {}
+    for user, (org, _) in USERS.items():
+        by_org.setdefault(org, []).append(f"{user} ({ROLE_SUMMARIES[DEFAULT_ROLES[user]]})")
+    return [f"organization {org}: {', '.join(names)}" for org, names in by_org.items()]
 
 
 async def seed_identities(session: AsyncSession) -> None:

@@ -6,7 +6,9 @@ on a second signal (``ballet_common.signals``; decision 0185).
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
+from ballet_common.readyfile import remove_ready_file, write_ready_file
 from ballet_common.signals import StopSignals, signal_name, stop_when_signalled
 from service.config import Settings
 from service.server.root import PlannerApp, planner_tracing, start_planner
@@ -14,11 +16,14 @@ from service.server.root import PlannerApp, planner_tracing, start_planner
 log = logging.getLogger(__name__)
 
 
-async def serve(settings: Settings) -> int:
+async def serve(settings: Settings, ready_file: Path | None = None) -> int:
     """Run the planner until SIGTERM or SIGINT, then shut down within
     ``server.grace_s`` (docs/spec/operations.md; decision 0181). A second signal during the
     shutdown skips to its end (``ballet_common.signals``; decision 0185). Returns the
-    exit code: 0, or ``128 + signum`` when a second signal hurried the stop."""
+    exit code: 0, or ``128 + signum`` when a second signal hurried the stop.
+
+    ``ready_file``: once serving, the bound ``address`` and ``metrics_address`` are
+    written there as JSON (``ballet_common.readyfile``), and removed at the stop."""
     app = await start_planner(settings, tracing=planner_tracing(settings))
 
     def stopping(signum: int) -> None:
@@ -33,9 +38,15 @@ async def serve(settings: Settings) -> int:
             settings.server.replica_id,
         )
         try:
+            if ready_file is not None:
+                write_ready_file(
+                    ready_file,
+                    {"address": app.address, "metrics_address": app.metrics_address},
+                )
             return await stop_when_signalled(signals, app.stop, on_stop=stopping)
         finally:
             # Whatever ended the wait (a failure, a cancelled task), nothing outlives it.
+            remove_ready_file(ready_file)
             await app.stop(0 if signals.hurried.is_set() else None)
 
 

@@ -8,7 +8,6 @@ a stdlib HTTP server; every expected value is computed here from the recorded SS
 from __future__ import annotations
 
 import json
-import socket
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from devstack.gateway import (
 )
 from devstack.gateway.openai_provider import ConfigError, OpenAIConfig, OpenAIProvider
 from tests.devstack.gateway_support import StartGateway, assembled_calls, human, request
+from tests.ports import refused_port
 
 OPENAI_CASSETTES = ["openai-chat-parallel-tools.yaml", "openai-chat-tool-then-text.yaml"]
 
@@ -580,13 +580,11 @@ async def test_an_error_event_mid_stream_is_unavailable_after_the_deltas(replay:
 
 
 async def test_connection_refused_is_unavailable() -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    provider = OpenAIProvider(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", model="m")
-    with pytest.raises(ProviderError) as caught:
-        await collect(provider, request(human("hi")))
-    await provider.aclose()
+    with refused_port() as port:
+        provider = OpenAIProvider(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", model="m")
+        with pytest.raises(ProviderError) as caught:
+            await collect(provider, request(human("hi")))
+        await provider.aclose()
     assert caught.value.code == grpc.StatusCode.UNAVAILABLE
 
 

@@ -24,6 +24,16 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 READY_LINE = "Stop with Ctrl-C."
+#: ``dev``'s three servers each on a port of the kernel's choice (reported in its banner
+#: and ready file).
+ANY_PORTS = (
+    "--address",
+    "127.0.0.1:0",
+    "--devstack-address",
+    "127.0.0.1:0",
+    "--metrics-address",
+    "127.0.0.1:0",
+)
 
 
 def command() -> list[str]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 from ballet_common.tokens import DEV_SERVICE_ISSUER, dev_service_key
+from tests.ports import ready_file, refused_port
 
 GRACE_S = 3.0
 RPCS = {
@@ -49,11 +49,9 @@ def command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "service.cli"]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+def serve_address(ready: Path, process: subprocess.Popen[str], log: Path) -> str:
+    """The address ``serve --ready-file READY`` bound (it was given port 0)."""
+    return str(ready_file(ready, process, log=log)["address"])
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -82,16 +80,15 @@ class Served:
 
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[Served]:
-    address = f"127.0.0.1:{free_port()}"
     env = clean_env(
-        BALLET_PLANNER__SERVER__ADDRESS=address,
-        BALLET_PLANNER__SERVER__METRICS_ADDRESS=f"127.0.0.1:{free_port()}",
+        BALLET_PLANNER__SERVER__ADDRESS="127.0.0.1:0",
+        BALLET_PLANNER__SERVER__METRICS_ADDRESS="127.0.0.1:0",
         BALLET_PLANNER__SERVER__GRACE_S=str(GRACE_S),
         BALLET_PLANNER__PLANNER__CANCEL_GRACE="1",
     )
     log = (tmp_path / "serve.log").open("w")
     process = subprocess.Popen(
-        [*command(), "serve"],
+        [*command(), "serve", "--ready-file", "ready.json"],
         cwd=tmp_path,
         env=env,
         stdout=log,
@@ -99,6 +96,7 @@ def served(tmp_path: Path) -> Iterator[Served]:
         text=True,
     )
     try:
+        address = serve_address(tmp_path / "ready.json", process, tmp_path / "serve.log")
         wait_serving(address, process, tmp_path)
         yield Served(process, address, tmp_path)
     finally:
@@ -162,11 +160,23 @@ def test_sigterm_turns_health_not_serving_then_exits_within_grace(served: Served
 
 
 def test_health_without_a_server(tmp_path: Path) -> None:
-    address = f"127.0.0.1:{free_port()}"
-    for args in (["health", "--address", address], ["health", "--alive", "--address", address]):
-        result = run([*args, "--timeout", "1"], tmp_path)
-        assert result.returncode == 1
-        assert "UNAVAILABLE" in result.stderr or "DEADLINE_EXCEEDED" in result.stderr
+    with refused_port() as port:
+        address = f"127.0.0.1:{port}"
+        for args in (["health", "--address", address], ["health", "--alive", "--address", address]):
+            result = run([*args, "--timeout", "1"], tmp_path)
+            assert result.returncode == 1
+            assert "UNAVAILABLE" in result.stderr or "DEADLINE_EXCEEDED" in result.stderr
+
+
+def test_serve_writes_its_bound_ports_to_the_ready_file_and_removes_it(served: Served) -> None:
+    ready = served.cwd / "ready.json"
+    values = ready_file(ready, served.process)
+    assert values["address"] == served.address and not served.address.endswith(":0")
+    assert values["metrics_address"].startswith("127.0.0.1:")
+    assert not values["metrics_address"].endswith(":0")
+    served.process.send_signal(signal.SIGTERM)
+    assert served.process.wait(GRACE_S + 5) == 0
+    assert not ready.exists()
 
 
 def test_token_is_signed_with_the_data_dirs_secret(tmp_path: Path) -> None:

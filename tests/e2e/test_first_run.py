@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_cli_serve import free_port, run
+from tests.e2e.test_cli_serve import run
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -40,7 +40,7 @@ def test_serve_with_an_unusable_data_directory_says_so_in_one_line(tmp_path: Pat
             ["serve"],
             tmp_path,
             BALLET_PLANNER__DATA_DIR=data_dir,
-            BALLET_PLANNER__SERVER__ADDRESS=f"127.0.0.1:{free_port()}",
+            BALLET_PLANNER__SERVER__ADDRESS="127.0.0.1:0",
             BALLET_PLANNER__SERVER__METRICS_ADDRESS="",
         )
         assert result.returncode == 1, result.stderr
@@ -125,7 +125,7 @@ def _said(result: subprocess.CompletedProcess[str], expected: str) -> str:
 def _serve_env(data_dir: str = "data", **extra: str) -> dict[str, str]:
     return {
         "BALLET_PLANNER__DATA_DIR": data_dir,
-        "BALLET_PLANNER__SERVER__ADDRESS": f"127.0.0.1:{free_port()}",
+        "BALLET_PLANNER__SERVER__ADDRESS": "127.0.0.1:0",
         "BALLET_PLANNER__SERVER__METRICS_ADDRESS": "",
         **extra,
     }

@@ -15,14 +15,17 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.dev_support import DevProcess, Terminal, clean_env, command, run_cli
-from tests.e2e.test_cli_serve import free_port
+from devstack.defaults import BUF_INSTALL
+from devstack.store.access import USERS
+from tests.e2e.dev_support import ANY_PORTS, DevProcess, Terminal, clean_env, command, run_cli
+from tests.ports import refused_port
 
 PASSWORD = "s3cret-pw"
 
@@ -51,13 +54,17 @@ def dev(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevProcess]:
 # --------------------------------------------------------------------------- databases
 
 
-def _down_url() -> tuple[str, int]:
-    port = free_port()  # nothing listens there: PostgreSQL is down
-    return f"postgresql+psycopg://bob:{PASSWORD}@127.0.0.1:{port}/planner", port
+@pytest.fixture
+def down_url() -> Iterator[tuple[str, int]]:
+    """A PostgreSQL URL where nothing listens (the port held, refusing connections)."""
+    with refused_port() as port:
+        yield f"postgresql+psycopg://bob:{PASSWORD}@127.0.0.1:{port}/planner", port
 
 
-def test_dev_with_postgresql_down_is_one_line_naming_what_was_tried(tmp_path: Path) -> None:
-    url, port = _down_url()
+def test_dev_with_postgresql_down_is_one_line_naming_what_was_tried(
+    tmp_path: Path, down_url: tuple[str, int]
+) -> None:
+    url, port = down_url
     result = run_cli(
         [
             "dev",
@@ -80,8 +87,10 @@ def test_dev_with_postgresql_down_is_one_line_naming_what_was_tried(tmp_path: Pa
     assert PASSWORD not in result.stderr + result.stdout
 
 
-def test_migrate_and_serve_with_the_database_down_say_what_was_tried(tmp_path: Path) -> None:
-    url, port = _down_url()
+def test_migrate_and_serve_with_the_database_down_say_what_was_tried(
+    tmp_path: Path, down_url: tuple[str, int]
+) -> None:
+    url, port = down_url
     migrate = run_cli(["migrate", "--database-url", url], tmp_path)
     serve = run_cli(
         ["serve"],
@@ -259,16 +268,7 @@ def test_no_api_field_names_in_what_the_chat_client_says() -> None:
 
 def test_dev_on_a_terminal_logs_text_and_keeps_start_and_call_lines_out(tmp_path: Path) -> None:
     terminal = Terminal(
-        [
-            *command(),
-            "dev",
-            "--address",
-            "127.0.0.1:0",
-            "--devstack-address",
-            "127.0.0.1:0",
-            "--metrics-address",
-            "127.0.0.1:0",
-        ],
+        [*command(), "dev", *ANY_PORTS],
         tmp_path,
         clean_env(TERM="xterm"),
     )
@@ -290,7 +290,13 @@ def test_dev_on_a_terminal_logs_text_and_keeps_start_and_call_lines_out(tmp_path
     assert "WARNING service.server.root: dev mode" in before
     assert "Running upgrade" not in terminal.output
     assert "generate done" not in terminal.output
-    assert "npm install @bufbuild/buf" in terminal.output
+    # One recipe for buf: the README's, word for word.
+    assert BUF_INSTALL in terminal.output.replace("\n", " ")
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert f"`{BUF_INSTALL}`" in readme
+    # The users as the devstack knows them (the same table the chat's check reads).
+    for user, (org, _) in USERS.items():
+        assert re.search(rf"organization {org}: [^\n]*\b{user} \(", terminal.output), user
 
 
 def test_dev_logs_json_when_not_on_a_terminal_or_when_asked(dev: DevProcess) -> None:
@@ -318,6 +324,17 @@ def test_a_taken_port_is_one_line_naming_the_flag_and_the_variable(tmp_path: Pat
         assert devstack.returncode == 1
         _one_line(devstack, address, "--devstack-address")
         assert "add_port" not in devstack.stderr
+        # The standalone devstack: the same clash, the same exit code.
+        alone = subprocess.run(
+            [sys.executable, "-m", "devstack", "--address", address],
+            cwd=tmp_path,
+            env=clean_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert alone.returncode == 1, alone.stderr
+        _one_line(alone, address)
 
 
 def test_a_second_dev_on_the_same_data_directory_is_refused(dev: DevProcess) -> None:
@@ -362,10 +379,9 @@ def test_token_refuses_a_user_the_devstack_does_not_know(dev: DevProcess) -> Non
 
 
 def test_health_with_nothing_listening_says_what_to_start(tmp_path: Path) -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{probe.getsockname()[1]}"
-    result = run_cli(["health", "--address", address, "--timeout", "2"], tmp_path)
+    with refused_port() as port:
+        address = f"127.0.0.1:{port}"
+        result = run_cli(["health", "--address", address, "--timeout", "2"], tmp_path)
     assert result.returncode == 1
     _one_line(result, "UNAVAILABLE", "ballet-planner dev", "--address")
 

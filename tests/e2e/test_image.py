@@ -24,7 +24,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from tests.e2e.dev_support import command
-from tests.e2e.test_cli_serve import clean_env, free_port, wait_serving
+from tests.e2e.test_cli_serve import clean_env, serve_address, wait_serving
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -107,14 +107,15 @@ def test_the_image_needs_no_configuration_file() -> None:
 
 def image_environment(stage: Stage, data_dir: Path) -> dict[str, str]:
     """The image's environment on this machine: its data directory at ``data_dir`` and
-    its ports (on every interface, as in the image) moved to free ones."""
+    its ports (on every interface, as in the image) moved to port 0 (any free one: the
+    bound ones are read from ``--ready-file``)."""
     env = dict(stage.env)
     assert env["BALLET_PLANNER__DATA_DIR"] == stage.workdir
     env["BALLET_PLANNER__DATA_DIR"] = str(data_dir)
     for key in ("BALLET_PLANNER__SERVER__ADDRESS", "BALLET_PLANNER__SERVER__METRICS_ADDRESS"):
         host, _, _ = env[key].rpartition(":")
         assert host == "0.0.0.0", f"{key}: the image listens on every interface"
-        env[key] = f"{host}:{free_port()}"
+        env[key] = f"{host}:0"
     return env
 
 
@@ -149,10 +150,9 @@ def test_cmd_and_healthcheck_run_with_environment_variables_alone(tmp_path: Path
     secrets = tmp_path / "secrets"
     secrets.mkdir()
     env = clean_env(**image_environment(stage, data_dir), **deployment_environment(secrets))
-    address = env["BALLET_PLANNER__SERVER__ADDRESS"].replace("0.0.0.0", "127.0.0.1")
     with (tmp_path / "serve.log").open("w") as log:
         served = subprocess.Popen(
-            local(stage.entrypoint + stage.cmd),
+            [*local(stage.entrypoint + stage.cmd), "--ready-file", str(tmp_path / "ready.json")],
             cwd=data_dir,
             env=env,
             stdout=log,
@@ -160,11 +160,15 @@ def test_cmd_and_healthcheck_run_with_environment_variables_alone(tmp_path: Path
             text=True,
         )
         try:
+            bound = serve_address(tmp_path / "ready.json", served, tmp_path / "serve.log")
+            address = bound.replace("0.0.0.0", "127.0.0.1")
             wait_serving(address, served, tmp_path)
+            # The HEALTHCHECK asks server.address of the environment: the bound one here.
+            port = address.rpartition(":")[2]
             health = subprocess.run(
                 local(stage.healthcheck),
                 cwd=data_dir,
-                env=env,
+                env={**env, "BALLET_PLANNER__SERVER__ADDRESS": f"0.0.0.0:{port}"},
                 capture_output=True,
                 text=True,
                 timeout=60,

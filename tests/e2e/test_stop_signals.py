@@ -28,8 +28,9 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.dev_support import DevProcess, clean_env, command
-from tests.e2e.test_cli_serve import free_port, wait_serving
+from tests.e2e.test_cli_serve import serve_address, wait_serving
 from tests.otlp import OtlpReceiver
+from tests.ports import refused_port
 
 pytestmark = pytest.mark.slow
 
@@ -170,7 +171,8 @@ def collector(request: pytest.FixtureRequest) -> Iterator[str]:
     """An OTLP endpoint that is down (a port nobody listens on) or that accepts the
     export and never answers."""
     if request.param == "nobody listening":
-        yield f"http://127.0.0.1:{free_port()}"
+        with refused_port() as port:
+            yield f"http://127.0.0.1:{port}"
         return
     receiver = OtlpReceiver("hang")
     try:
@@ -192,11 +194,10 @@ def assert_one_tracing_warning(log: str, services: int) -> None:
 def test_serve_exits_within_its_grace_when_idle_and_the_collector_is_down(
     tmp_path: Path, collector: str, record_property: Callable[[str, object], None]
 ) -> None:
-    address = f"127.0.0.1:{free_port()}"
     env = clean_env(
         OTEL_EXPORTER_OTLP_ENDPOINT=collector,
         OTEL_BSP_SCHEDULE_DELAY="50",
-        BALLET_PLANNER__SERVER__ADDRESS=address,
+        BALLET_PLANNER__SERVER__ADDRESS="127.0.0.1:0",
         BALLET_PLANNER__SERVER__METRICS_ADDRESS="127.0.0.1:0",
         BALLET_PLANNER__SERVER__GRACE_S=str(GRACE_S),
         BALLET_PLANNER__PLANNER__CANCEL_GRACE=str(CANCEL_GRACE_S),
@@ -204,10 +205,16 @@ def test_serve_exits_within_its_grace_when_idle_and_the_collector_is_down(
     log_path = tmp_path / "serve.log"
     with log_path.open("w") as log:
         process = subprocess.Popen(
-            [*command(), "serve"], cwd=tmp_path, env=env, stdout=log, stderr=log, text=True
+            [*command(), "serve", "--ready-file", "ready.json"],
+            cwd=tmp_path,
+            env=env,
+            stdout=log,
+            stderr=log,
+            text=True,
         )
     try:
         # Health checks make spans, which the exporter cannot deliver.
+        address = serve_address(tmp_path / "ready.json", process, log_path)
         wait_serving(address, process, tmp_path)
         signalled = time.monotonic()
         process.send_signal(signal.SIGTERM)

@@ -27,7 +27,7 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 
 from ballet_common.tokens import HUMAN_AUDIENCES, dev_secret, mint_dev_token
 from tests.e2e.dev_support import DevProcess, clean_env, command
-from tests.e2e.test_cli_serve import free_port, wait_serving
+from tests.e2e.test_cli_serve import serve_address, wait_serving
 from tests.e2e.test_devstack_standalone import printed_command, read_banner
 from tests.otlp import OtlpReceiver, ReceivedSpan
 
@@ -129,15 +129,14 @@ def test_one_chat_turn_is_one_trace_across_the_planner_and_the_devstack(
             for word in printed_command(banner, "ballet-planner", "serve")
             if "=" in word
         )
-        address = f"127.0.0.1:{free_port()}"
         serve_env.update(
-            BALLET_PLANNER__SERVER__ADDRESS=address,
+            BALLET_PLANNER__SERVER__ADDRESS="127.0.0.1:0",
             BALLET_PLANNER__SERVER__METRICS_ADDRESS="",
             **otel,
         )
         with (tmp_path / "serve.log").open("w") as log:
             served = subprocess.Popen(
-                [*command(), "serve"],
+                [*command(), "serve", "--ready-file", "ready.json"],
                 cwd=tmp_path,
                 env=clean_env(**serve_env),
                 stdout=log,
@@ -145,6 +144,7 @@ def test_one_chat_turn_is_one_trace_across_the_planner_and_the_devstack(
                 text=True,
             )
             try:
+                address = serve_address(tmp_path / "ready.json", served, tmp_path / "serve.log")
                 wait_serving(address, served, tmp_path)
                 token = mint_dev_token(
                     dev_secret(tmp_path / "data"), "alice", audiences=HUMAN_AUDIENCES

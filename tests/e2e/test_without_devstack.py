@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.e2e.test_cli_serve import clean_env, free_port, wait_serving
+from tests.e2e.test_cli_serve import clean_env, serve_address, wait_serving
 
 #: Runs ``ballet-planner ARGS`` with the devstack missing.
 WITHOUT_DEVSTACK = (
@@ -35,15 +35,14 @@ def test_the_block_works() -> None:
 
 
 def test_serve_answers_health_without_the_devstack(tmp_path: Path) -> None:
-    address = f"127.0.0.1:{free_port()}"
     env = clean_env(
-        BALLET_PLANNER__SERVER__ADDRESS=address,
+        BALLET_PLANNER__SERVER__ADDRESS="127.0.0.1:0",
         BALLET_PLANNER__SERVER__METRICS_ADDRESS="",
         BALLET_PLANNER__SERVER__GRACE_S="7",
     )
     with (tmp_path / "serve.log").open("w") as log:
         process = subprocess.Popen(
-            planner_without_devstack("serve"),
+            planner_without_devstack("serve", "--ready-file", "ready.json"),
             cwd=tmp_path,
             env=env,
             stdout=log,
@@ -51,6 +50,7 @@ def test_serve_answers_health_without_the_devstack(tmp_path: Path) -> None:
             text=True,
         )
         try:
+            address = serve_address(tmp_path / "ready.json", process, tmp_path / "serve.log")
             wait_serving(address, process, tmp_path)
             health = subprocess.run(
                 planner_without_devstack("health", "--address", address),

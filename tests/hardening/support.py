@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -37,6 +36,7 @@ from devstack.gateway import GatewayServicer, ScriptedProvider, add_gateway_serv
 from devstack.server import DevStack, DevStackConfig
 from service.adapters.store import migrate
 from service.server.root import PlannerApp, start_planner
+from tests.ports import ready_file_async
 from tests.service.planner_support import auth, planner_settings
 
 #: The longest any single wait may take before the test fails (seconds); passing tests
@@ -287,14 +287,6 @@ async def create_session(planner: Planner, metadata: Metadata, request_id: str) 
 # --------------------------------------------------------------------------- processes
 
 
-def free_port() -> int:
-    """A free loopback TCP port (for a planner process, which must be told its port)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def planner_command() -> list[str]:
     """``ballet-planner`` of this environment."""
     script = Path(sys.executable).with_name("ballet-planner")
@@ -303,13 +295,16 @@ def planner_command() -> list[str]:
 
 @dataclass
 class PlannerProcess:
-    """A ``ballet-planner serve`` subprocess; ``address`` and ``metrics_address`` are
-    loopback ``host:port``; its output goes to ``log_path``."""
+    """A ``ballet-planner serve`` subprocess started on port 0; ``address`` and
+    ``metrics_address`` are the loopback ``host:port`` it bound, read from its
+    ``--ready-file`` (``ready_path``) by ``_wait_serving``; its output goes to
+    ``log_path``."""
 
     process: subprocess.Popen[bytes]
     address: str
     metrics_address: str
     log_path: Path
+    ready_path: Path | None = None
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -334,15 +329,15 @@ async def serve_process(stack: Stack, log_path: Path, **settings: str) -> Planne
 
 
 def spawn_process(stack: Stack, log_path: Path, **settings: str) -> PlannerProcess:
-    """Start ``ballet-planner serve`` (see ``serve_process``) without waiting."""
-    address = f"127.0.0.1:{free_port()}"
-    metrics_address = f"127.0.0.1:{free_port()}"
+    """Start ``ballet-planner serve`` (see ``serve_process``) without waiting: its
+    addresses are known once ``_wait_serving`` read its ready file."""
+    ready_path = log_path.with_name(log_path.name + ".ready.json")
     env = {k: v for k, v in os.environ.items() if not k.upper().startswith("BALLET_PLANNER__")}
     env.update(
         {
             "BALLET_PLANNER__DATA_DIR": str(stack.data_dir),
-            "BALLET_PLANNER__SERVER__ADDRESS": address,
-            "BALLET_PLANNER__SERVER__METRICS_ADDRESS": metrics_address,
+            "BALLET_PLANNER__SERVER__ADDRESS": "127.0.0.1:0",
+            "BALLET_PLANNER__SERVER__METRICS_ADDRESS": "127.0.0.1:0",
             "BALLET_PLANNER__DATABASE__URL": stack.database_url,
             "BALLET_PLANNER__LOGGING__LEVEL": "WARNING",
         }
@@ -352,13 +347,19 @@ def spawn_process(stack: Stack, log_path: Path, **settings: str) -> PlannerProce
     env.update({f"BALLET_PLANNER__{key.upper()}": value for key, value in settings.items()})
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [*planner_command(), "serve"], env=env, stdout=log, stderr=subprocess.STDOUT
+            [*planner_command(), "serve", "--ready-file", str(ready_path)],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
-    return PlannerProcess(process, address, metrics_address, log_path)
+    return PlannerProcess(process, "", "", log_path, ready_path)
 
 
 async def _wait_serving(served: PlannerProcess, limit_s: float = 30.0) -> None:
     deadline = time.monotonic() + limit_s
+    if served.ready_path is not None and not served.address:
+        bound = await ready_file_async(served.ready_path, served.process, limit_s, served.log_path)
+        served.address, served.metrics_address = bound["address"], bound["metrics_address"]
     async with grpc.aio.insecure_channel(served.address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:

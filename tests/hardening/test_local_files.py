@@ -19,7 +19,7 @@ import pytest
 from ballet_common.files import DatabaseFileError, check_sqlite_file
 from ballet_common.tokens import dev_secret
 from devstack.server import DevStack, DevStackConfig
-from tests.hardening.support import PlannerProcess, _wait_serving, free_port, planner_command
+from tests.hardening.support import PlannerProcess, _wait_serving, planner_command
 
 
 def mode(path: Path) -> int:
@@ -29,24 +29,24 @@ def mode(path: Path) -> int:
 def spawn_serve_under_umask_000(data_dir: Path, log_path: Path) -> PlannerProcess:
     """``ballet-planner serve`` (dev mode, SQLite) whose umask is 000: the worst case,
     where every file it makes would be world-writable unless it sets modes itself."""
-    address = f"127.0.0.1:{free_port()}"
     env = {k: v for k, v in os.environ.items() if not k.upper().startswith("BALLET_PLANNER__")}
     env.update(
         {
             "BALLET_PLANNER__DATA_DIR": str(data_dir),
-            "BALLET_PLANNER__SERVER__ADDRESS": address,
+            "BALLET_PLANNER__SERVER__ADDRESS": "127.0.0.1:0",
             "BALLET_PLANNER__SERVER__METRICS_ADDRESS": "",
         }
     )
+    ready_path = log_path.with_name("serve.ready.json")
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [*planner_command(), "serve"],
+            [*planner_command(), "serve", "--ready-file", str(ready_path)],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
             preexec_fn=lambda: os.umask(0),
         )
-    return PlannerProcess(process, address, "", log_path)
+    return PlannerProcess(process, "", "", log_path, ready_path)
 
 
 async def test_serve_under_umask_000_creates_owner_only_files(tmp_path: Path) -> None:

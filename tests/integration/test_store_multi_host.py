@@ -5,6 +5,7 @@ and the LISTEN connection (each tries the hosts in order and keeps the writable 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 
 import pytest
 from sqlalchemy.engine import make_url
@@ -14,7 +15,7 @@ from service.adapters.store import migrate
 from service.adapters.store.database import open_database
 from service.adapters.store.engine import conninfo
 from tests.integration.store_support import REPLICA, new_session, unique
-from tests.replicas.support import free_port
+from tests.ports import refused_port
 
 pytestmark = pytest.mark.postgres
 
@@ -35,8 +36,15 @@ def test_conninfo_names_every_host_in_order() -> None:
     assert (info["dbname"], info["user"], info["password"]) == ("db", "planner", "pw")
 
 
-async def test_every_connection_finds_the_live_host(pg_url: str) -> None:
-    url = multi_host(pg_url, free_port())
+@pytest.fixture
+def dead_port() -> Iterator[int]:
+    """A port where nothing listens, held for the test (a host that is down)."""
+    with refused_port() as port:
+        yield port
+
+
+async def test_every_connection_finds_the_live_host(pg_url: str, dead_port: int) -> None:
+    url = multi_host(pg_url, dead_port)
     await migrate(url)
     database = await open_database(url, replica_id=REPLICA, connect_timeout_s=2)
     notifier = PgNotifier(url, REPLICA, connect_timeout_s=2)

@@ -19,8 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.hardening.support import free_port
-
 REPO = Path(__file__).resolve().parents[2]
 NODE_DIR = Path(__file__).resolve().parent / "node"
 #: The API's proto roots, as the Node client loads them.
@@ -131,21 +129,26 @@ http {{
 
 
 class Nginx:
-    """nginx in the foreground on a free loopback port, passing gRPC to ``upstream``."""
+    """nginx in the foreground on a loopback port it is handed, passing gRPC to
+    ``upstream``.
+
+    The test binds and listens on port 0 itself and hands the socket to nginx through
+    the ``NGINX`` environment variable (the inherited sockets of nginx's binary upgrade),
+    whose ``listen`` names the same address: no port is picked for nginx to bind later
+    (decision 0322)."""
 
     def __init__(self, program: str, directory: Path, upstream: str) -> None:
         self.directory = directory
-        # A port found free may be taken before nginx binds it: then nginx exits and
-        # another free port is tried.
-        for _ in range(5):
-            self.port = free_port()
+        with socket.socket() as handed:
+            handed.bind(("127.0.0.1", 0))
+            handed.listen(256)
+            self.port = handed.getsockname()[1]
             self.address = f"127.0.0.1:{self.port}"
-            self.process = self._start(program, upstream)
-            if self._listening():
-                return
-        raise AssertionError(f"nginx did not start: {self.log()}")
+            self.process = self._start(program, upstream, handed.fileno())
+            if not self._listening():
+                raise AssertionError(f"nginx did not start: {self.log()}")
 
-    def _start(self, program: str, upstream: str) -> subprocess.Popen[bytes]:
+    def _start(self, program: str, upstream: str, fd: int) -> subprocess.Popen[bytes]:
         # Workers of a root master run as the user named here; elsewhere it is unused.
         user = "user root;" if os.geteuid() == 0 else ""
         conf = self.directory / "nginx.conf"
@@ -155,22 +158,26 @@ class Nginx:
         (self.directory / "nginx.pid").unlink(missing_ok=True)
         return subprocess.Popen(
             [program, "-p", str(self.directory), "-c", str(conf), "-g", "daemon off;"],
+            env={**os.environ, "NGINX": f"{fd};"},
+            pass_fds=(fd,),
             stdout=subprocess.DEVNULL,
             stderr=(self.directory / "stderr.log").open("w"),
         )
 
     def _listening(self, limit_s: float = 15) -> bool:
-        """Whether this nginx bound its port: its master writes the pid file only after
-        it opened the listening socket; False when it exited (the port was taken)."""
+        """Whether this nginx serves on the handed socket: its master writes the pid file
+        once its listening sockets are set up; False when it exited."""
         pid_file = self.directory / "nginx.pid"
         deadline = time.monotonic() + limit_s
         while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                return False
             if pid_file.exists() and pid_file.read_text().strip() == str(self.process.pid):
                 socket.create_connection(("127.0.0.1", self.port), timeout=5).close()
                 return True
-            time.sleep(0.05)
+            try:
+                self.process.wait(0.05)
+            except subprocess.TimeoutExpired:
+                continue
+            return False
         raise AssertionError(f"nginx did not listen within {limit_s} s: {self.log()}")
 
     def log(self) -> str:

@@ -21,7 +21,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,6 +37,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ballet_common.tokens import Trust, dev_secret
 from devstack.gateway import GatewayServicer, ScriptedProvider, add_gateway_service
 from devstack.server import DevStack, DevStackConfig
+from tests.ports import ready_file_async
 
 #: How long a planner process may take to report SERVING (a cold Python start is ~2 s).
 START_LIMIT_S = 30.0
@@ -58,14 +58,6 @@ SESSION_EVENTS = frozenset(
     }
 )
 END = res.TurnEndReason
-
-
-def free_port() -> int:
-    """A loopback TCP port nobody listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def planner_command() -> list[str]:
@@ -99,7 +91,8 @@ def _clean_env() -> dict[str, str]:
 
 @dataclass
 class Planner:
-    """One ``ballet-planner serve`` process and a channel to it."""
+    """One ``ballet-planner serve`` process (on port 0: ``address`` is the port it bound,
+    read from its ready file) and a channel to it."""
 
     name: str
     replica_id: str
@@ -110,13 +103,17 @@ class Planner:
     channel: grpc.aio.Channel
     stub: Any
     health: Any
+    ready: Path | None = None
+    _rebind: bool = False
 
     @staticmethod
-    def spawn(config: Path, log: Path) -> subprocess.Popen[bytes]:
-        """Start ``ballet-planner serve --config config``, appending its output to ``log``."""
+    def spawn(config: Path, log: Path, ready: Path) -> subprocess.Popen[bytes]:
+        """Start ``ballet-planner serve --config config --ready-file ready``, appending its
+        output to ``log``."""
+        ready.unlink(missing_ok=True)  # a killed process leaves its file behind
         with log.open("ab") as out:
             return subprocess.Popen(
-                [*planner_command(), "serve", "--config", str(config)],
+                [*planner_command(), "serve", "--config", str(config), "--ready-file", str(ready)],
                 cwd=config.parent,
                 env=_clean_env(),
                 stdout=out,
@@ -126,7 +123,20 @@ class Planner:
     def respawn(self) -> None:
         """Start the process again with the same configuration (the same replica id)."""
         assert self.process.poll() is not None, "still running"
-        self.process = self.spawn(self.config, self.log)
+        assert self.ready is not None
+        self.process = self.spawn(self.config, self.log, self.ready)
+        # On port 0 again: wait_health reads the new port and reconnects.
+        self._rebind = True
+
+    async def _bind_channel(self) -> None:
+        assert self.ready is not None
+        bound = await ready_file_async(self.ready, self.process, START_LIMIT_S, self.log)
+        await self.channel.close()
+        self.address = bound["address"]
+        self.channel = grpc.aio.insecure_channel(self.address)
+        self.stub = planner_service_pb2_grpc.PlannerServiceStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+        self._rebind = False
 
     def log_text(self) -> str:
         """What the process wrote so far (JSON log lines)."""
@@ -144,6 +154,8 @@ class Planner:
         reports ``wanted``; returns the seconds it took. Fails with the log on timeout or
         when the process exits."""
         started = time.monotonic()
+        if self._rebind:
+            await self._bind_channel()
         while time.monotonic() - started < limit_s:
             if self.process.poll() is not None:
                 raise AssertionError(
@@ -271,13 +283,13 @@ async def start_planner_process(
     more_tables: Mapping[str, Mapping[str, object]] | None = None,
 ) -> Planner:
     """Write ``<name>.toml`` and start ``ballet-planner serve --config`` with it (not
-    waiting for it to serve); ``more_tables`` are further tables, e.g. ``retention``."""
-    address = f"127.0.0.1:{free_port()}"
+    waiting for it to serve, only for the port it bound); ``more_tables`` are further
+    tables, e.g. ``retention``."""
     replica_id = f"replica-{name}"
     config = work_dir / f"{name}.toml"
     tables: dict[str, Mapping[str, object]] = {
         "server": {
-            "address": address,
+            "address": "127.0.0.1:0",
             "metrics_address": "",
             "replica_id": replica_id,
             # At least planner.cancel_grace (5 s by default) + 2 (decision 0181).
@@ -295,7 +307,15 @@ async def start_planner_process(
     tables.update(more_tables or {})
     write_toml(config, tables, data_dir=str(data_dir))
     log = work_dir / f"{name}.log"
-    process = Planner.spawn(config, log)
+    ready = work_dir / f"{name}.ready.json"
+    process = Planner.spawn(config, log, ready)
+    try:
+        bound = await ready_file_async(ready, process, START_LIMIT_S, log)
+    except BaseException:
+        process.kill()
+        process.wait(10)
+        raise
+    address = bound["address"]
     channel = grpc.aio.insecure_channel(address)
     return Planner(
         name=name,
@@ -307,6 +327,7 @@ async def start_planner_process(
         channel=channel,
         stub=planner_service_pb2_grpc.PlannerServiceStub(channel),
         health=health_pb2_grpc.HealthStub(channel),
+        ready=ready,
     )
 
 
@@ -359,9 +380,10 @@ async def rig(
     planners: list[Planner] = []
     try:
         await migration
-        for name in ("a", "b"):
-            planners.append(
-                await start_planner_process(
+        # Both start at once: each is awaited only for the port it bound.
+        started = await asyncio.gather(
+            *(
+                start_planner_process(
                     name,
                     work_dir,
                     data_dir,
@@ -372,7 +394,14 @@ async def rig(
                     server or {},
                     more_tables,
                 )
-            )
+                for name in ("a", "b")
+            ),
+            return_exceptions=True,
+        )
+        planners.extend(each for each in started if isinstance(each, Planner))
+        for each in started:
+            if isinstance(each, BaseException):
+                raise each
         await asyncio.gather(
             *(p.wait_health(health_pb2.HealthCheckResponse.SERVING) for p in planners)
         )

@@ -1,0 +1,155 @@
+"""``scripts/try``: from a fresh clone to a chat with the planner, in one command.
+
+1. Sets the checkout's virtualenv up when needed (``scripts/setup.py try``: created if
+   missing, the planner and its devstack installed editable; a rerun reuses them).
+2. Starts ``ballet-planner dev`` with its defaults (planner ``127.0.0.1:50051``, devstack
+   ``127.0.0.1:50052``, metrics ``127.0.0.1:9464``, state in ``./.ballet-dev``, the
+   scripted demo model); arguments are passed to ``dev`` (e.g. ``--address
+   127.0.0.1:0`` for any free port, ``--provider openai``). ``dev`` runs in its own
+   session, so Ctrl-C in the chat reaches the chat only; its output goes to a log file.
+3. Opens ``ballet-planner chat`` as alice in the same terminal, on the address and
+   project ``dev`` reported (its ``--ready-file``). Lines piped in are sent one by one, as
+   with ``chat`` itself: ``echo "What are the open epics?" | scripts/try``.
+4. When the chat ends (``/quit``, Ctrl-D, the end of the piped input), stops ``dev`` as
+   Ctrl-C would and says so; exits with the chat's exit code.
+
+Its own lines go to stderr, so stdout holds the chat's transcript alone
+(docs/decisions/0320-two-commands.md). Standard library only.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import setup  # the sibling script, found through the path above
+
+ROOT = setup.ROOT
+#: How long dev may take to start (a first start migrates and loads the demo: ~3 s).
+START_LIMIT_S = 120.0
+#: dev's own stop takes at most its server.grace_s (20 s by default); then SIGKILL.
+STOP_LIMIT_S = 30.0
+USER = "alice"
+#: The last line of dev's banner.
+BANNER_END = "Stop with Ctrl-C."
+
+
+def say(message: str) -> None:
+    print(f"scripts/try: {message}", file=sys.stderr, flush=True)
+
+
+def wait_ready(ready: Path, dev: subprocess.Popen[bytes]) -> dict[str, str] | None:
+    """What dev wrote to its ready file; None when it exited first."""
+    deadline = time.monotonic() + START_LIMIT_S
+    while not ready.exists():
+        try:
+            dev.wait(0.05)
+        except subprocess.TimeoutExpired:
+            if time.monotonic() > deadline:
+                say(f"dev did not get ready within {START_LIMIT_S:.0f} s")
+                return None
+            continue
+        return None
+    values: dict[str, str] = json.loads(ready.read_text(encoding="utf-8"))
+    return values
+
+
+def stop(dev: subprocess.Popen[bytes]) -> int:
+    """Stop dev as Ctrl-C does (SIGINT: its turns end, then it stops); returns its code."""
+    if dev.poll() is None:
+        dev.send_signal(signal.SIGINT)
+        try:
+            return dev.wait(STOP_LIMIT_S)
+        except subprocess.TimeoutExpired:
+            dev.kill()
+    return dev.wait()
+
+
+def said_after_banner(log: Path) -> list[str]:
+    """dev's own lines after its banner (what the stop waited for, "stopped")."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    _, _, after = text.partition(BANNER_END)
+    return [line for line in after.splitlines() if line.startswith("ballet-planner dev: ")]
+
+
+def tail(log: Path, lines: int = 15) -> str:
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def main(argv: list[str]) -> int:
+    if any(arg in ("-h", "--help") for arg in argv):
+        print(__doc__)
+        return 0
+    try:
+        python = setup.ensure("try")
+    except setup.SetupError as error:
+        say(str(error))
+        return 1
+    planner = python.with_name("ballet-planner")
+    work = Path(tempfile.mkdtemp(prefix="ballet-try-"))
+    log, ready = work / "dev.log", work / "ready.json"
+    keep_log = False
+    with log.open("wb") as out:
+        dev = subprocess.Popen(
+            [str(planner), "dev", "--ready-file", str(ready), *argv],
+            cwd=Path.cwd(),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            # Its own session: Ctrl-C typed in the chat is the chat's, not dev's.
+            start_new_session=True,
+        )
+    try:
+        values = wait_ready(ready, dev)
+        if values is None:
+            code = stop(dev)
+            keep_log = True
+            say(f"dev did not start (exit {code}); what it said:\n{tail(log)}")
+            return code or 1
+        say(
+            f"dev is running: planner {values['address']}, devstack "
+            f"{values['devstack_address']}, data {values['data_dir']} (its log: {log})"
+        )
+        say(f"chatting as {USER} about project {values['project']}; /quit or Ctrl-D leaves")
+        chat = [
+            str(planner),
+            "chat",
+            "--address",
+            values["address"],
+            "--project",
+            values["project"],
+            "--user",
+            USER,
+            "--data-dir",
+            values["data_dir"],
+        ]
+        # The terminal's Ctrl-C reaches the chat, which decides what it means; this
+        # process waits for the chat to end, then stops dev.
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            code = subprocess.call(chat)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        return code
+    finally:
+        stopped = stop(dev)
+        for line in said_after_banner(log):
+            say(line.removeprefix("ballet-planner "))
+        if stopped not in (0, -signal.SIGINT):
+            keep_log = True
+            say(f"dev exited with {stopped}; its log: {log}")
+        if not keep_log:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,101 @@
+"""The README's two commands, run from a clone as a new user runs them
+(docs/decisions/0320-two-commands.md, 0323-the-readme-commands-tested.md).
+
+``scripts/try`` with a piped question, from a ``git clone`` of this repository (its
+committed tree: what a user gets), answers it and stops ``dev``. Two ways:
+
+- with this environment's virtualenv (``BALLET_VENV``), whose install stamp matches the
+  clone's ``pyproject.toml`` files, so ``scripts/setup.py`` installs nothing: seconds. It
+  proves the command's path (Python found, setup reused, dev started on the ports it
+  reports, the chat answered, dev stopped) without a second install of everything;
+- ``slow``: into a new virtualenv, with nothing installed before, as the README's first
+  command promises (about 30 s with a warm package cache).
+
+The ports are the only difference from the README's line: ``--address 127.0.0.1:0`` and
+the two others, passed on to ``dev``, so that nothing else on the machine can clash.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.dev_support import ANY_PORTS, REPO, clean_env
+
+QUESTION = "What are the open epics?\n"
+
+
+def clone(tmp_path: Path) -> Path:
+    """A fresh clone of this repository's committed tree."""
+    if not (REPO / ".git").exists() or shutil.which("git") is None:
+        pytest.skip("not a git checkout, or no git: nothing to clone")
+    target = tmp_path / "clone"
+    subprocess.run(
+        ["git", "clone", "--quiet", str(REPO), str(target)],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    return target
+
+
+def run_try(checkout: Path, venv: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["scripts/try", *ANY_PORTS],
+        cwd=checkout,
+        input=QUESTION,
+        env=clean_env(BALLET_VENV=str(venv)),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def assert_answered(result: subprocess.CompletedProcess[str], checkout: Path) -> None:
+    said = result.stdout + result.stderr
+    assert result.returncode == 0, said
+    # The transcript on stdout: the tool call and the open epics of the demo project.
+    assert "-> list_items" in result.stdout and "PAN-4" in result.stdout, said
+    assert "[COMPLETED" in result.stdout, said
+    # Its own lines on stderr: dev ran in the clone's folder and stopped.
+    assert f"data {checkout / '.ballet-dev'}" in result.stderr, said
+    assert result.stderr.rstrip().endswith("scripts/try: dev: stopped"), said
+    assert "Traceback" not in said
+
+
+def test_try_from_a_clone_answers_a_piped_question(tmp_path: Path) -> None:
+    venv = Path(sys.prefix)
+    checkout = clone(tmp_path)
+    stamp = venv / "ballet-setup.json"
+    # The clone's recipe, for its key of its pyproject files.
+    spec = importlib.util.spec_from_file_location("clone_setup", checkout / "scripts/setup.py")
+    assert spec is not None and spec.loader is not None
+    clone_setup = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(clone_setup)
+    recorded = json.loads(stamp.read_text()) if stamp.exists() else {}
+    if clone_setup.key() not in recorded.values():
+        # Run through scripts/test (or .ci/run), this virtualenv carries the stamp; without
+        # it scripts/try would install the clone into this virtualenv.
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{venv} has no install stamp of scripts/setup.py")
+        pytest.skip(f"{venv} was not set up by scripts/setup.py (run scripts/test)")
+    assert_answered(run_try(checkout, venv, timeout=120), checkout)
+
+
+@pytest.mark.slow
+def test_try_from_a_clone_installs_everything_it_needs(tmp_path: Path) -> None:
+    checkout = clone(tmp_path)
+    venv = tmp_path / "venv"
+    result = run_try(checkout, venv, timeout=600)
+    assert_answered(result, checkout)
+    assert "setup: creating the virtualenv" in result.stderr
+    again = run_try(checkout, venv, timeout=120)
+    assert_answered(again, checkout)
+    assert "setup:" not in again.stderr  # the rerun installs nothing
