@@ -370,8 +370,10 @@ async def test_the_system_prompt_holds_instructions_project_and_the_pinned_skill
     session_id, received = await rig.run_turn("hello")
 
     (request,) = rig.requests()
-    system = request.system_prompt
-    assert prompts.instructions().strip() in system
+    # The instructions first, alone (shared by every project); the project after the
+    # tools (decision 0296).
+    assert request.system_prompt == prompts.instructions().strip()
+    system = request.system_context
     assert "- id: demo" in system and "Pantry" in system
     assert "- id: acme" in system
     assert "# Planning the demo project (1.0.0)" in system

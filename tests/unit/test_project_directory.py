@@ -28,7 +28,7 @@ class World:
         self.prompts = PromptSource(self.directory, model="m", declarations=declarations())
 
     async def prompt(self, caller: Caller = ALICE, project_id: str = "demo") -> str:
-        return (await self.prompts.prompt(caller.acting("s1"), project_id)).system
+        return (await self.prompts.prompt(caller.acting("s1"), project_id)).context
 
 
 async def test_one_lookup_serves_the_access_check_and_the_prompt() -> None:

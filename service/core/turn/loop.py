@@ -270,7 +270,8 @@ class TurnLoop:
             state,
             purpose=Purpose.TURN,
             credential_ref=prompt.credential_ref,
-            system=with_context(prompt.system, state.context_block),
+            system=prompt.system,
+            system_context=with_context(prompt.context, state.context_block),
             messages=self._conversations.model_messages(self._handle.session_id, state.messages),
             tools=self._deps.declarations,
         )
