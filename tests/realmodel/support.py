@@ -82,29 +82,43 @@ def llama_required() -> bool:
     )
 
 
-def llama_build() -> LlamaBuild:
-    """The cached llama-server build and models; skips the test when they are absent
-    (fails when ``BALLET_REQUIRE_LLAMA_SERVER=1``), naming the command that builds them."""
+class BuildMissing(Exception):
+    """The build or a model is absent; the message names what and the command that builds it."""
+
+
+def find_build() -> LlamaBuild:
+    """The cached llama-server build and models, as ``scripts/llama-server --check`` reports
+    them (it builds nothing).
+
+    Raises:
+        BuildMissing: something is absent.
+    """
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "--check"], capture_output=True, text=True, check=False
     )
     if result.returncode != 0:
-        message = (
+        raise BuildMissing(
             f"no llama-server build ({result.stderr.strip()}); build it with "
             "scripts/llama-server (several minutes once, cached outside the checkout)"
         )
-        if llama_required():
-            pytest.fail(message, pytrace=False)
-        pytest.skip(message)
-    values = dict(
-        line.split("=", 1) for line in result.stdout.splitlines() if "=" in line
-    )
+    values = dict(line.split("=", 1) for line in result.stdout.splitlines() if "=" in line)
     return LlamaBuild(
         server=Path(values["LLAMA_SERVER"]),
         model=Path(values["LLAMA_MODEL"]),
         template_tools=Path(values["LLAMA_TEMPLATE_TOOLS"]),
         values=values,
     )
+
+
+def llama_build() -> LlamaBuild:
+    """``find_build()`` for a test: skips when the build is absent, fails instead in CI."""
+    try:
+        return find_build()
+    except BuildMissing as exc:
+        message = str(exc)
+    if llama_required():
+        pytest.fail(message, pytrace=False)
+    pytest.skip(message)
 
 
 @dataclass
@@ -126,6 +140,7 @@ class LlamaServer:
     process: asyncio.subprocess.Process | None = None
     _pump: asyncio.Task[None] | None = None
     _lines: list[bytes] = field(default_factory=list)
+    _waiters: list[tuple[re.Pattern[str], asyncio.Future[str]]] = field(default_factory=list)
 
     @property
     def base_url(self) -> str:
@@ -139,7 +154,7 @@ class LlamaServer:
             "--jinja", *template,
             "--ctx-size", str(CONTEXT_TOKENS),
             "--parallel", "1",
-            "--threads", "2",
+            "--threads", "1",
             "--temp", "0", "--top-k", "1", "--seed", "42",
             "--host", "127.0.0.1", "--port", str(port),
             *self.extra,
@@ -159,13 +174,16 @@ class LlamaServer:
         async with asyncio.timeout(REAL_WAIT_S):
             self.port = await listening
 
-    async def _read(self, process: asyncio.subprocess.Process, listening: asyncio.Future[int]) -> None:
+    async def _read(
+        self, process: asyncio.subprocess.Process, listening: asyncio.Future[int]
+    ) -> None:
         assert process.stdout is not None
         with self.log_path.open("ab") as log:
             while line := await process.stdout.readline():
                 log.write(line)
                 log.flush()
                 self._lines.append(line)
+                self._wake(line.decode(errors="replace"))
                 found = _LISTENING.search(line)
                 if found and not listening.done():
                     listening.set_result(int(found.group(1)))
@@ -175,6 +193,30 @@ class LlamaServer:
             listening.set_exception(
                 RuntimeError(f"llama-server exited with {process.returncode}:\n{tail}")
             )
+
+    def _wake(self, line: str) -> None:
+        for pattern, waiter in list(self._waiters):
+            if not waiter.done() and pattern.search(line):
+                waiter.set_result(line)
+                self._waiters.remove((pattern, waiter))
+
+    async def logged(self, pattern: str, *, since: int = 0) -> str:
+        """The first line of the server's output from line ``since`` on that matches
+        ``pattern`` (a regular expression), waiting for it if need be."""
+        compiled = re.compile(pattern)
+        for line in self._lines[since:]:
+            text = line.decode(errors="replace")
+            if compiled.search(text):
+                return text
+        waiter: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._waiters.append((compiled, waiter))
+        async with asyncio.timeout(REAL_WAIT_S):
+            return await waiter
+
+    @property
+    def lines(self) -> int:
+        """How many lines the server wrote so far (a mark for ``logged``'s ``since``)."""
+        return len(self._lines)
 
     def output(self) -> str:
         """Everything the server wrote so far."""
@@ -209,14 +251,27 @@ class LlamaServer:
 class RealChatStream(ChatStream):
     """``ChatStream`` whose reads wait as long as a real model on a small CPU needs."""
 
-    async def next(self) -> chat_pb2.ChatResponse:
-        async with asyncio.timeout(REAL_WAIT_S):
-            response = await self.call.read()
-        if response is grpc.aio.EOF:
-            raise EOFError("the Chat stream ended")
-        assert isinstance(response, chat_pb2.ChatResponse)
-        self.received.append(response)
-        return response
+    wait_s = REAL_WAIT_S
+
+    async def send_and_start(self, text: str) -> str:
+        """Send ``text``; returns the id of the turn it started (from its acceptance, so
+        events the open replayed from earlier turns are not taken for this one's)."""
+        request_id = f"send-{time.monotonic_ns()}"
+        await self.send(text, request_id)
+        accepted = await self.until(
+            lambda r: r.WhichOneof("event") == "message_accepted" and r.request_id == request_id
+        )
+        return accepted[-1].turn_id
+
+    async def finish(self, turn_id: str) -> chat_pb2.TurnEnded:
+        """Read until turn ``turn_id`` ends."""
+        ended = await self.until(
+            lambda r: r.WhichOneof("event") == "turn_ended" and r.turn_id == turn_id
+        )
+        return ended[-1].turn_ended
+
+    async def send_and_finish(self, text: str) -> chat_pb2.TurnEnded:
+        return await self.finish(await self.send_and_start(text))
 
 
 @dataclass
@@ -231,6 +286,10 @@ class Turn:
     @property
     def ended(self) -> chat_pb2.TurnEnded:
         return events(self.received, "turn_ended")[-1].turn_ended
+
+    @property
+    def turn_id(self) -> str:
+        return str(events(self.received, "turn_ended")[-1].turn_id)
 
     @property
     def streamed_text(self) -> str:
@@ -278,8 +337,7 @@ class RealPlanner:
         session_id = session_id or await self.create_session()
         started = time.monotonic()
         async with self.chat(session_id) as stream:
-            await stream.send(text, f"send-{time.monotonic_ns()}")
-            await stream.turn()
+            await stream.send_and_finish(text)
         return Turn(self, session_id, stream.received, time.monotonic() - started)
 
     async def transcript(self, session_id: str) -> list[resources_pb2.Message]:
@@ -288,6 +346,10 @@ class RealPlanner:
         )
         return list(page.messages)
 
+
+#: The provider's settings: the project block goes into the first system message, where a
+#: small model takes it for context rather than for the text to continue.
+PROVIDER_OPTIONS: dict[str, Any] = {"system_context": "merged"}
 
 #: Planner settings that fit the server's 8 K window (the start-up budget check holds).
 BASE_SETTINGS = {
@@ -304,11 +366,21 @@ BASE_SETTINGS = {
 
 @asynccontextmanager
 async def start_real_planner(
-    server: LlamaServer, data_dir: Path, **settings: str
+    server: LlamaServer,
+    data_dir: Path,
+    *,
+    provider_options: dict[str, Any] | None = None,
+    **settings: str,
 ) -> AsyncIterator[RealPlanner]:
-    """The devstack (gateway over the ``openai`` provider at ``server``) and a planner
-    with ``BASE_SETTINGS`` updated by ``settings`` (``planner_settings`` keys)."""
-    provider = OpenAIProvider(base_url=server.base_url, api_key="", model=MODEL_NAME)
+    """The devstack (gateway over the ``openai`` provider at ``server``, with
+    ``PROVIDER_OPTIONS`` updated by ``provider_options``) and a planner with
+    ``BASE_SETTINGS`` updated by ``settings`` (``planner_settings`` keys)."""
+    provider = OpenAIProvider(
+        base_url=server.base_url,
+        api_key="",
+        model=MODEL_NAME,
+        **{**PROVIDER_OPTIONS, **(provider_options or {})},
+    )
     trust = Trust.dev(dev_secret(data_dir))
     stack = await DevStack.start(
         DevStackConfig(
