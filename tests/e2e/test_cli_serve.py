@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 from ballet_common.tokens import DEV_SERVICE_ISSUER, dev_service_key
+from tests.e2e import dev_support
 from tests.ports import ready_file, refused_port
 
 GRACE_S = 3.0
@@ -52,6 +53,28 @@ def command() -> list[str]:
 def serve_address(ready: Path, process: subprocess.Popen[str], log: Path) -> str:
     """The address ``serve --ready-file READY`` bound (it was given port 0)."""
     return str(ready_file(ready, process, log=log)["address"])
+
+
+def start_serve(cwd: Path, env: dict[str, str]) -> tuple[subprocess.Popen[str], str]:
+    """``ballet-planner serve`` in ``cwd`` with ``env`` (the machine's ``BALLET_PLANNER__``,
+    ``BALLET_OPENAI_`` and ``OTEL_`` variables left out), its output in
+    ``cwd/serve.log``; returns the process and the address it bound once it has
+    (``ready.json``), not waiting for SERVING."""
+    with (cwd / "serve.log").open("w") as log:
+        process = subprocess.Popen(
+            [*command(), "serve", "--ready-file", "ready.json"],
+            cwd=cwd,
+            env=dev_support.clean_env(**env),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    try:
+        return process, serve_address(cwd / "ready.json", process, cwd / "serve.log")
+    except BaseException:
+        process.kill()
+        process.wait(10)
+        raise
 
 
 def clean_env(**extra: str) -> dict[str, str]:

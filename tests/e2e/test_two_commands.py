@@ -64,6 +64,11 @@ def assert_answered(result: subprocess.CompletedProcess[str], checkout: Path) ->
     # The transcript on stdout: the tool call and the open epics of the demo project.
     assert "-> list_items" in result.stdout and "PAN-4" in result.stdout, said
     assert "[COMPLETED" in result.stdout, said
+    assert '{"items"' not in result.stdout  # a readable answer, not the tool's JSON
+    # The README's sample of the tool lines is what the chat printed.
+    readme = (REPO / "README.md").read_text()
+    sample = readme.split("```text\n", 1)[1].split("```", 1)[0]
+    assert sample in result.stdout, sample
     # Its own lines on stderr: dev ran in the clone's folder and stopped.
     assert f"data {checkout / '.ballet-dev'}" in result.stderr, said
     assert result.stderr.rstrip().endswith("scripts/try: dev: stopped"), said
