@@ -131,7 +131,7 @@ def test_try_on_a_taken_port_says_how_to_take_free_ones(tmp_path: Path) -> None:
         taken.listen()
         address = f"127.0.0.1:{taken.getsockname()[1]}"
         result = subprocess.run(
-            ["scripts/try", "--address", address],
+            ["scripts/try", *ANY_PORTS, "--address", address],  # the last --address wins
             cwd=checkout,
             input=QUESTION,
             env=clean_env(BALLET_VENV=str(venv)),
