@@ -188,7 +188,7 @@ async def test_a_unit_of_work_past_its_deadline_fails_unavailable_and_is_cancell
             await release.wait()
             raise
 
-    with pytest.raises(StoreUnavailable, match="did not answer within 0.05 s"):
+    with pytest.raises(StoreUnavailable, match=r"did not answer within 0\.05 s"):
         await units.run(stuck(), "commit")
     assert cancellations == ["cancelled"] and units.units_expired == 1
     assert kinds == ["unavailable"]
