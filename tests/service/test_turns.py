@@ -532,7 +532,7 @@ async def test_t1_a_one_round_turn_counted(tmp_path: Path) -> None:
 async def test_t1_a_one_round_turn_on_postgresql_writes_three_times_and_notifies_nothing(
     tmp_path: Path, pg_url: str
 ) -> None:
-    """Done-when 2 of the write-transaction budget (decision 0341): on one replica a
+    """The write-transaction budget (decision 0341): on one replica a
     one-round turn makes 3 write transactions (the message with its turn; the round; the
     ending) and sends no ``pg_notify``: no other replica follows the session (decision
     0340). Write transactions are the advance of ``pg_current_snapshot()``'s xmax (only a
