@@ -21,6 +21,7 @@ import importlib.util
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -120,6 +121,28 @@ def test_try_in_a_terminal_chats_and_stops_dev_when_the_chat_ends(tmp_path: Path
     finally:
         terminal.close()
     assert "Traceback" not in terminal.output
+
+
+def test_try_on_a_taken_port_says_how_to_take_free_ones(tmp_path: Path) -> None:
+    checkout = clone(tmp_path)
+    venv = stamped_venv(checkout)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        result = subprocess.run(
+            ["scripts/try", *ANY_PORTS, "--address", address],  # the last --address wins
+            cwd=checkout,
+            input=QUESTION,
+            env=clean_env(BALLET_VENV=str(venv)),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert result.returncode == 1, result.stderr
+    assert f"server.address {address} is in use" in result.stderr
+    assert "`scripts/try --address 127.0.0.1:0 " in result.stderr
+    assert result.stdout == "" and "Traceback" not in result.stderr
 
 
 @pytest.mark.slow
