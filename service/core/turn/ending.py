@@ -27,6 +27,7 @@ from service.core.ports import Clock, SessionStore, TurnCommit, TurnPatch
 from service.core.tools import WRITE_TOOLS, ToolOutcome, error_result
 from service.core.turn.events import EventBuilder, Totals
 from service.core.turn.settings import TurnObserver
+from service.core.turn.telling import StoreThenTell
 
 log = logging.getLogger(__name__)
 
@@ -188,14 +189,12 @@ async def close_stored_turn(
         lease_expired_before=lease_expired_before,
     )
     try:
-        stored = await store.commit(commit)
+        await StoreThenTell(store, hub, observer).commit(commit, turn)
     except StoreConflict:
         return False
-    observer.turn_ended(ending.reason, ending.error_reason, turn.rounds)
     log.info(
         "closed turn %s",
         ending.reason.value,
         extra={"session": turn.session_id, "turn": turn.turn_id},
     )
-    hub.publish(stored)
     return True

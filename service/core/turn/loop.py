@@ -54,6 +54,7 @@ from service.core.turn.model_call import model_request, stream_answer
 from service.core.turn.prompt import Prompt, PromptSource
 from service.core.turn.settings import TurnDependencies
 from service.core.turn.state import Answer, PendingCall, TurnHandle, TurnState
+from service.core.turn.telling import StoreThenTell
 from service.core.turn.tool_round import RoundCommit, ToolRound
 
 log = logging.getLogger(__name__)
@@ -142,6 +143,7 @@ class TurnLoop:
         self._started_by: tuple[SpanRef, ...] = ()
         self._compactor = Compactor(deps, self._state, self._commit_compaction)
         self._tools = ToolRound(deps, self._state, self._commit_results)
+        self._told = StoreThenTell.of(deps)
 
     async def run(self) -> None:
         """Drive the turn to its end and store it; never raises but ``CancelledError``.
@@ -280,7 +282,8 @@ class TurnLoop:
             state,
             purpose=Purpose.TURN,
             credential_ref=prompt.credential_ref,
-            system=with_context(prompt.system, state.context_block),
+            system=prompt.system,
+            system_context=with_context(prompt.context, state.context_block),
             messages=self._conversations.model_messages(self._handle.session_id, state.messages),
             tools=self._deps.declarations,
         )
@@ -396,16 +399,9 @@ class TurnLoop:
     # ------------------------------------------------------------------ the end
 
     async def _finish(self, end: End, commit: TurnCommit | None = None) -> None:
-        state = self._state
         commit = commit or self._ending_commit(end)
         await self._store(commit)
         self._trace_end(end.ending)
-        self._deps.observer.turn_ended(
-            end.ending.reason,
-            end.ending.error_reason,
-            state.rounds,
-            (self._deps.clock.now() - self._handle.turn.start_time).total_seconds(),
-        )
 
     async def _finish_when_the_database_answers(self, end: End) -> None:
         """Store ``end`` (the answer as streamed, the way the turn ended) once the
@@ -532,9 +528,9 @@ class TurnLoop:
         )
 
     async def _store(self, commit: TurnCommit) -> None:
-        """Apply ``commit``, then remember what it stored and publish it; raises
-        ``Abandon``."""
-        stored = await self._guard(self._deps.store.commit(commit))
+        """Apply ``commit`` and tell what it stored (``StoreThenTell``), then remember it;
+        raises ``Abandon``."""
+        stored = await self._guard(self._told.commit(commit, self._handle.turn))
         state = self._state
         for event in stored:
             if event.message is not None and event.kind is not EventKind.COMPACTED:
@@ -548,7 +544,6 @@ class TurnLoop:
             # The store now holds this estimate; so must the turn, or the next compaction
             # check ignores the usage an answer just reported (docs/spec/compaction.md).
             state.context = commit.context
-        self._deps.hub.publish(stored)
 
     async def _guard(self, operation: Awaitable[T]) -> T:
         try:
