@@ -40,6 +40,7 @@ from service.core.turn.loop import Step, TurnLoop
 from service.core.turn.prompt import PromptSource
 from service.core.turn.settings import TurnDependencies
 from service.core.turn.state import TurnHandle
+from service.core.turn.telling import StoreThenTell
 
 log = logging.getLogger(__name__)
 
@@ -249,7 +250,7 @@ class TurnService:
                 )
             )
             if outcome.kind is StartOutcomeKind.EXPIRED_TURN:
-                await self._close(outcome.turn, endings.INTERRUPTED, lease_expired_before=now)
+                await self._close(outcome.turn, endings.LEASE_EXPIRED, lease_expired_before=now)
                 continue
             if outcome.kind is StartOutcomeKind.DUPLICATE:
                 return Accepted(outcome.turn, outcome.events[0], duplicate=True)
@@ -263,7 +264,7 @@ class TurnService:
             # Launched before the events are published: the turn's first steps (and its
             # model call) run before the streams' writers wake for these events.
             self._launch(TurnHandle(outcome.turn, session, acting, stored[0].sequence))
-            self._deps.hub.publish(stored)
+            StoreThenTell.of(self._deps).tell(stored, outcome.turn)
             return Accepted(outcome.turn, stored[0], duplicate=False)
         raise FailedPrecondition("a turn is still closing; try again", reason="TURN_IN_PROGRESS")
 
@@ -310,7 +311,7 @@ class TurnService:
         else:
             now = self._deps.clock.now()
             if turn.lease_expires_at is not None and turn.lease_expires_at <= now:
-                await self._close(turn, endings.INTERRUPTED, lease_expired_before=now)
+                await self._close(turn, endings.LEASE_EXPIRED, lease_expired_before=now)
             else:
                 await store.request_cancel(turn_id)
                 started = self._deps.clock.monotonic()
