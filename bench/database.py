@@ -13,12 +13,10 @@ transcripts.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
 import psycopg
 from sqlalchemy import insert, text, update
@@ -94,12 +92,6 @@ class ServerProbe:
 
     def __init__(self, conn: psycopg.AsyncConnection[tuple[object, ...]]) -> None:
         self._conn = conn
-        #: Statements this probe ran (each its own transaction), for ``transactions``.
-        self.executed = 0
-
-    async def _run(self, query: str, params: Any = None) -> psycopg.AsyncCursor[Any]:
-        self.executed += 1
-        return await self._conn.execute(query, params)
 
     @classmethod
     async def connect(cls, url: str) -> ServerProbe:
@@ -112,7 +104,7 @@ class ServerProbe:
     async def next_xid(self) -> int:
         """The next transaction id to be assigned (counts write transactions)."""
         row = await (
-            await self._run("SELECT pg_snapshot_xmax(pg_current_snapshot())::text")
+            await self._conn.execute("SELECT pg_snapshot_xmax(pg_current_snapshot())::text")
         ).fetchone()
         assert row is not None
         return int(str(row[0]))
@@ -122,9 +114,9 @@ class ServerProbe:
         planner), counted by ``pg_stat_statements`` at top level; -1 when the extension
         is not loaded (an existing server given with ``--database-url``)."""
         try:
-            await self._run("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+            await self._conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
             row = await (
-                await self._run(
+                await self._conn.execute(
                     "SELECT coalesce(sum(calls), 0)::bigint FROM pg_stat_statements"
                     " WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())"
                     " AND query NOT LIKE %s AND query NOT LIKE %s AND query NOT LIKE %s"
@@ -133,7 +125,6 @@ class ServerProbe:
                         "%pg_stat_statements%",
                         "%pg_current_snapshot%",
                         "%pg_stat_activity%",
-                        "%pg_stat_database%",
                         "%count(*) FROM session_follows%",
                     ),
                 )
@@ -148,7 +139,7 @@ class ServerProbe:
         -1 when the extension is not loaded)."""
         try:
             row = await (
-                await self._run(
+                await self._conn.execute(
                     "SELECT coalesce(sum(calls), 0)::bigint FROM pg_stat_statements"
                     " WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())"
                     " AND query LIKE %s",
@@ -160,24 +151,10 @@ class ServerProbe:
         assert row is not None
         return int(str(row[0]))
 
-    async def transactions(self, settle_s: float = 1.5) -> int:
-        """Transactions committed or rolled back so far in this database by every
-        session, this probe's own included (``pg_stat_database``). Backends report their
-        counts when idle, at most once a second: this waits ``settle_s`` seconds first."""
-        await asyncio.sleep(settle_s)
-        row = await (
-            await self._run(
-                "SELECT (xact_commit + xact_rollback)::bigint FROM pg_stat_database"
-                " WHERE datname = current_database()"
-            )
-        ).fetchone()
-        assert row is not None
-        return int(str(row[0]))
-
     async def follows(self, session_id: str) -> int:
         """Replicas recorded as following ``session_id`` (``session_follows``)."""
         row = await (
-            await self._run(
+            await self._conn.execute(
                 "SELECT count(*) FROM session_follows WHERE session_id = %s", (session_id,)
             )
         ).fetchone()
@@ -187,7 +164,7 @@ class ServerProbe:
     async def connections(self, application_name: str) -> int:
         """Connections of one application (e.g. ``ballet-planner``) to the server."""
         row = await (
-            await self._run(
+            await self._conn.execute(
                 "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s",
                 (application_name,),
             )

@@ -650,17 +650,6 @@ class Bench:
                 note="decision 0340: no other replica follows the session",
             )
             add(judge(row, "0", spread("notifies")[1] == 0))
-        row = Row(
-            section,
-            "t1.transactions",
-            "transactions, every session of the planner database",
-            "count",
-            median("transactions"),
-            *spread("transactions"),
-            samples="5",
-            note="pg_stat_database, the probe's own taken off; the listener's included",
-        )
-        add(row)
         self._t1_two_replica_rows(section, two_replicas)
         row = Row(
             section,
@@ -696,10 +685,10 @@ class Bench:
         self, probe: database.ServerProbe, run: Callable[[], Awaitable[object]]
     ) -> dict[str, int]:
         """What ``run`` made the planner database do: write transactions (xid advance),
-        statements and ``pg_notify`` statements (``pg_stat_statements``), transactions
-        (``pg_stat_database``, without the probe's own)."""
-        executed = probe.executed
-        transactions = await probe.transactions()
+        statements and ``pg_notify`` statements (``pg_stat_statements``). (Transactions
+        of every kind are not counted: ``pg_stat_database`` hears of them only when each
+        backend flushes its counts, at most once a second, and the listener's heal read
+        adds one a second; measured so, they scattered from -3 to 14 per turn.)"""
         xid = await probe.next_xid()
         statements = await probe.statements()
         notifies = await probe.notifies()
@@ -707,16 +696,7 @@ class Bench:
         writes = await probe.next_xid() - xid
         sql = await probe.statements() - statements
         notified = await probe.notifies() - notifies
-        # The probe's statements between the two reads of the counter (this one's own
-        # is not in what it reads), each a transaction of its own.
-        own = probe.executed - executed
-        total = await probe.transactions() - transactions - own
-        return {
-            "writes": writes,
-            "statements": sql,
-            "notifies": notified,
-            "transactions": total,
-        }
+        return {"writes": writes, "statements": sql, "notifies": notified}
 
     async def _t1_two_replicas(
         self, stream: Rotating, probe: database.ServerProbe
@@ -781,11 +761,10 @@ class Bench:
 
     def _t1_two_replica_rows(self, section: str, two: dict[str, Any]) -> None:
         per_turn: list[dict[str, int]] = two["per_turn"]
-        for key, label, target in (
-            ("writes", "write transactions, a second replica following", "<= 3"),
-            ("statements", "SQL statements, a second replica following", ""),
-            ("notifies", "pg_notify statements, a second replica following", ""),
-            ("transactions", "transactions, a second replica following", ""),
+        for key, label in (
+            ("writes", "write transactions, a second replica following (pg_notify's included)"),
+            ("statements", "SQL statements, a second replica following"),
+            ("notifies", "pg_notify statements, a second replica following"),
         ):
             values = [turn[key] for turn in per_turn]
             row = Row(
@@ -799,8 +778,6 @@ class Bench:
                 samples=str(len(values)),
                 note=f"{two['follows']} replicas follow the session",
             )
-            if target:
-                judge(row, target, statistics.median(values) <= 3)
             self.report.add(row)
         row = Row(
             section,
