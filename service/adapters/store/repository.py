@@ -45,6 +45,7 @@ from service.adapters.store.tables import (
     IS_RUNNING,
     messages,
     session_events,
+    session_follows,
     sessions,
     turns,
 )
@@ -83,7 +84,8 @@ class SqlSessionStore:
 
     ``engine`` comes from ``make_engine``; ``replica_id`` names this process in turn
     ownership and notifications (no spaces: the notification payload is space-separated).
-    ``notify`` sends PostgreSQL notifications to other replicas, after each commit, through
+    ``notify`` sends PostgreSQL notifications to other replicas, after a commit of events
+    of a session another replica follows (``session_follows``, decision 0340), through
     ``signals`` (default: ``engine_signals`` on ``engine``); None means "when the engine
     is PostgreSQL" (SQLite serves one process and has no notifications).
     ``context_cache_bytes`` bounds the sessions' contexts kept between turns (0: none).
@@ -486,13 +488,13 @@ class SqlSessionStore:
         """
         human_index = units.checked_start(start)
         try:
-            outcome = await self._start(start, human_index)
+            outcome, followed = await self._start(start, human_index)
         except RequestIdTaken:
             # Lost a race for the request id (the session lock makes this unlikely): the
             # retry finds the winner and answers with a duplicate or REQUEST_ID_REUSED.
-            outcome = await self._start(start, human_index)
+            outcome, followed = await self._start(start, human_index)
         if outcome.kind is StartOutcomeKind.STARTED:
-            if self.signals is not None:
+            if followed and self.signals is not None:
                 self.signals.events(start.turn.session_id, outcome.events[-1].sequence)
             self._cache.advance(
                 outcome.events,
@@ -502,13 +504,33 @@ class SqlSessionStore:
             )
         return outcome
 
-    async def _start(self, start: TurnStart, human_index: int) -> TurnStartOutcome:
-        """The unit of work of ``start_turn`` (a subclass may do it another way)."""
+    async def _start(self, start: TurnStart, human_index: int) -> tuple[TurnStartOutcome, bool]:
+        """The unit of work of ``start_turn`` (a subclass may do it another way), and
+        whether another replica follows the session (read in the same transaction when
+        this store signals; decision 0340)."""
         try:
             async with self._write() as conn:
-                return await self._units.start_turn(conn, start, human_index)
+                outcome = await self._units.start_turn(conn, start, human_index)
+                return outcome, await self._followed_elsewhere(conn, start.turn.session_id)
         except units.Undo as undo:
-            return undo.outcome
+            return undo.outcome, False
+
+    async def _followed_elsewhere(self, conn: AsyncConnection, session_id: str) -> bool:
+        """Whether a replica other than this one follows ``session_id`` (one indexed read,
+        only when this store signals: without signals nobody else is told anyway)."""
+        if self.signals is None:
+            return False
+        row = (
+            await conn.execute(
+                select(session_follows.c.replica_id)
+                .where(
+                    session_follows.c.session_id == session_id,
+                    session_follows.c.replica_id != self._replica_id,
+                )
+                .limit(1)
+            )
+        ).first()
+        return row is not None
 
     async def commit(self, commit: TurnCommit) -> list[SessionEvent]:
         """Apply one ``TurnCommit`` in one transaction and return its events, numbered
@@ -525,8 +547,8 @@ class SqlSessionStore:
         """
         units.utc(commit.now)
         units.check_events(commit.session_id, commit.turn_id, commit.events)
-        last, stored = await self._commit(commit)
-        if stored and self.signals is not None:
+        last, stored, followed = await self._commit(commit)
+        if stored and followed and self.signals is not None:
             self.signals.events(commit.session_id, last)
         patch = commit.turn_patch
         self._cache.advance(
@@ -539,13 +561,15 @@ class SqlSessionStore:
         )
         return stored
 
-    async def _commit(self, commit: TurnCommit) -> tuple[int, list[SessionEvent]]:
-        """The unit of work of ``commit``: the session's new last sequence and the
-        events numbered (a subclass may do it another way)."""
+    async def _commit(self, commit: TurnCommit) -> tuple[int, list[SessionEvent], bool]:
+        """The unit of work of ``commit``: the session's new last sequence, the events
+        numbered, and whether another replica follows the session (a subclass may do it
+        another way)."""
         async with self._write() as conn:
             stored = await self._units.commit(conn, commit)
             last = await self._last_sequence(conn, commit.session_id, stored)
-        return last, stored
+            followed = bool(stored) and await self._followed_elsewhere(conn, commit.session_id)
+        return last, stored, followed
 
     @staticmethod
     async def _last_sequence(
