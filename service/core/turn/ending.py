@@ -71,9 +71,7 @@ DATABASE_UNAVAILABLE = Ending(
 
 
 #: An answer stopped at its output cap: a text answer cut there (decision 0291).
-OUTPUT_LIMIT = Ending(
-    Reason.OUTPUT_LIMIT, "OUTPUT_LIMIT", "the answer stopped at its output limit"
-)
+OUTPUT_LIMIT = Ending(Reason.OUTPUT_LIMIT, "OUTPUT_LIMIT", "the answer stopped at its output limit")
 #: A second answer of the turn cut at its output limit inside a tool call (decision 0292).
 CUT_TWICE = Ending(
     Reason.OUTPUT_LIMIT,
