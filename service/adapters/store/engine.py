@@ -197,4 +197,3 @@ def _configure_sqlite(engine: AsyncEngine, *, busy_timeout_ms: int) -> None:
         if connection.get_execution_options().get(READ_ONLY_OPTION):
             return
         connection.exec_driver_sql("BEGIN IMMEDIATE")
-

@@ -172,9 +172,7 @@ CREATE_KNOWLEDGE = Tool(
             "kind": enum("What kind of entry.", *_KINDS),
             "title": string("The title.", max_length=TITLE_CHARS),
             "body": string("The body, in markdown.", max_length=BODY_CHARS),
-            "status": string(
-                "A status, e.g. proposed or accepted for a decision.", max_length=32
-            ),
+            "status": string("A status, e.g. proposed or accepted for a decision.", max_length=32),
             "item_ids": id_list("Items of this project to link the entry to."),
         },
         "kind",

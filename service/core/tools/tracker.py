@@ -391,9 +391,7 @@ _CREATE_ITEM = object_schema(
         ),
         "kind": enum("What to create.", *_KINDS),
         "title": string("A one-line title.", max_length=TITLE_CHARS),
-        "description": string(
-            "The description, in markdown.", max_length=TEXT_CHARS, min_length=0
-        ),
+        "description": string("The description, in markdown.", max_length=TEXT_CHARS, min_length=0),
         "acceptance_criteria": string(
             "The acceptance criteria, in markdown.", max_length=TEXT_CHARS, min_length=0
         ),

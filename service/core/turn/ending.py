@@ -15,18 +15,22 @@ this process holds is closed from what is stored (``close_stored_turn``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from service.core.errors import StoreConflict
 from service.core.fanout import Hub
-from service.core.model import ContextEstimate, Message, MessageKind, SessionEvent, Turn
+from service.core.model import ContextEstimate, Message, MessageKind, Session, SessionEvent, Turn
 from service.core.model import TurnEndReason as Reason
-from service.core.ports import Clock, SessionStore, TurnCommit, TurnPatch
+from service.core.ports import Clock, Promoted, Promotion, SessionStore, TurnCommit, TurnPatch
 from service.core.tools import WRITE_TOOLS, ToolOutcome, error_result
 from service.core.turn.events import EventBuilder, Totals
-from service.core.turn.settings import TurnObserver
+from service.core.turn.settings import TurnDependencies, TurnObserver
+
+#: Told of a queued turn an ending started (decision 0300), with the session when the
+#: ending knew it: the turn service launches it on this replica.
+OnPromoted = Callable[[Promoted, Session | None], None]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +48,8 @@ class Ending:
 COMPLETED = Ending(Reason.COMPLETED)
 MAX_ROUNDS = Ending(Reason.MAX_ROUNDS)
 CANCELLED = Ending(Reason.CANCELLED)
+#: A message sent with ``on_busy`` INTERRUPT stopped the turn (decision 0301).
+INTERRUPTED_BY_MESSAGE = Ending(Reason.INTERRUPTED_BY_MESSAGE)
 #: A replica stopped (crash, shutdown past its grace) or lost its lease.
 INTERRUPTED = Ending(Reason.INTERRUPTED, "INTERRUPTED", "the replica running the turn stopped")
 SHUTTING_DOWN = Ending(Reason.INTERRUPTED, "INTERRUPTED", "the planner is shutting down")
@@ -54,6 +60,26 @@ DATABASE_UNAVAILABLE = Ending(
     "DATABASE_UNAVAILABLE",
     "the database became unavailable during the turn",
 )
+
+
+def cancel_ending(cancel_reason: str) -> Ending:
+    """The ending of a turn whose cancel was requested with ``Turn.cancel_reason``."""
+    if cancel_reason == Reason.INTERRUPTED_BY_MESSAGE.value:
+        return INTERRUPTED_BY_MESSAGE
+    return CANCELLED
+
+
+def promotion(deps: TurnDependencies) -> Promotion:
+    """How an ending on this replica starts the session's next queued turn: owned here,
+    under a fresh lease (decision 0300; TEAM decision 2: it runs where the turn before it
+    ended)."""
+    settings = deps.settings
+    return Promotion(
+        owner=deps.replica_id,
+        lease_expires_at=deps.clock.now() + timedelta(seconds=settings.lease_s),
+        model=settings.model,
+        max_rounds=settings.max_rounds,
+    )
 
 
 def failed(error_reason: str, message: str) -> Ending:
@@ -67,7 +93,7 @@ def synthetic_outcome(reason: Reason, tool_name: str) -> ToolOutcome:
     is_write = tool_name in WRITE_TOOLS
     if reason is Reason.INTERRUPTED:
         return error_result("INTERRUPTED", "interrupted; the outcome is unknown")
-    if reason is Reason.CANCELLED:
+    if reason in (Reason.CANCELLED, Reason.INTERRUPTED_BY_MESSAGE):
         text = "cancelled; the outcome is unknown" if is_write else "cancelled"
         return error_result("CANCELLED", text)
     # FAILED (turn timeout, lost database, ...): the call may or may not have run.
@@ -148,6 +174,8 @@ async def close_stored_turn(
     owner: str | None = None,
     lease_expired_before: datetime | None = None,
     pending: Sequence[SessionEvent] = (),
+    promote: Promotion | None = None,
+    on_promoted: OnPromoted | None = None,
 ) -> bool:
     """Close a turn no run of this process holds, from its stored messages (a dead
     replica's, this replica's own after a restart or a lost database, or a shutdown's
@@ -155,6 +183,9 @@ async def close_stored_turn(
     events its run held and had not stored (a round of reads, decision 0114): they are
     stored with the end unless they turn out to be stored already (a commit that landed
     before its connection broke).
+
+    With ``promote``, the same transaction starts the session's next queued turn, which
+    is published after the ending and handed to ``on_promoted`` (decision 0300).
 
     Returns False when the turn ended meanwhile or a condition failed (another replica
     won the race); raises ``StoreUnavailable``.
@@ -174,8 +205,13 @@ async def close_stored_turn(
         owner=owner,
         lease_expired_before=lease_expired_before,
     )
+    promoted: Promoted | None = None
     try:
-        stored = await store.commit(commit)
+        if promote is None:
+            stored = await store.commit(commit)
+        else:
+            end = await store.end_turn(commit, promote)
+            stored, promoted = end.events, end.promoted
     except StoreConflict:
         return False
     observer.turn_ended(ending.reason, ending.error_reason, turn.rounds)
@@ -185,4 +221,8 @@ async def close_stored_turn(
         extra={"session": turn.session_id, "turn": turn.turn_id},
     )
     hub.publish(stored)
+    if promoted is not None:
+        hub.publish(promoted.events)
+        if on_promoted is not None:
+            on_promoted(promoted, None)
     return True

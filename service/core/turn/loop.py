@@ -48,7 +48,7 @@ from service.core.tools.cut import cut_text, utf8_size
 from service.core.tracing import NULL_SPAN, Span, SpanRef
 from service.core.turn import ending as endings
 from service.core.turn.compact import Compactor
-from service.core.turn.ending import Ending, close_stored_turn, closing_commit
+from service.core.turn.ending import Ending, OnPromoted, close_stored_turn, closing_commit
 from service.core.turn.events import EventBuilder
 from service.core.turn.model_call import model_request, stream_answer
 from service.core.turn.prompt import Prompt, PromptSource
@@ -120,8 +120,10 @@ class TurnLoop:
         *,
         conversations: Conversations | None = None,
         on_step: Callable[[Step], None] | None = None,
+        on_promoted: OnPromoted | None = None,
     ) -> None:
         self._deps = deps
+        self._on_promoted = on_promoted
         self._prompts = prompts
         # Not ``or``: an empty Conversations is still the service's, to be filled.
         self._conversations = (
@@ -401,7 +403,17 @@ class TurnLoop:
             context=context,
             owner=self._deps.replica_id,
         )
-        await self._store(commit)
+        # The ending starts the session's next queued turn in its own transaction
+        # (decision 0300); it is published after this turn's end and launched here.
+        end_of_turn = await self._guard(
+            self._deps.store.end_turn(commit, endings.promotion(self._deps))
+        )
+        self._stored(commit, end_of_turn.events)
+        promoted = end_of_turn.promoted
+        if promoted is not None:
+            self._deps.hub.publish(promoted.events)
+            if self._on_promoted is not None:
+                self._on_promoted(promoted, state.session)
         self._trace_end(end.ending)
         self._deps.observer.turn_ended(
             end.ending.reason,
@@ -436,6 +448,8 @@ class TurnLoop:
                     endings.DATABASE_UNAVAILABLE,
                     owner=deps.replica_id,
                     pending=self._tools.unstored_events(),
+                    promote=endings.promotion(deps),
+                    on_promoted=self._on_promoted,
                 )
                 self._trace_end(endings.DATABASE_UNAVAILABLE)
                 return
@@ -495,7 +509,10 @@ class TurnLoop:
     async def _store(self, commit: TurnCommit) -> None:
         """Apply ``commit``, then remember what it stored and publish it; raises
         ``Abandon``."""
-        stored = await self._guard(self._deps.store.commit(commit))
+        self._stored(commit, await self._guard(self._deps.store.commit(commit)))
+
+    def _stored(self, commit: TurnCommit, stored: list[SessionEvent]) -> None:
+        """Remember what ``commit`` stored (``stored``) and publish it."""
         state = self._state
         for event in stored:
             if event.message is not None and event.kind is not EventKind.COMPACTED:
