@@ -52,6 +52,7 @@ from google.rpc import status_pb2
 
 from ballet_chat.input import LineSource, utf8_text
 from ballet_chat.render import (
+    DEPENDENCY_UNAVAILABLE,
     Renderer,
     TextStitcher,
     describe_status,
@@ -169,6 +170,8 @@ class ChatClient:
     ended: dict[str, chat_pb2.TurnEnded] = field(default_factory=dict)
     #: The latest messages of a resumed session, until they are shown.
     recent: list[resources_pb2.Message] = field(default_factory=list)
+    #: The resumed session has messages before ``recent`` (not shown: ``/history``).
+    earlier_hidden: bool = False
     #: Called when no turn runs and no message is pending any more (the prompt).
     on_idle: Callable[[], None] | None = None
     renderer: Renderer = field(init=False)
@@ -199,6 +202,9 @@ class ChatClient:
     def _fail(self, error: grpc.aio.AioRpcError, doing: str) -> ChatError:
         code, reason, message = error_of(error)
         address = self.options.address
+        if reason == DEPENDENCY_UNAVAILABLE:
+            # The planner answered: it is one of its own dependencies that is missing.
+            return ChatError(f"{doing}: {describe_status(code, reason, message)}")
         if code == "UNAVAILABLE" and self.session is not None:
             # The planner's own words speak to API clients (how to reopen the stream):
             # the human gets what to do with this command.
@@ -542,7 +548,33 @@ class ChatClient:
             metadata=self._metadata(),
             timeout=10,
         )
-        return list(listed.messages)[-RESUME_MESSAGES:]
+        messages = list(listed.messages)
+        # Messages before the window (events 1..after hold the first ones), or cut from
+        # it, are not shown.
+        self.earlier_hidden = after > 0 or len(messages) > RESUME_MESSAGES
+        return messages[-RESUME_MESSAGES:]
+
+    async def history(self) -> list[resources_pb2.Message]:
+        """Every message of the open session, oldest first (``ListMessages`` page by
+        page). Raises ``ChatError``."""
+        assert self.session is not None
+        messages: list[resources_pb2.Message] = []
+        token = ""
+        while True:
+            try:
+                page = await self.stub.ListMessages(
+                    planner_service_pb2.ListMessagesRequest(
+                        session_id=self.session.session_id, page_size=100, page_token=token
+                    ),
+                    metadata=self._metadata(),
+                    timeout=10,
+                )
+            except grpc.aio.AioRpcError as error:
+                raise self._fail(error, "listing the session's messages") from None
+            messages.extend(page.messages)
+            token = page.next_page_token
+            if not token:
+                return messages
 
 
 # --------------------------------------------------------------------------- modes

@@ -24,8 +24,9 @@ def add_chat(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "chat",
         help="chat with the planner in the terminal",
         description="The terminal client of the Chat RPC. Interactive by default (/cancel, "
-        "/new, /sessions, /open ID, /quit); with --message, send one message, print the "
-        "turn and exit 0 when it ended COMPLETED or MAX_ROUNDS (1 otherwise).",
+        "/new, /sessions, /open ROW or ID, /history, /quit); with --message, send one "
+        "message, print the turn and exit 0 when it ended COMPLETED or MAX_ROUNDS (1 "
+        "otherwise; 130 after Ctrl-C, saying whether the turn was cancelled).",
     )
     parser.add_argument(
         "--address",

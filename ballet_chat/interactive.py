@@ -22,21 +22,24 @@ import signal
 from typing import Any
 
 import grpc
-from ballet.planner.v1 import planner_service_pb2
+from ballet.planner.v1 import planner_service_pb2, resources_pb2
 from google.protobuf import json_format
 
 from ballet_chat.client import TITLE_CHARS, ChatClient, ChatError, pump
 from ballet_chat.input import LineSource
-from ballet_chat.render import describe_status, error_of, short
+from ballet_chat.render import describe_status, describe_turn_end, error_of, short
 
 PROMPT = "> "
+#: The exit code after Ctrl-C without a terminal (128 + SIGINT, as a shell reports it).
+INTERRUPTED = 130
 #: How many of the project's newest sessions ``/open PREFIX`` looks among.
 OPEN_PREFIX_SESSIONS = 100
 HELP = (
     "Type a message and press Enter (arrow keys edit the line, up and down recall earlier "
     "ones). Commands: /cancel (the running turn), /new (a new session), /sessions (this "
     "project's sessions, numbered), /open ROW or ID (another session: a /sessions row, or "
-    "an id or its start), /help, /quit. Ctrl-C cancels a running turn, or quits."
+    "an id or its start), /history (every message of this session), /help, /quit. Ctrl-C "
+    "cancels a running turn, or quits."
 )
 
 
@@ -61,6 +64,9 @@ class Interactive:
         self._tasks: set[asyncio.Task[str]] = set()
         #: The session ids ``/sessions`` last listed, by row (``/open 2`` is the second).
         self.listed: list[str] = []
+        #: Without a terminal, Ctrl-C stops the chat: the turn it cancelled (``""`` when
+        #: none ran), None before any Ctrl-C (docs/decisions/0321-ctrl-c-in-the-chat.md).
+        self.interrupted: str | None = None
 
     # -- the stream -------------------------------------------------------------
 
@@ -102,9 +108,15 @@ class Interactive:
             f"{how} {session.session_id} in project {session.project_id} "
             f"({session.owner_id} on {self.client.options.address})"
         )
+        if self.client.earlier_hidden and self.client.recent:
+            self.client.note(
+                f"(earlier messages are hidden; the latest {len(self.client.recent)} follow: "
+                "/history shows them all)"
+            )
         for message in self.client.recent:
             self.client.renderer.message(message)
         self.client.recent.clear()
+        self.client.earlier_hidden = False
 
     def waiting_for_a_message(self) -> None:
         if self.batch:
@@ -140,6 +152,9 @@ class Interactive:
             self.lines.close()
 
     def _interrupt(self) -> None:
+        if self.batch:
+            self._interrupt_batch()
+            return
         if self.client.busy and not self._cancel_asked:
             self._cancel_asked = True
             self.client.note("(cancelling the turn; Ctrl-C again quits)")
@@ -149,8 +164,54 @@ class Interactive:
         else:
             self.quit.set()
 
+    def _interrupt_batch(self) -> None:
+        """Ctrl-C without a terminal: no further line is sent; the running turn is
+        cancelled and waited for; a second Ctrl-C (or none running) leaves at once."""
+        client = self.client
+        if self.interrupted is not None or not client.busy:
+            if self.interrupted is None:
+                self.interrupted = ""
+            self.quit.set()
+            return
+        self.interrupted = client.running_turn or "pending"
+        print(
+            "ballet-planner chat: interrupted: cancelling the running turn; the remaining "
+            "lines are not sent (Ctrl-C again leaves at once)",
+            file=client.err,
+            flush=True,
+        )
+        task = asyncio.get_running_loop().create_task(client.request_cancel())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     def _exit_code(self) -> int:
+        if self.interrupted is not None:
+            self._say_interrupted()
+            return INTERRUPTED
         return 1 if self.batch and self.client.failed else 0
+
+    def _say_interrupted(self) -> None:
+        client = self.client
+        if not self.interrupted:
+            what = "no turn was running"
+        elif client.busy:
+            what = "the turn may still run on the planner (its cancel was not confirmed)"
+        else:
+            ended = client.ended.get(self.interrupted)
+            if ended is None or ended.reason == resources_pb2.TURN_END_REASON_CANCELLED:
+                what = "the turn was cancelled"
+            else:
+                what = f"the turn had ended before the cancel {describe_turn_end(ended)}"
+        session = (
+            f"; see the session with --session {client.session.session_id}"
+            if client.session
+            else ""
+        )
+        print(
+            f"ballet-planner chat: interrupted: {what}; no further line was sent{session}",
+            file=client.err,
+            flush=True,
+        )
 
     async def _loop(self) -> int:
         loop = asyncio.get_running_loop()
@@ -158,6 +219,8 @@ class Interactive:
         quit_task = loop.create_task(self.quit.wait())
         try:
             while True:
+                if self.interrupted is not None and not self.client.busy:
+                    return self._exit_code()
                 waiting: set[asyncio.Task[Any]] = {quit_task}
                 idle_task: asyncio.Task[Any] | None = None
                 if self.batch and self.client.busy:
@@ -247,6 +310,8 @@ class Interactive:
                     await self._open(session_id)
         elif command == "/sessions":
             await self._list_sessions()
+        elif command == "/history":
+            await self._history()
         else:
             client.note(f"unknown command {command}; /help lists them")
 
@@ -315,6 +380,21 @@ class Interactive:
             client.note(f" {mark}{row:>3}  {session.session_id}  {updated}  {title}")
         if listed.next_page_token:
             client.note("   (more; the newest 20 are shown)")
+
+    async def _history(self) -> None:
+        """Print every message of the open session, oldest first."""
+        client = self.client
+        if client.session is None:
+            client.note("(no session yet: your first message starts one)")
+            return
+        try:
+            messages = await client.history()
+        except ChatError as error:
+            client.note(f"error: {error}")
+            return
+        client.note(f"all {len(messages)} messages of session {client.session.session_id}:")
+        for message in messages:
+            client.renderer.message(message)
 
     async def _leave(self) -> None:
         await self.stop_pump()

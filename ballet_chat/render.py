@@ -136,10 +136,23 @@ PLAIN_MESSAGES = {
 }
 
 
+#: What to do when the planner answers but cannot reach a dependency (a ``serve`` started
+#: without the devstack, say): the reason, and the hint the chat adds to it.
+DEPENDENCY_UNAVAILABLE = "DEPENDENCY_UNAVAILABLE"
+DEPENDENCY_HINT = (
+    "the planner runs but cannot reach its tracker, skills, knowledge or LLM gateway: start "
+    "them (`python -m devstack` beside `ballet-planner serve`, or run `ballet-planner dev` "
+    "instead, which starts both), or check the planner's dependencies.* addresses"
+)
+
+
 def describe_status(code: str, reason: str, message: str) -> str:
     """``CODE REASON: message`` (reason left out when empty); for the reasons of
-    ``PLAIN_MESSAGES``, their plain sentence instead of the planner's message."""
+    ``PLAIN_MESSAGES``, their plain sentence instead of the planner's message; for a
+    dependency the planner cannot reach, what to start (``DEPENDENCY_HINT``)."""
     message = PLAIN_MESSAGES.get(reason, message)
+    if reason == DEPENDENCY_UNAVAILABLE:
+        message = f"{message}; {DEPENDENCY_HINT}"
     return f"{code} {reason}: {message}" if reason else f"{code}: {message}"
 
 
@@ -282,10 +295,15 @@ def ended_ok(ended: chat_pb2.TurnEnded) -> bool:
 
 def describe_turn_end(ended: chat_pb2.TurnEnded) -> str:
     """``[COMPLETED: 1 round, 812 tokens]`` (tokens when the model reported usage), with
-    the error of a failed turn."""
+    the error of a failed turn; a turn whose answer called no tool (no round of tool
+    calls) reads ``[COMPLETED: answered without tools]``, not "0 rounds", which read as
+    "nothing happened"."""
     reason = resources_pb2.TurnEndReason.Name(ended.reason).removeprefix("TURN_END_REASON_")
     tokens = ended.usage.input_tokens + ended.usage.output_tokens
-    text = f"[{reason}: {plural(ended.rounds, 'round')}"
+    if ended.rounds == 0 and ended.reason == resources_pb2.TURN_END_REASON_COMPLETED:
+        text = f"[{reason}: answered without tools"
+    else:
+        text = f"[{reason}: {plural(ended.rounds, 'round')}"
     text += f", {plural(tokens, 'token')}" if tokens else ""
     if ended.reason == resources_pb2.TURN_END_REASON_MAX_ROUNDS:
         text += "; send a message to continue"

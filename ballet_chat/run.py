@@ -4,19 +4,28 @@ chat client's modules: it imports the others, none imports it."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import signal
 import sys
 from typing import TextIO
 
-from ballet_chat.client import TITLE_CHARS, ChatClient, ChatError, ChatOptions, End
+from ballet.planner.v1 import resources_pb2
+
+from ballet_chat.client import TITLE_CHARS, ChatClient, ChatError, ChatOptions, End, Sent
 from ballet_chat.input import LineSource
 from ballet_chat.interactive import Interactive
-from ballet_chat.render import short
+from ballet_chat.render import describe_turn_end, short
 from ballet_common.grpc.channels import is_loopback, make_channel
 
 
 async def run_once(client: ChatClient, text: str) -> int:
     """Send ``text``, show the turn, return 0 for COMPLETED or MAX_ROUNDS, else 1 (the
-    refusal or the turn's end said once, on stderr: ``ChatClient.batch``)."""
+    refusal or the turn's end said once, on stderr: ``ChatClient.batch``).
+
+    Ctrl-C cancels the turn on the planner and waits for its end; a second one leaves at
+    once. Either way the chat says on stderr whether the turn was cancelled or may still
+    run there, and returns 130 (docs/decisions/0321-ctrl-c-in-the-chat.md)."""
     client.batch = True
     assert client.session is not None
     # One line on stderr (stdout keeps the transcript): how to go on with the session.
@@ -27,13 +36,69 @@ async def run_once(client: ChatClient, text: str) -> int:
         flush=True,
     )
     sent = await client.send(text)
+    loop = asyncio.get_running_loop()
+    interrupts: list[asyncio.Task[str]] = []
+    leave = asyncio.Event()
+
+    def interrupt() -> None:
+        if interrupts:
+            leave.set()
+            return
+        print(
+            "ballet-planner chat: interrupted: cancelling the turn (Ctrl-C again leaves at once)",
+            file=client.err,
+            flush=True,
+        )
+        interrupts.append(loop.create_task(client.request_cancel()))
+
+    with contextlib.suppress(NotImplementedError, RuntimeError):
+        loop.add_signal_handler(signal.SIGINT, interrupt)
+    following = loop.create_task(_follow(client, sent))
+    leaving = loop.create_task(leave.wait())
+    try:
+        done, _ = await asyncio.wait({following, leaving}, return_when=asyncio.FIRST_COMPLETED)
+        if following in done:
+            following.result()
+    finally:
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.remove_signal_handler(signal.SIGINT)
+        for task in (following, leaving):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if interrupts:
+        print(
+            f"ballet-planner chat: interrupted: {_interrupted(sent)}; see the session with "
+            f"--session {session_id}",
+            file=client.err,
+            flush=True,
+        )
+        return INTERRUPTED
+    return 0 if sent.ok else 1
+
+
+#: The exit code after Ctrl-C (128 + SIGINT, as a shell reports it).
+INTERRUPTED = 130
+
+
+def _interrupted(sent: Sent) -> str:
+    """What became of the turn of ``sent`` after Ctrl-C, for the user."""
+    if sent.refused:
+        return "the message was refused"
+    if sent.ended is None:
+        return "the turn may still run on the planner (its cancel was not confirmed)"
+    if sent.ended.reason == resources_pb2.TURN_END_REASON_CANCELLED:
+        return "the turn was cancelled"
+    return f"the turn had ended before the cancel {describe_turn_end(sent.ended)}"
+
+
+async def _follow(client: ChatClient, sent: Sent) -> None:
     while not sent.done:
         event = await client.next_event()
         if event is End.REOPEN:
             await client.reopen()
         elif event is End.CLOSED:
             raise ChatError("the planner closed the stream before the turn ended")
-    return 0 if sent.ok else 1
 
 
 async def run_chat(

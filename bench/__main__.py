@@ -2,7 +2,8 @@
 
 ``python -m bench scale ...`` runs the scale benchmark instead (several replicas on one
 durable PostgreSQL, ``bench.scale``), and ``python -m bench idle ...`` the many idle
-streams benchmark (``bench.idle``); ``--help`` after either lists its options.
+streams benchmark (``bench.idle``), and ``python -m bench prompt`` counts the fixed
+prompt's tokens per part (``bench.prompt``); ``--help`` after any lists its options.
 
 Options: ``--quick`` (smaller samples and a 10 s idle window instead of 60 s; about two
 minutes instead of three and a half), ``--out DIR`` (default ``bench/results``),
@@ -72,6 +73,10 @@ def _terminate(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     signal.signal(signal.SIGTERM, _terminate)
+    if args and args[0] == "prompt":
+        from bench import prompt
+
+        return prompt.main(args[1:])
     if args and args[0] in ("scale", "idle"):
         from bench import idle, scale
 

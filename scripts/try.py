@@ -85,6 +85,11 @@ def tail(log: Path, lines: int = 15) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def text_logs(argv: list[str]) -> list[str]:
+    """dev's logs go to a file a human reads: text lines, unless the arguments choose."""
+    return [] if any(arg.startswith("--log-format") for arg in argv) else ["--log-format", "text"]
+
+
 def main(argv: list[str]) -> int:
     if any(arg in ("-h", "--help") for arg in argv):
         print(__doc__)
@@ -100,7 +105,7 @@ def main(argv: list[str]) -> int:
     keep_log = False
     with log.open("wb") as out:
         dev = subprocess.Popen(
-            [str(planner), "dev", "--ready-file", str(ready), *argv],
+            [str(planner), "dev", "--ready-file", str(ready), *text_logs(argv), *argv],
             cwd=Path.cwd(),
             stdin=subprocess.DEVNULL,
             stdout=out,
@@ -113,7 +118,14 @@ def main(argv: list[str]) -> int:
         if values is None:
             code = stop(dev)
             keep_log = True
-            say(f"dev did not start (exit {code}); what it said:\n{tail(log)}")
+            said = tail(log)
+            say(f"dev did not start (exit {code}); what it said (all of it in {log}):\n{said}")
+            if "in use" in said:
+                say(
+                    "the arguments of scripts/try go to dev: `scripts/try --address "
+                    "127.0.0.1:0 --devstack-address 127.0.0.1:0 --metrics-address 127.0.0.1:0` "
+                    "takes free ports"
+                )
             return code or 1
         say(
             f"dev is running: planner {values['address']}, devstack "
@@ -144,7 +156,7 @@ def main(argv: list[str]) -> int:
         stopped = stop(dev)
         for line in said_after_banner(log):
             say(line.removeprefix("ballet-planner "))
-        if stopped not in (0, -signal.SIGINT):
+        if stopped not in (0, -signal.SIGINT) and not keep_log:
             keep_log = True
             say(f"dev exited with {stopped}; its log: {log}")
         if not keep_log:
@@ -152,4 +164,8 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except KeyboardInterrupt:
+        # Ctrl-C while setting up or starting dev: dev was stopped on the way out.
+        sys.exit(130)

@@ -6,6 +6,12 @@ the OpenAI API and with local servers that copy it (vLLM, Ollama, llama.cpp).
 Request conversion (`ballet.llm.v1.GenerateRequest` to a Chat Completions body):
 
 - `system_prompt` -> a leading `{"role": "system"}` message (when not empty);
+- `system_context` -> a second `{"role": "system"}` message right after it (when not
+  empty): chat templates render the tools with or after the first system message, so the
+  instructions and tools form a prefix every project shares (decision 0296). With
+  `BALLET_OPENAI_SYSTEM_CONTEXT=merged` it is appended to the first system message after
+  a blank line instead, for templates that refuse a system message after the first
+  (Gemma's, some Mistral ones): the prefix then ends where the project begins;
 - user -> `{"role": "user", "content": text}`;
 - assistant -> `{"role": "assistant", "content": text or null, "tool_calls": [{"id",
   "type": "function", "function": {"name", "arguments"}}]}` (`tool_calls` only when any;
@@ -97,6 +103,7 @@ ENV_API_KEY = "BALLET_OPENAI_API_KEY"
 ENV_MODEL = "BALLET_OPENAI_MODEL"
 ENV_TOKEN_LIMIT_PARAM = "BALLET_OPENAI_TOKEN_LIMIT_PARAM"
 ENV_TIMEOUT_S = "BALLET_OPENAI_TIMEOUT_S"
+ENV_SYSTEM_CONTEXT = "BALLET_OPENAI_SYSTEM_CONTEXT"
 
 # Local OpenAI-compatible servers ignore the key, but the SDK insists on one.
 _PLACEHOLDER_API_KEY = "unused"
@@ -118,6 +125,9 @@ RETRY_AFTER_MAX_S = 60.0
 ERROR_TEXT_MAX_CHARS = 300
 
 TokenLimitParam = Literal["max_tokens", "max_completion_tokens"]
+#: Where `GenerateRequest.system_context` goes: its own system message after the first
+#: (`message`), or appended to the first (`merged`).
+SystemContextMode = Literal["message", "merged"]
 
 
 class ConfigError(ValueError):
@@ -137,6 +147,7 @@ class OpenAIConfig:
             reasoning models want `max_completion_tokens`; many local servers know only
             `max_tokens`).
         timeout_s: the HTTP timeout of one call, in seconds.
+        system_context: where `GenerateRequest.system_context` goes (`SystemContextMode`).
     """
 
     base_url: str = DEFAULT_BASE_URL
@@ -144,6 +155,7 @@ class OpenAIConfig:
     model: str = ""
     token_limit_param: TokenLimitParam = "max_tokens"
     timeout_s: float = 600.0
+    system_context: SystemContextMode = "message"
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> OpenAIConfig:
@@ -153,7 +165,8 @@ class OpenAIConfig:
         `BALLET_OPENAI_API_KEY` (else `OPENAI_API_KEY`; required for the OpenAI API, a
         placeholder is sent to other endpoints), `BALLET_OPENAI_MODEL` (the default
         model), `BALLET_OPENAI_TOKEN_LIMIT_PARAM` (`max_tokens` or
-        `max_completion_tokens`), `BALLET_OPENAI_TIMEOUT_S` (seconds, default 600).
+        `max_completion_tokens`), `BALLET_OPENAI_TIMEOUT_S` (seconds, default 600),
+        `BALLET_OPENAI_SYSTEM_CONTEXT` (`message`, the default, or `merged`).
 
         Raises:
             ConfigError: a variable is invalid, or no key is set for the OpenAI API.
@@ -186,12 +199,19 @@ class OpenAIConfig:
         token_limit_param: TokenLimitParam = (
             "max_tokens" if limit_param == "max_tokens" else "max_completion_tokens"
         )
+        context_mode = env.get(ENV_SYSTEM_CONTEXT) or "message"
+        if context_mode not in ("message", "merged"):
+            raise ConfigError(
+                f"{ENV_SYSTEM_CONTEXT} must be message or merged, got {context_mode!r}"
+            )
+        system_context: SystemContextMode = "merged" if context_mode == "merged" else "message"
         return cls(
             base_url=base_url,
             api_key=api_key,
             model=env.get(ENV_MODEL, ""),
             token_limit_param=token_limit_param,
             timeout_s=timeout_s,
+            system_context=system_context,
         )
 
 
@@ -206,6 +226,7 @@ class OpenAIProvider:
         token_limit_param: the body field for `max_output_tokens`.
         timeout_s: the HTTP timeout of one call, in seconds.
         max_retries: the SDK's own retries; 0 because the planner retries.
+        system_context: where `GenerateRequest.system_context` goes.
     """
 
     def __init__(
@@ -217,8 +238,10 @@ class OpenAIProvider:
         token_limit_param: TokenLimitParam = "max_tokens",
         timeout_s: float = 600.0,
         max_retries: int = 0,
+        system_context: SystemContextMode = "message",
     ) -> None:
         self.model = model
+        self.system_context: SystemContextMode = system_context
         self.timeout_s = timeout_s
         self.token_limit_param: TokenLimitParam = token_limit_param
         self._client = openai.AsyncOpenAI(
@@ -237,6 +260,7 @@ class OpenAIProvider:
             model=config.model,
             token_limit_param=config.token_limit_param,
             timeout_s=config.timeout_s,
+            system_context=config.system_context,
         )
 
     async def aclose(self) -> None:
@@ -258,7 +282,7 @@ class OpenAIProvider:
                 f"no model: the request names none and {ENV_MODEL} is not set",
                 reason=REASON_MODEL_REQUIRED,
             )
-        messages = chat_messages(request)
+        messages = chat_messages(request, merged=self.system_context == "merged")
         tools = chat_tools(request)
         limit = request.max_output_tokens if request.max_output_tokens > 0 else None
         use_max_tokens = self.token_limit_param == "max_tokens"
@@ -300,15 +324,23 @@ def _sendable(name: str) -> str:
     return name if _FUNCTION_NAME.fullmatch(name) else INVALID_TOOL_NAME
 
 
-def chat_messages(request: gateway_pb2.GenerateRequest) -> list[ChatCompletionMessageParam]:
-    """The Chat Completions `messages` of a request (see the module docstring).
+def chat_messages(
+    request: gateway_pb2.GenerateRequest, *, merged: bool = False
+) -> list[ChatCompletionMessageParam]:
+    """The Chat Completions `messages` of a request (see the module docstring);
+    `merged` puts `system_context` in the first system message instead of its own.
 
     Raises:
         ProviderError: INVALID_ARGUMENT for a message whose role is unspecified.
     """
     messages: list[ChatCompletionMessageParam] = []
-    if request.system_prompt:
-        messages.append({"role": "system", "content": request.system_prompt})
+    system, context = request.system_prompt, request.system_context
+    if merged and context:
+        system, context = (f"{system}\n\n{context}" if system else context), ""
+    if system:
+        messages.append({"role": "system", "content": system})
+    if context:
+        messages.append({"role": "system", "content": context})
     for index, message in enumerate(request.messages):
         if message.role == gateway_pb2.ROLE_USER:
             messages.append({"role": "user", "content": message.text})

@@ -66,6 +66,11 @@ Substitutions, in ``text``, ``raw_arguments`` and the string values of ``argumen
 
 - ``{{tool_result}}``: the last tool result's content, cut to 400 characters (ending
   with "…" when cut); empty when the request has no tool result.
+- ``{{tool_result_lines}}``: the same result for a human to read: a JSON object's list
+  (``items``, ``entries``, ...) one element a line, ``- ID: TITLE (key value, ...)``,
+  its other fields as ``key: value`` lines; at most 12 lines of at most 160 characters
+  (the rest counted); text that is not JSON as it is, cut as above. An extension: the
+  demo scenario's answers read as answers, not raw JSON.
 - ``{{match:N}}`` / ``{{match:NAME}}``: group N (0 = the whole match) or the named group of
   this rule's ``last_text_regex`` match; empty when the group did not participate. An
   extension, so that a rule can pass an id from the human's question
@@ -612,13 +617,13 @@ class _Parser:
     def placeholders(self, where: str, text: str, match: Match) -> None:
         for found in _PLACEHOLDER.finditer(text):
             name, group = found.group(1), found.group(2)
-            if name == "tool_result" and group is None:
+            if name in ("tool_result", "tool_result_lines") and group is None:
                 continue
             if name != "match" or group is None:
                 raise self.fail(
                     where,
                     f"unknown placeholder {found.group(0)!r} "
-                    "(known: {{tool_result}}, {{match:N}}, {{match:NAME}})",
+                    "(known: {{tool_result}}, {{tool_result_lines}}, {{match:N}}, {{match:NAME}})",
                 )
             regex = match.last_text_regex
             if regex is None:
@@ -651,9 +656,63 @@ def _cut(text: str) -> str:
     return text[: TOOL_RESULT_MAX_CHARS - 1] + "…"
 
 
+#: How many lines ``{{tool_result_lines}}`` shows, and how long each may be.
+RESULT_LINES = 12
+RESULT_LINE_CHARS = 160
+
+
+def readable_result(content: str) -> str:
+    """A tool result for a human (``{{tool_result_lines}}``): the elements of a JSON
+    object's list one a line, its other fields ``key: value``; text that is not a JSON
+    object as it is (cut to ``TOOL_RESULT_MAX_CHARS``)."""
+    try:
+        value = json.loads(content)
+    except ValueError:
+        return _cut(content)
+    if not isinstance(value, dict):
+        return _cut(content)
+    lines: list[str] = []
+    for key, field_value in value.items():
+        if isinstance(field_value, list):
+            lines.extend(f"- {_one_line(element)}" for element in field_value)
+            if not field_value:
+                lines.append(f"(no {key})")
+        elif isinstance(field_value, dict):
+            lines.append(f"{key.replace('_', ' ')}: {_one_line(field_value)}")
+        elif field_value not in (None, ""):
+            lines.append(f"{key.replace('_', ' ')}: {field_value}")
+    if len(lines) > RESULT_LINES:
+        lines = [*lines[: RESULT_LINES - 1], f"(and {len(lines) - RESULT_LINES + 1} more)"]
+    return "\n".join(_cut_line(line) for line in lines)
+
+
+def _one_line(element: object) -> str:
+    """``PAN-4: Pantry inventory (kind epic, state open, priority 1)`` for an object with
+    an id and a title or name; its fields ``key value`` otherwise."""
+    if not isinstance(element, dict):
+        return json.dumps(element, ensure_ascii=False)
+    rest = dict(element)
+    ident = next((rest.pop(k) for k in list(rest) if k == "id" or k.endswith("_id")), None)
+    title = next((rest.pop(k) for k in ("title", "name", "summary") if k in rest), None)
+    details = ", ".join(
+        f"{k.replace('_', ' ')} {v}"
+        for k, v in rest.items()
+        if isinstance(v, str | int | float) and not isinstance(v, bool) and v != ""
+    )
+    head = ": ".join(str(part) for part in (ident, title) if part not in (None, ""))
+    if not head:
+        return details or json.dumps(element, ensure_ascii=False)
+    return f"{head} ({details})" if details else head
+
+
+def _cut_line(line: str) -> str:
+    return line if len(line) <= RESULT_LINE_CHARS else line[: RESULT_LINE_CHARS - 1] + "…"
+
+
 class _Substitution:
     def __init__(self, tool_result: str | None, found: re.Match[str] | None) -> None:
         self.tool_result = _cut(tool_result or "")
+        self.tool_result_lines = readable_result(tool_result) if tool_result else ""
         self.found = found
 
     def __call__(self, text: str) -> str:
@@ -662,6 +721,8 @@ class _Substitution:
     def replace(self, placeholder: re.Match[str]) -> str:
         if placeholder.group(1) == "tool_result":
             return self.tool_result
+        if placeholder.group(1) == "tool_result_lines":
+            return self.tool_result_lines
         group = placeholder.group(2)
         if self.found is None:
             return ""

@@ -90,6 +90,7 @@ def to_proto(request: ModelRequest, *, with_tools: bool = True) -> gateway_pb2.G
         model=request.model,
         purpose=_PURPOSES[request.purpose],
         system_prompt=request.system_prompt,
+        system_context=request.system_context,
         request_id=request.request_id,
     )
     for message in request.messages:

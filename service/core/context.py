@@ -2,12 +2,15 @@
 (docs/spec/turn-loop.md, docs/spec/authority.md and docs/spec/compaction.md;
 decisions 0012 and 0172). Pure functions.
 
-After a compaction the model gets, after the fixed system prompt, one delimited block of
-data: the summary of the earlier conversation (written from the conversation, tool
-output included) and the changesets this session proposed that still wait for the human
-(read from the tracker when the turn starts). Neither is ever sent in the human's role;
-the built-in instructions (v2) say what the block is and that it is data, not
-instructions.
+The system prompt is the built-in instructions alone, the same for every project and
+sent before the tools; the project block (``project_block``) and, after a compaction, the
+context block follow the tools as system-side context (``ModelRequest.system_context``,
+decision 0296). After a compaction the model gets, after the project block, one
+delimited block of data: the summary of the earlier conversation (written from the
+conversation, tool output included) and the changesets this session proposed that
+still wait for the human (read from the tracker when the turn starts). Neither is ever
+sent in the human's role; the built-in instructions (v2 and later) say what the block is
+and that it is data, not instructions.
 """
 
 from __future__ import annotations
@@ -33,23 +36,33 @@ _MAX_TITLE_CHARS = 160
 
 
 def build_system_prompt(project: ProjectInfo, skill: SkillDocument | None) -> str:
-    """The system prompt (docs/spec/turn-loop.md): the built-in instructions, the project
-    and organization, and the planner skill's SKILL.md when the project uses one."""
-    parts = [
-        prompts.instructions(),
+    """The system prompt as one text (docs/spec/turn-loop.md): the built-in instructions,
+    then ``project_block``. For a client that takes a single system text (the peer
+    benchmark); the planner's own requests send the two apart (decision 0296)."""
+    return f"{prompts.instructions()}\n\n{project_block(project, skill)}"
+
+
+def project_block(project: ProjectInfo, skill: SkillDocument | None) -> str:
+    """What the system prompt says of the project: the project and organization, and
+    ``skill_block`` when the project uses a planner skill. The same text on every turn of
+    every session of the project while neither changes."""
+    head = (
         "## Project\n"
         f"- id: {project.project_id}\n"
         f"- name: {project.name}\n"
-        f"- description: {project.description or '(none)'}",
-        f"## Organization\n- id: {project.organization_id}\n- name: {project.organization_name}",
-    ]
-    if skill is not None:
-        parts.append(
-            f"## Planner skill: {skill.name} (version {skill.version})\n"
-            "The project's own process rules for you:\n\n"
-            f"{skill.content}"
-        )
-    return "\n\n".join(parts)
+        f"- description: {project.description or '(none)'}\n\n"
+        f"## Organization\n- id: {project.organization_id}\n- name: {project.organization_name}"
+    )
+    return head if skill is None else f"{head}\n\n{skill_block(skill)}"
+
+
+def skill_block(skill: SkillDocument) -> str:
+    """The planner skill's SKILL.md, headed by its name and version."""
+    return (
+        f"## Planner skill: {skill.name} (version {skill.version})\n"
+        "The project's own process rules for you:\n\n"
+        f"{skill.content}"
+    )
 
 
 def data_block(tag: str, text: str) -> str:
@@ -104,11 +117,12 @@ def context_block(summary: str, pending: PendingChangesets | None) -> str:
     return "\n\n".join(parts)
 
 
-def with_context(system: str, block: str) -> str:
-    """The system prompt sent to the model: the fixed prompt, then ``block`` when there
-    is one. The fixed part comes first and never changes with the block, so a provider's
-    prompt cache of the instructions and tool declarations survives a compaction."""
-    return f"{system}\n\n{block}" if block else system
+def with_context(project: str, block: str) -> str:
+    """The system-side context sent after the tools: the project block, then ``block``
+    when there is one. The project block comes first and never changes with the block,
+    so a provider's prompt cache of the instructions, tools and project survives a
+    compaction."""
+    return f"{project}\n\n{block}" if block else project
 
 
 def _render_pending(pending: PendingChangesets) -> str:

@@ -416,7 +416,8 @@ async def _open_database(settings: Settings, tracing: Tracing | None) -> Databas
     except StoreUnavailable as error:
         raise StartupError(
             f"{unreachable(url, error)}; is the database running there, and is "
-            "database.url (BALLET_PLANNER__DATABASE__URL) right?"
+            "database.url (BALLET_PLANNER__DATABASE__URL) right?",
+            setting="database.url",
         ) from None
 
 

@@ -5,6 +5,7 @@ on a second signal (``ballet_common.signals``; decision 0185).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 
@@ -37,6 +38,8 @@ async def serve(settings: Settings, ready_file: Path | None = None) -> int:
             app.metrics_address or "off",
             settings.server.replica_id,
         )
+        if settings.dev_mode:
+            await warn_of_missing_dependencies(settings)
         try:
             if ready_file is not None:
                 write_ready_file(
@@ -48,6 +51,41 @@ async def serve(settings: Settings, ready_file: Path | None = None) -> int:
             # Whatever ended the wait (a failure, a cancelled task), nothing outlives it.
             remove_ready_file(ready_file)
             await app.stop(0 if signals.hurried.is_set() else None)
+
+
+#: Seconds a dev-mode start waits to learn whether anything listens at a dependency.
+DEPENDENCY_PROBE_S = 0.5
+
+
+async def warn_of_missing_dependencies(settings: Settings) -> None:
+    """In dev mode, one WARNING naming each dependency address where nothing listens,
+    and what to start there: readiness follows the database only (a missing dependency
+    fails chats, not the process), so without this the first sign is a failed chat."""
+    by_address: dict[str, list[str]] = {}
+    deps = settings.dependencies
+    for name, channel in (
+        ("tracker", deps.tracker),
+        ("skills", deps.skills),
+        ("knowledge", deps.knowledge),
+        ("gateway", deps.gateway),
+    ):
+        by_address.setdefault(channel.address, []).append(name)
+    for address, names in by_address.items():
+        host, _, port = address.rpartition(":")
+        try:
+            _, writer = await asyncio.wait_for(
+                asyncio.open_connection(host.strip("[]"), int(port)), DEPENDENCY_PROBE_S
+            )
+        except (OSError, ValueError, TimeoutError):
+            log.warning(
+                "dependencies: nothing answers at %s (%s): chats fail until it does; for "
+                "development start `python -m devstack` there, or run `ballet-planner dev` "
+                "instead of serve, which starts both",
+                address,
+                ", ".join(names),
+            )
+            continue
+        writer.close()
 
 
 def stopping_message(app: PlannerApp) -> str:

@@ -372,6 +372,30 @@ async def test_request_fields_system_prompt_limit_and_default_model(replay: Repl
     assert "tools" not in sent
 
 
+@pytest.mark.parametrize("mode", ["message", "merged"])
+async def test_system_context_follows_the_system_prompt(replay: Replay, mode: str) -> None:
+    # Decision 0296: the project block goes after the instructions (and the tools, as
+    # chat templates render them), its own system message unless the template needs one.
+    provider = provider_for(replay, model="m", system_context=mode)
+    replay.sse(sse_of(choice({"content": "ok"}, "stop")))
+    req = request(human("hi"))
+    req.system_context = "## Project\n- id: demo"
+    await collect(provider, req)
+    await provider.aclose()
+    sent = replay.received[0]["messages"]
+    if mode == "message":
+        assert sent[:2] == [
+            {"role": "system", "content": "You are the planner."},
+            {"role": "system", "content": "## Project\n- id: demo"},
+        ]
+    else:
+        assert sent[0] == {
+            "role": "system",
+            "content": "You are the planner.\n\n## Project\n- id: demo",
+        }
+    assert sent[-1] == {"role": "user", "content": "hi"}
+
+
 async def test_max_tokens_and_request_model_override(replay: Replay) -> None:
     provider = provider_for(replay, model="default-model")
     replay.sse(sse_of(choice({"content": "ok"}, "stop")))
@@ -609,6 +633,11 @@ def test_config_from_env() -> None:
     assert config.api_key  # a placeholder: local servers ignore it, the SDK wants one
     assert config.token_limit_param == "max_completion_tokens"
     assert config.timeout_s == 30.0
+    assert config.system_context == "message"
+    merged = OpenAIConfig.from_env(
+        {"OPENAI_API_KEY": "k", "BALLET_OPENAI_SYSTEM_CONTEXT": "merged"}
+    )
+    assert merged.system_context == "merged"
     fallback = OpenAIConfig.from_env({"OPENAI_API_KEY": "sk-test"})
     assert fallback.base_url == "https://api.openai.com/v1"
     assert fallback.api_key == "sk-test"
@@ -624,6 +653,10 @@ def test_config_from_env() -> None:
             "BALLET_OPENAI_TOKEN_LIMIT_PARAM",
         ),
         ({"OPENAI_API_KEY": "k", "BALLET_OPENAI_TIMEOUT_S": "soon"}, "BALLET_OPENAI_TIMEOUT_S"),
+        (
+            {"OPENAI_API_KEY": "k", "BALLET_OPENAI_SYSTEM_CONTEXT": "first"},
+            "BALLET_OPENAI_SYSTEM_CONTEXT",
+        ),
     ],
 )
 def test_config_errors_name_the_variable(env: dict[str, str], message: str) -> None:

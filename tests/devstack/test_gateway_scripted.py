@@ -551,7 +551,9 @@ async def test_demo_scenario_answers_with_the_tool_result(start_gateway: StartGa
     call = assistant(calls=[("c1", "list_items", '{"kind":"epic","state":"open"}')])
     req = request(human("open epics?"), call, tool("c1", "list_items", result))
     answer = await gw.generate(req)
-    assert result in answer.text
+    # The result as a line a human reads, not raw tool JSON (decision 0324).
+    assert "- demo-3: Ship the planner (kind epic)" in answer.text
+    assert result not in answer.text
     assert answer.tool_calls == []
     assert answer.finish.reason == gateway_pb2.FINISH_REASON_STOP
 
@@ -676,3 +678,31 @@ def test_stream_keys_are_validated() -> None:
     ]:
         with pytest.raises(ScenarioError, match=where):
             Scenario.parse([{"reply": reply}])
+
+
+def test_tool_result_lines_read_as_lines_not_json() -> None:
+    from devstack.gateway.scripted import readable_result
+
+    result = json.dumps(
+        {
+            "items": [
+                {"item_id": "PAN-4", "kind": "epic", "title": "Pantry inventory", "priority": 1},
+                {"item_id": "PAN-5", "kind": "epic", "title": "Shopping list", "priority": 2},
+            ],
+            "total_size": 2,
+        }
+    )
+    assert readable_result(result) == (
+        "- PAN-4: Pantry inventory (kind epic, priority 1)\n"
+        "- PAN-5: Shopping list (kind epic, priority 2)\n"
+        "total size: 2"
+    )
+    many = json.dumps({"items": [{"item_id": f"X-{n}"} for n in range(30)]})
+    lines = readable_result(many).splitlines()
+    assert len(lines) == 12 and lines[-1] == "(and 19 more)"
+    assert readable_result("not json") == "not json"
+
+
+def test_the_demo_scenario_shows_no_raw_tool_json() -> None:
+    scenario = (Path(__file__).resolve().parents[2] / "devstack/demo/scenario.json").read_text()
+    assert "{{tool_result}}" not in scenario and "raw tool result" not in scenario

@@ -23,6 +23,7 @@ import pytest
 from ballet.planner.v1 import planner_service_pb2, planner_service_pb2_grpc, resources_pb2
 
 from tests.e2e.dev_support import DevProcess, Terminal, clean_env, command, run_cli
+from tests.e2e.test_stop_signals import read_until
 
 MAX_ROUNDS = 2
 # Above what the character estimate of a short session gives (the system prompt and the
@@ -184,14 +185,7 @@ def test_a_message_that_is_not_utf8_is_sent_with_replacements_and_the_chat_ends(
 
 def chat_from_a_pipe(dev: DevProcess, lines: bytes) -> subprocess.CompletedProcess[bytes]:
     """``ballet-planner chat`` as alice with ``lines`` on its stdin (a pipe), to its end."""
-    return subprocess.run(
-        [*command(), "chat", "--address", dev.planner, "--user", "alice", "--data-dir", "data"],
-        cwd=dev.cwd,
-        env=clean_env(),
-        input=lines,
-        capture_output=True,
-        timeout=60,
-    )
+    return chat_from_a_pipe_args(dev, lines)
 
 
 def piped_session(stdout: str) -> str:
@@ -229,6 +223,98 @@ def test_piped_lines_go_on_after_a_failure_and_the_exit_code_says_so(dev: DevPro
     assert stderr.count("the turn ended [FAILED") == 1 and "FAILED" not in stdout
     assert stdout.count("[COMPLETED: ") == 3
     assert re.search(rf"\*\s+\d+  {session}", stdout)  # /sessions ran, in its place
+
+
+def chat_process(dev: DevProcess, lines: str, *args: str) -> subprocess.Popen[str]:
+    """``ballet-planner chat ARGS`` as alice, ``lines`` in a pipe on its stdin (already
+    closed at their end), its stdout and stderr pipes."""
+    read, write = os.pipe()
+    os.write(write, lines.encode())
+    os.close(write)
+    try:
+        return subprocess.Popen(
+            [
+                *command(),
+                *("chat", "--address", dev.planner, "--user", "alice", "--data-dir", "data"),
+                *args,
+            ],
+            cwd=dev.cwd,
+            env=clean_env(),
+            stdin=read,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    finally:
+        os.close(read)
+
+
+def interrupt_when_streaming(chat: subprocess.Popen[str]) -> tuple[str, str]:
+    """Ctrl-C (SIGINT) once the slow answer streams; what the chat printed to its end."""
+    printed = read_until(chat, SLOW_TEXT[:8])
+    chat.send_signal(signal.SIGINT)
+    out, err = chat.communicate(timeout=60)
+    return printed + out, err
+
+
+def test_ctrl_c_on_piped_lines_cancels_the_turn_and_sends_no_further_line(
+    dev: DevProcess,
+) -> None:
+    # Decision 0321: as any Unix filter, a piped chat stops on Ctrl-C; it used to cancel
+    # one turn and go on with the next line.
+    chat = chat_process(dev, "tell me something slow\nthe next line\n")
+    out, err = interrupt_when_streaming(chat)
+    assert chat.returncode == 130, out + err
+    assert "interrupted: the turn was cancelled; no further line was sent" in err, err
+    assert "[CANCELLED" in out + err
+    assert "the next line" not in out
+    assert human_messages(dev, piped_session(out)) == ["tell me something slow"]
+    assert "Traceback" not in err
+
+
+def test_ctrl_c_on_message_says_the_turn_was_cancelled(dev: DevProcess) -> None:
+    chat = chat_process(dev, "", "--message", "something slow, please")
+    out, err = interrupt_when_streaming(chat)
+    assert chat.returncode == 130, out + err
+    said = [line for line in err.splitlines() if "interrupted: the turn" in line]
+    assert len(said) == 1, err
+    assert "interrupted: the turn was cancelled; see the session with --session " in said[0]
+    assert "Traceback" not in err
+
+
+def test_a_resumed_session_says_earlier_messages_are_hidden_and_history_shows_them(
+    dev: DevProcess,
+) -> None:
+    texts = [f"hello number {n}" for n in range(12)]
+    first = chat_from_a_pipe(dev, "".join(text + "\n" for text in texts).encode())
+    assert first.returncode == 0, first.stderr
+    session = piped_session(first.stdout.decode())
+    resumed = chat_from_a_pipe_args(dev, b"/history\n", "--session", session)
+    out = resumed.stdout.decode()
+    assert resumed.returncode == 0, out + resumed.stderr.decode()
+    header, _, history = out.partition("all ")
+    assert "(earlier messages are hidden; the latest 10 follow: /history shows them all)" in header
+    assert "alice: hello number 0" not in header  # the oldest is hidden...
+    assert "alice: hello number 0" in history  # ...and /history shows it
+    assert all(f"alice: {text}" in history for text in texts)
+
+
+def chat_from_a_pipe_args(
+    dev: DevProcess, lines: bytes, *args: str
+) -> subprocess.CompletedProcess[bytes]:
+    """``ballet-planner chat ARGS`` as alice with ``lines`` on its stdin, to its end."""
+    return subprocess.run(
+        [
+            *command(),
+            *("chat", "--address", dev.planner, "--user", "alice", "--data-dir", "data"),
+            *args,
+        ],
+        cwd=dev.cwd,
+        env=clean_env(),
+        input=lines,
+        capture_output=True,
+        timeout=60,
+    )
 
 
 def test_chat_names_what_to_do_for_an_address_it_cannot_use(tmp_path: Path) -> None:

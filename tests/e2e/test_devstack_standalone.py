@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.dev_support import READY_LINE, clean_env, command
-from tests.e2e.test_cli_serve import serve_address, wait_serving
+from tests.e2e.test_cli_serve import start_serve, wait_serving
 
 
 def read_banner(process: subprocess.Popen[str], limit_s: float = 60) -> str:
@@ -83,46 +83,37 @@ def test_serve_pointed_at_the_standalone_devstack_answers_a_chat_message(
     env.update(
         BALLET_PLANNER__SERVER__ADDRESS="127.0.0.1:0", BALLET_PLANNER__SERVER__METRICS_ADDRESS=""
     )
-    with (tmp_path / "serve.log").open("w") as log:
-        served = subprocess.Popen(
-            [*command(), "serve", "--ready-file", "ready.json"],
+    served, address = start_serve(tmp_path, env)
+    try:
+        wait_serving(address, served, tmp_path)
+        token_line = printed_command(banner, "ballet-planner", "token", "alice")
+        token = subprocess.run(
+            [*command(), *token_line[1:]],
             cwd=tmp_path,
-            env=clean_env(**env),
-            stdout=log,
-            stderr=subprocess.STDOUT,
+            env=clean_env(),
+            capture_output=True,
             text=True,
+            timeout=60,
         )
-        try:
-            address = serve_address(tmp_path / "ready.json", served, tmp_path / "serve.log")
-            wait_serving(address, served, tmp_path)
-            token_line = printed_command(banner, "ballet-planner", "token", "alice")
-            token = subprocess.run(
-                [*command(), *token_line[1:]],
-                cwd=tmp_path,
-                env=clean_env(),
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
-            assert token.returncode == 0 and token.stdout.count(".") == 2, token.stderr
-            chat_line = printed_command(banner, "ballet-planner", "chat")
-            chat = subprocess.run(
-                [
-                    *command(),
-                    *chat_line[1:],
-                    *("--address", address, "--message", "What are the open epics?"),
-                ],
-                cwd=tmp_path,
-                env=clean_env(),
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
-            assert chat.returncode == 0, chat.stdout + chat.stderr
-            assert "-> list_items" in chat.stdout and "PAN-4" in chat.stdout
-        finally:
-            served.terminate()
-            served.wait(30)
+        assert token.returncode == 0 and token.stdout.count(".") == 2, token.stderr
+        chat_line = printed_command(banner, "ballet-planner", "chat")
+        chat = subprocess.run(
+            [
+                *command(),
+                *chat_line[1:],
+                *("--address", address, "--message", "What are the open epics?"),
+            ],
+            cwd=tmp_path,
+            env=clean_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert chat.returncode == 0, chat.stdout + chat.stderr
+        assert "-> list_items" in chat.stdout and "PAN-4" in chat.stdout
+    finally:
+        served.terminate()
+        served.wait(30)
 
 
 def test_a_bad_scenario_is_one_line(tmp_path: Path) -> None:

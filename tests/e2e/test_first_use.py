@@ -25,6 +25,7 @@ import pytest
 from devstack.defaults import BUF_INSTALL
 from devstack.store.access import USERS
 from tests.e2e.dev_support import ANY_PORTS, DevProcess, Terminal, clean_env, command, run_cli
+from tests.e2e.test_cli_serve import start_serve
 from tests.ports import refused_port
 
 PASSWORD = "s3cret-pw"
@@ -99,7 +100,18 @@ def test_migrate_and_serve_with_the_database_down_say_what_was_tried(
         BALLET_PLANNER__SERVER__ADDRESS="127.0.0.1:0",
         BALLET_PLANNER__SERVER__METRICS_ADDRESS="",
     )
-    for result, setting in ((migrate, "--database-url"), (serve, "BALLET_PLANNER__DATABASE__URL")):
+    # serve takes --database-url as migrate does (decision 0324), and names it.
+    serve_flag = run_cli(
+        ["serve", "--database-url", url],
+        tmp_path,
+        BALLET_PLANNER__SERVER__ADDRESS="127.0.0.1:0",
+        BALLET_PLANNER__SERVER__METRICS_ADDRESS="",
+    )
+    for result, setting in (
+        (migrate, "--database-url"),
+        (serve, "BALLET_PLANNER__DATABASE__URL"),
+        (serve_flag, "with serve: --database-url"),
+    ):
         assert result.returncode == 1
         line = _one_line(result, f"postgresql://bob@127.0.0.1:{port}/planner", setting)
         assert "unreachable: the database is unavailable" not in line
@@ -407,3 +419,34 @@ def test_what_was_tried_names_every_host_and_never_the_password() -> None:
     assert multi == "postgresql://bob@a:5432,b:5432/planner"
     single = database_target(f"postgresql+psycopg://bob:{PASSWORD}@[::1]:6432/planner")
     assert single == "postgresql://bob@[::1]:6432/planner"
+
+
+def test_serve_without_its_dependencies_says_what_to_start(tmp_path: Path) -> None:
+    # serve said SERVING and the first chat failed "the tracker backend failed
+    # (UNAVAILABLE)" with no word of what to start (decision 0324).
+    with refused_port() as port:
+        nowhere = f"127.0.0.1:{port}"
+        env = {
+            "BALLET_PLANNER__SERVER__ADDRESS": "127.0.0.1:0",
+            "BALLET_PLANNER__SERVER__METRICS_ADDRESS": "",
+            **{
+                f"BALLET_PLANNER__DEPENDENCIES__{name}__ADDRESS": nowhere
+                for name in ("TRACKER", "SKILLS", "KNOWLEDGE", "GATEWAY")
+            },
+        }
+        log_path = tmp_path / "serve.log"
+        served, address = start_serve(tmp_path, env)
+        try:
+            chat = run_cli(
+                ["chat", "--address", address, "--user", "alice", "--message", "hello"], tmp_path
+            )
+        finally:
+            served.terminate()
+            served.wait(30)
+    warnings = [line for line in log_path.read_text().splitlines() if "nothing answers" in line]
+    assert len(warnings) == 1, log_path.read_text()
+    assert nowhere in warnings[0] and "tracker, skills, knowledge, gateway" in warnings[0]
+    assert "python -m devstack" in warnings[0] and "ballet-planner dev" in warnings[0]
+    assert chat.returncode == 1
+    line = _one_line(chat, "DEPENDENCY_UNAVAILABLE", "python -m devstack", "ballet-planner dev")
+    assert "cannot reach the planner" not in line

@@ -262,8 +262,8 @@ async def test_text_planted_in_a_ticket_never_reaches_the_model_as_the_human(rig
     conversation = compaction.system_prompt.split("<conversation>\n", 1)[1]
     assert "SYSTEM NOTICE" in conversation.rsplit("\n</conversation>", 1)[0]
     last = requests[3]
-    assert last.system_prompt.count(f"\n</{SUMMARY_TAG}>") == 1
-    inside = last.system_prompt.split(f"\n<{SUMMARY_TAG}>\n", 1)[1].split(f"\n</{SUMMARY_TAG}>")[0]
+    assert last.system_context.count(f"\n</{SUMMARY_TAG}>") == 1
+    inside = last.system_context.split(f"\n<{SUMMARY_TAG}>\n", 1)[1].split(f"\n</{SUMMARY_TAG}>")[0]
     assert "SYSTEM NOTICE" in inside
     assert f"&lt;/{SUMMARY_TAG}> SYSTEM NOTICE" in inside
     await plant(rig, "PAN-4", "")
@@ -301,7 +301,7 @@ async def test_a_pending_changeset_is_named_after_a_compaction_whose_summary_omi
     assert events(received, "compacted")
     assert mine not in (await rig.get_session(session_id)).summary
     (request,) = rig.requests()
-    pending = request.system_prompt.split(f"\n<{PENDING_TAG}>\n", 1)[1]
+    pending = request.system_context.split(f"\n<{PENDING_TAG}>\n", 1)[1]
     pending = pending.split(f"\n</{PENDING_TAG}>", 1)[0]
     assert pending == (
         f'- {mine}: Split the pantry epic (2 operations: create ticket "Backfill the pantry '
@@ -322,20 +322,22 @@ async def test_a_pending_changeset_is_named_after_a_compaction_whose_summary_omi
     rig.gateway.reset()
     await rig.run_turn("and now?", session_id=session_id)
     (request,) = rig.requests()
-    assert mine not in request.system_prompt
-    assert "none: no changeset this session proposed still waits" in request.system_prompt
+    assert mine not in request.system_context
+    assert "none: no changeset this session proposed still waits" in request.system_context
     assert elsewhere != session_id
 
 
 # ---------------------------------------------------------------------------------------
 
-THRESHOLD = 6_000
+THRESHOLD = 3_500
 
 
 def request_tokens(request: gateway_pb2.GenerateRequest) -> int:
     """A model request as the calibrated estimator counts it: the system prompt, the tool
-    declarations and every message, with the same overheads the planner adds."""
+    declarations, the system-side context and every message, with the same overheads the
+    planner adds."""
     total = MESSAGE_OVERHEAD_TOKENS + text_tokens(request.system_prompt)
+    total += MESSAGE_OVERHEAD_TOKENS + text_tokens(request.system_context)
     total += sum(
         DECLARATION_OVERHEAD_TOKENS
         + text_tokens(t.name)
@@ -379,9 +381,9 @@ async def bounded_rig(tmp_path: Path) -> AsyncIterator[Rig]:
 async def test_without_usage_the_context_never_outgrows_the_threshold_by_more_than_a_turn(
     bounded_rig: Rig,
 ) -> None:
-    """No answer reports usage and ``compact_at_tokens`` is 6,000. Every
+    """No answer reports usage and ``compact_at_tokens`` is 3,500. Every
     request the planner sends, before and after the first compaction, is at most the
-    threshold plus the current turn's own messages; the fixed prompt alone (about 4,000
+    threshold plus the current turn's own messages; the fixed prompt alone (about 2,200
     tokens), forgotten after a compaction, would break that bound within two turns."""
     rig = bounded_rig
     filler = "The planner looked at the pantry tickets and compared them one by one. " * 20
@@ -402,7 +404,7 @@ async def test_without_usage_the_context_never_outgrows_the_threshold_by_more_th
     after = [r for r in turns if rig.gateway.requests.index(r) > first_compaction]
     assert len(after) >= 6
     fixed = request_tokens(turns[0]) - current_turn_tokens(turns[0])
-    assert fixed > 3_500, "the fixed prompt is most of the budget"
+    assert fixed > 1_800, "the fixed prompt is most of the budget"
     for number, request in enumerate(turns):
         measured, own = request_tokens(request), current_turn_tokens(request)
         assert measured <= THRESHOLD + own, (number, measured, own)

@@ -156,7 +156,7 @@ async def test_a_compaction_is_stored_streamed_and_counted(rig: Rig) -> None:
     assert not summarized.tools
     _, after = rig.requests()
     assert human_texts(after) == ["second question"]
-    assert summary_block("SUMMARY: the human asked things") in after.system_prompt
+    assert summary_block("SUMMARY: the human asked things") in after.system_context
     turn = await rig.get_turn(session_id, compacted.turn_id)
     assert (turn.compaction_usage.input_tokens, turn.compaction_usage.output_tokens) == (900, 20)
     assert (turn.usage.input_tokens, turn.usage.output_tokens) == (300, 10)
@@ -280,7 +280,7 @@ async def test_a_history_many_times_the_threshold_is_folded_in_one_compaction(
     assert await compactions_total(rig) == counted + 1
     for request in rig.requests()[1:]:
         assert human_texts(request) == ["heavy question"]
-        assert summary_block(long_summary.strip()) in request.system_prompt
+        assert summary_block(long_summary.strip()) in request.system_context
         results = [m.tool_result.tool_call_id for m in request.messages if m.role == 3]
         calls = [c.id for m in request.messages for c in m.tool_calls]
         assert calls == results, "the current turn's calls and results are sent whole"
@@ -447,7 +447,7 @@ async def test_what_a_turn_reads_does_not_grow_with_the_transcript(pg_rig: Rig) 
         rig.remove_listeners()
         assert events(received, "turn_ended")[0].turn_ended.reason == END.TURN_END_REASON_COMPLETED
         assert len(rig.requests()) >= 2
-        assert summary_block("SUMMARY of the seeded turn") in rig.requests()[-1].system_prompt
+        assert summary_block("SUMMARY of the seeded turn") in rig.requests()[-1].system_context
         measured[count] = counter.per_call()
         rig.gateway.reset()
     assert measured[100] == measured[5000], measured

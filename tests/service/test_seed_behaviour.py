@@ -29,6 +29,7 @@ from ballet.planner.v1 import planner_service_pb2 as pb
 from ballet.planner.v1 import planner_service_pb2_grpc, resources_pb2
 
 from devstack.dev import DevApp, DevOptions, start_dev
+from devstack.gateway.openai_provider import chat_messages, chat_tools
 from devstack.store.schema import changesets
 from service.config import PlannerSettings
 
@@ -215,6 +216,33 @@ async def test_the_model_request_carries_the_twelve_tool_declarations(seed: Seed
         assert schema["type"] == "object", tool.name
         assert schema["additionalProperties"] is False, tool.name  # unknown fields rejected
         assert tool.description, tool.name
+
+
+async def test_sessions_of_a_project_send_one_prefix_and_projects_share_the_first_part(
+    seed: Seed,
+) -> None:
+    # Decision 0296 (target T8): instructions and tools first, the same for every project;
+    # then the project block, the same for every session of the project.
+    before = len(seed.app.gateway.requests)
+    for project, user in (("demo", "alice"), ("demo", "alice"), ("globex-ops", "carol")):
+        await seed.turn(await seed.session(project, user), "hello", user)
+    first, second, other = turn_requests(seed, before)
+
+    def shared(request: gateway_pb2.GenerateRequest) -> bytes:
+        part = gateway_pb2.GenerateRequest(system_prompt=request.system_prompt)
+        part.tools.extend(request.tools)
+        return part.SerializeToString(deterministic=True)
+
+    assert shared(first) == shared(second) == shared(other)
+    assert first.system_context == second.system_context
+    assert "- id: demo" in first.system_context and "- id: globex-ops" in other.system_context
+    assert "demo" not in first.system_prompt and "globex" not in other.system_prompt
+    # As an OpenAI-compatible server gets them: the same first system message and tools,
+    # the project's own system message after it.
+    demo, globex = chat_messages(first), chat_messages(other)
+    assert demo[0] == globex[0] and demo[1] != globex[1]
+    assert chat_messages(second)[:2] == demo[:2]
+    assert chat_tools(first) == chat_tools(second) == chat_tools(other)
 
 
 async def test_a_turns_usage_lands_in_the_ledger_under_the_sessions_project(seed: Seed) -> None:

@@ -156,6 +156,14 @@ def test_a_failed_turn_names_its_reason() -> None:
     assert describe_turn_end(max_rounds) == "[MAX_ROUNDS: 2 rounds; send a message to continue]"
 
 
+def test_a_text_only_answer_does_not_read_as_nothing_happened() -> None:
+    # "[COMPLETED: 0 rounds]" read as "nothing happened" to a new user (decision 0324).
+    text_only = chat_pb2.TurnEnded(reason=resources_pb2.TURN_END_REASON_COMPLETED, rounds=0)
+    assert describe_turn_end(text_only) == "[COMPLETED: answered without tools]"
+    one = chat_pb2.TurnEnded(reason=resources_pb2.TURN_END_REASON_COMPLETED, rounds=1)
+    assert describe_turn_end(one) == "[COMPLETED: 1 round]"
+
+
 @pytest.mark.parametrize(
     ("content", "summary"),
     [
@@ -238,7 +246,7 @@ def test_the_readme_shows_the_tool_call_lines_the_client_prints() -> None:
         resources_pb2.MESSAGE_KIND_TOOL_CALL,
         tool_call_id="c1",
         tool_name="list_items",
-        tool_arguments='{"kind":"epic"}',
+        tool_arguments='{"kind":"epic","state":"open"}',  # what the demo model sends
     )
     result = message(
         resources_pb2.MESSAGE_KIND_TOOL_RESULT,

@@ -371,7 +371,7 @@ async def test_a_rejected_summary_changes_nothing_but_the_turns_compaction_usage
     assert turn.compaction_usage == Usage(700, 12)
     last = rig.requests()[-1]
     assert [m.text for m in last.messages if m.role is Role.USER] == ["first", "second"]
-    assert f"<{SUMMARY_TAG}>\n" not in last.system_prompt
+    assert f"<{SUMMARY_TAG}>\n" not in last.system_context
     kinds = [e.kind for e in rig.store.events["s1"][events_before:]]
     assert EventKind.COMPACTED not in kinds
     assert not [m for m in rig.store.messages["s1"] if m.kind is MessageKind.COMPACTION]
@@ -421,7 +421,9 @@ async def test_without_usage_the_estimate_keeps_the_fixed_prompt_after_a_compact
     turn_estimates = [e for e in rig.observer.estimates if e[0] == "turn"]
     assert [(p, reported) for p, _, reported in turn_estimates] == [("turn", 4_000)] * 2
     estimated = turn_estimates[1][1]
-    system = text_tokens(after_compaction.system_prompt)
+    system = text_tokens(after_compaction.system_prompt) + text_tokens(
+        after_compaction.system_context
+    )
     # What the request carried after the summary: the second question (its answer came
     # after).
     kept = messages_tokens(
@@ -430,11 +432,11 @@ async def test_without_usage_the_estimate_keeps_the_fixed_prompt_after_a_compact
         if m.sequence > rig.session.summary_up_to and m.kind is not MessageKind.ASSISTANT
     )
     tools = declarations_tokens(declarations())
-    assert A_SUMMARY in after_compaction.system_prompt
+    assert A_SUMMARY in after_compaction.system_context
     # Within a few tokens of the system prompt (summary included), the declarations and
     # what was kept: nothing of it left out.
     assert estimated == pytest.approx(system + tools + kept, abs=10)
-    assert tools > 3_000, "forgetting the declarations would be visible"
+    assert tools > 1_000, "forgetting the declarations would be visible"
     assert [e[0] for e in rig.observer.estimates].count("compaction") == 1
 
 
@@ -469,7 +471,7 @@ async def test_pending_changesets_are_listed_outside_the_summary_after_a_compact
     await rig.run("second")
 
     assert "cs-mine" not in rig.session.summary
-    system = rig.requests()[-1].system_prompt
+    system = rig.requests()[-1].system_context
     pending = system.split(f"<{PENDING_TAG}>\n", 1)[1].split(f"\n</{PENDING_TAG}>", 1)[0]
     assert pending == (
         '- cs-mine: Split PAN-4 (3 operations: create ticket "Backfill test" as bf; '
@@ -483,7 +485,7 @@ async def test_pending_changesets_are_listed_outside_the_summary_after_a_compact
     rig.backends.proposed = []
     rig.gateway.script = summarizer({"text": A_SUMMARY}, turn_usage=(100, 1))
     await rig.run("third")
-    system = rig.requests()[-1].system_prompt
+    system = rig.requests()[-1].system_context
     assert "none: no changeset this session proposed still waits" in system
 
 
@@ -493,7 +495,7 @@ async def test_a_tracker_that_cannot_list_changesets_is_said_so_and_the_turn_goe
     await rig.run("first")
     turn_id = await rig.run("second")
     assert rig.store.turns[turn_id].end_reason is TurnEndReason.COMPLETED
-    system = rig.requests()[-1].system_prompt
+    system = rig.requests()[-1].system_context
     assert "unknown: the tracker could not be read (BACKEND_UNAVAILABLE)" in system
 
 
@@ -506,7 +508,7 @@ async def test_the_summary_is_never_sent_in_the_humans_role() -> None:
             assert A_SUMMARY not in sent.text, (request.purpose, sent.role)
     (_, second) = rig.requests(Purpose.COMPACTION)
     assert f"<earlier_summary>\n{A_SUMMARY}\n</earlier_summary>" in second.system_prompt
-    assert f"<{SUMMARY_TAG}>\n{A_SUMMARY}\n</{SUMMARY_TAG}>" in rig.requests()[-1].system_prompt
+    assert f"<{SUMMARY_TAG}>\n{A_SUMMARY}\n</{SUMMARY_TAG}>" in rig.requests()[-1].system_context
 
 
 async def test_a_cancel_ends_a_turn_whose_pending_changesets_read_hangs() -> None:
@@ -533,7 +535,7 @@ async def test_a_pending_changesets_read_past_its_deadline_is_said_so() -> None:
     rig.backends.hold_changesets = asyncio.Event()
     turn_id = await rig.run("second")
     assert rig.store.turns[turn_id].end_reason is TurnEndReason.COMPLETED
-    assert "could not be read (DEADLINE_EXCEEDED)" in rig.requests()[-1].system_prompt
+    assert "could not be read (DEADLINE_EXCEEDED)" in rig.requests()[-1].system_context
 
 
 async def test_a_page_cut_to_16_kib_lists_what_fit_and_says_more_may_exist() -> None:
@@ -552,7 +554,7 @@ async def test_a_page_cut_to_16_kib_lists_what_fit_and_says_more_may_exist() -> 
     ]
     await rig.run("first")
     await rig.run("second")
-    system = rig.requests()[-1].system_prompt
+    system = rig.requests()[-1].system_context
     pending = system.split(f"<{PENDING_TAG}>\n", 1)[1].split(f"\n</{PENDING_TAG}>", 1)[0]
     assert pending.startswith("- cs-mine: Split PAN-4 (50 operations: create ticket")
     assert "and 40 more)" in pending

@@ -28,7 +28,7 @@ class World:
         self.prompts = PromptSource(self.directory, model="m", declarations=declarations())
 
     async def prompt(self, caller: Caller = ALICE, project_id: str = "demo") -> str:
-        return (await self.prompts.prompt(caller.acting("s1"), project_id)).system
+        return (await self.prompts.prompt(caller.acting("s1"), project_id)).context
 
 
 async def test_one_lookup_serves_the_access_check_and_the_prompt() -> None:
@@ -92,3 +92,28 @@ async def test_a_zero_cache_asks_every_time() -> None:
     await world.access.check(ALICE, "demo")
     await world.prompt()
     assert world.backends.project_reads == 2
+
+
+async def test_the_rendered_prompt_is_kept_with_the_answers_it_derives_from() -> None:
+    """Decision 0342: a prompt is rendered and estimated once per answer of the directory;
+    a new answer (the entry expired and was read again) renders it again, and each human's
+    entry has its own."""
+    world = World(skill=SKILL, cache_s=30.0)
+    acting = ALICE.acting("s1")
+    first = await world.prompts.prompt(acting, "demo")
+    assert await world.prompts.prompt(ALICE.acting("s2"), "demo") is first
+    world.clock.advance(31.0)
+    again = await world.prompts.prompt(acting, "demo")
+    assert again is not first and again == first
+    bob = await world.prompts.prompt(Caller("bob", "acme", token="bob-token").acting("s3"), "demo")
+    assert bob is not again
+
+
+async def test_kept_prompts_are_bounded() -> None:
+    world = World()
+    world.prompts = PromptSource(
+        world.directory, model="m", declarations=declarations(), max_built=2
+    )
+    firsts = [await world.prompts.prompt(ALICE.acting("s"), p) for p in ("a", "b", "c")]
+    assert await world.prompts.prompt(ALICE.acting("s"), "c") is firsts[2]
+    assert await world.prompts.prompt(ALICE.acting("s"), "a") is not firsts[0]

@@ -20,7 +20,15 @@ from jsonschema import Draft202012Validator
 
 from service.adapters.backends import GrpcToolBackends
 from service.core.ports import Acting, ToolBackends, ToolCall
-from service.core.tools import TOOLS, TOOLS_BY_NAME, Tool, ToolContext, ToolRunner, declarations
+from service.core.tools import (
+    TOOLS,
+    TOOLS_BY_NAME,
+    Tool,
+    ToolContext,
+    ToolRunner,
+    declarations,
+    declared_schema,
+)
 from tests.unit.fakes import FakeBackends
 from tests.unit.test_tools import VALID_ARGUMENTS
 
@@ -67,7 +75,7 @@ def test_the_registry_is_the_seeds_table() -> None:
 def test_each_unit_has_its_schema_run_function_and_rpcs(tool: Tool) -> None:
     Draft202012Validator.check_schema(tool.schema)
     declared = next(d for d in declarations() if d.name == tool.name)
-    assert json.loads(declared.parameters_json_schema) == tool.schema
+    assert json.loads(declared.parameters_json_schema) == declared_schema(tool.schema)
     assert declared.description == tool.description
     assert inspect.iscoroutinefunction(tool.run)
     assert tool.permissions and tool.rpcs

@@ -57,6 +57,8 @@ FINGERPRINTS = {
     "tools-2026-11-1": "54f0867bcd7895d2b84c2541d960c9e5479aa0899c9f2d8d4045cb038b2c9be8",
     # update_knowledge's version got its int64 maximum.
     "tools-2026-12-1": "d33f11eeb47aa2403c80c5b54f3d1a2bd9ad581adc2b3c37da0cb4605550e01c",
+    # Lean declarations: no result shapes, no validation bounds (decision 0295).
+    "tools-2026-12-2": "5b0ba0a2528e91e41c7579692c68cf69d5f4aa33dde9af422748ff62fc971707",
 }
 
 
@@ -204,8 +206,11 @@ def test_no_schema_takes_a_project_id_or_a_policy(spec: tools.Tool) -> None:
 
 
 @pytest.mark.parametrize("spec", TOOLS, ids=lambda spec: spec.name)
-def test_descriptions_say_what_comes_back(spec: tools.Tool) -> None:
-    assert "Returns" in spec.description
+def test_descriptions_are_lean(spec: tools.Tool) -> None:
+    # Decision 0295: no result shapes, nothing the instructions say once for all tools.
+    assert "Returns" not in spec.description
+    assert "next_page_token" not in spec.description and "truncated" not in spec.description
+    assert "not instructions" not in spec.description
     if spec.name == "propose_changeset":
         assert "human" in spec.description and "approv" in spec.description
 
@@ -220,8 +225,29 @@ def test_declarations_carry_the_schemas_as_json() -> None:
     offered = declarations()
     assert [d.name for d in offered] == [spec.name for spec in TOOLS]
     for declaration, spec in zip(offered, TOOLS, strict=True):
-        assert json.loads(declaration.parameters_json_schema) == spec.schema
+        assert json.loads(declaration.parameters_json_schema) == tools.declared_schema(spec.schema)
         assert declaration.description == spec.description
+
+
+@pytest.mark.parametrize("spec", TOOLS, ids=lambda spec: spec.name)
+def test_the_declaration_is_the_schema_without_its_validation_bounds(spec: tools.Tool) -> None:
+    declared = tools.declared_schema(spec.schema)
+    text = json.dumps(declared)
+    assert not [word for word in tools.VALIDATION_ONLY if f'"{word}"' in text]
+    Draft202012Validator.check_schema(declared)
+    # The same structure: every property, type, enum and required list is still there.
+    assert list(property_names(declared)) == list(property_names(spec.schema))
+    for (path, node), (_, full) in zip(objects(declared), objects(spec.schema), strict=True):
+        assert node.get("required") == full.get("required"), path
+        assert node["additionalProperties"] is False, path
+    # What the model may send by the declaration, validation still checks by the bounds.
+    assert spec.schema != declared or spec.name == "list_skills"
+
+
+def test_a_bound_left_out_of_the_declaration_is_still_enforced() -> None:
+    with pytest.raises(ToolFailure) as refused:
+        tools.validate_arguments("list_items", {"page_size": 10_000})
+    assert refused.value.reason == "INVALID_ARGUMENTS" and "page_size" in str(refused.value)
 
 
 def test_the_schema_version_changes_with_the_tools() -> None:

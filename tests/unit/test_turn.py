@@ -171,7 +171,7 @@ async def test_second_turn_reuses_the_cached_project_and_skill() -> None:
     await rig.run("one")
     await rig.run("two")
     assert rig.backends.project_reads == 1 and rig.backends.skill_reads == 1
-    system = rig.gateway.requests[0].system_prompt
+    system = rig.gateway.requests[0].system_context
     assert "Always estimate." in system and "version 1.0.0" in system and "Acme" in system
     assert rig.store.turns[next(iter(rig.store.turns))].skill_version == "1.0.0"
 
@@ -454,7 +454,7 @@ async def test_compaction_by_reported_usage_happens_once_and_shapes_the_context(
     assert "first" not in "".join(m.text for m in compaction.messages)
     after = rig.gateway.requests[2]
     summary = rig.store.sessions["s1"].summary
-    assert f"<{SUMMARY_TAG}>\n{summary}\n</{SUMMARY_TAG}>" in after.system_prompt
+    assert f"<{SUMMARY_TAG}>\n{summary}\n</{SUMMARY_TAG}>" in after.system_context
     assert [m.text for m in after.messages] == ["second"]
     marker = [e for e in rig.store.events["s1"] if e.kind is EventKind.COMPACTED]
     assert len(marker) == 1
@@ -478,15 +478,15 @@ async def test_below_the_threshold_there_is_no_compaction() -> None:
 
 
 async def test_compaction_by_character_estimate_without_usage() -> None:
-    """No usage is reported: the fixed prompt (about 4,100 tokens) plus a 900-token
-    answer is over 5,000, so the second turn compacts."""
+    """No usage is reported: the fixed prompt (about 2,100 tokens) plus a 900-token
+    answer is over 2,800, so the second turn compacts."""
 
     def script(request: ModelRequest) -> dict[str, Any]:
         if request.purpose is Purpose.COMPACTION:
             return {"text": "The human asked twice; the planner answered at length. " * 4}
         return {"text": "x" * 4000}
 
-    rig = make_rig(script, compact_at_tokens=5000)
+    rig = make_rig(script, compact_at_tokens=2800)
     await rig.run("first")
     assert [r.purpose for r in rig.gateway.requests].count(Purpose.COMPACTION) == 0
     await rig.run("second")
@@ -503,7 +503,7 @@ async def test_second_compaction_folds_in_the_first_summary() -> None:
     first_summary = "SUMMARY" + str(len(compactions[0].system_prompt))
     assert first_summary in compactions[1].system_prompt
     last = rig.gateway.requests[-1]
-    assert rig.store.sessions["s1"].summary in last.system_prompt
+    assert rig.store.sessions["s1"].summary in last.system_context
     assert [m.text for m in last.messages] == ["three"]
 
 

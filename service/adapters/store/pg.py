@@ -81,6 +81,11 @@ FROM sessions s WHERE s.session_id = %s
 _CONTEXT_MESSAGES = """
 SELECT * FROM messages WHERE session_id = %s AND sequence > %s ORDER BY sequence
 """
+# Whether another replica follows the session (decision 0340): read in the statement of
+# the commit, so that a commit nobody else follows sends no signal and costs no round trip.
+_FOLLOWED_ELSEWHERE = (
+    "EXISTS (SELECT 1 FROM session_follows WHERE session_id = %s AND replica_id <> %s)"
+)
 _RENEW_LEASE = """
 UPDATE turns SET lease_expires_at = %s
 WHERE turn_id = %s AND owner = %s AND state = 'running'
@@ -238,6 +243,24 @@ class PgHotPath:
             assert row is not None
             return row[0]
 
+    async def call_followed(
+        self, function: str, argument: Mapping[str, Any], session_id: str, replica_id: str
+    ) -> tuple[Any, bool]:
+        """``call``, and in the same statement whether a replica other than
+        ``replica_id`` follows ``session_id`` (``session_follows``, decision 0340): the
+        value and that flag, in one round trip."""
+        async with self._conn() as conn:
+            cursor = conn.cursor()
+            await self._run(
+                cursor,
+                f"SELECT {function}(%s), {_FOLLOWED_ELSEWHERE}",
+                (Jsonb(argument, dumps=_dumps), session_id, replica_id),
+                prepare=True,
+            )
+            row = await cursor.fetchone()
+            assert row is not None
+            return row[0], bool(row[1])
+
     async def renew_lease(self, turn_id: str, owner: str, until: datetime) -> LeaseStatus:
         """Extend a lease (``held`` false when the turn is not ``owner``'s running
         turn) and say whether, and why, a cancel was requested."""
@@ -394,9 +417,9 @@ class PgSessionStore(SqlSessionStore):
         """See ``SqlSessionStore.renew_lease`` (one statement)."""
         return await self._hot.renew_lease(turn_id, owner, units.utc(until))
 
-    async def _start(self, start: TurnStart, human_index: int) -> TurnStartOutcome:
+    async def _start(self, start: TurnStart, human_index: int) -> tuple[TurnStartOutcome, bool]:
         turn = start.turn
-        result = await self._hot.call(
+        result, followed = await self._hot.call_followed(
             "planner_start_turn",
             {
                 "turn": {**codec.turn_row(turn), "project_id": start.project_id},
@@ -407,21 +430,24 @@ class PgSessionStore(SqlSessionStore):
                 "added_tokens": units.message_tokens(start.events),
                 **self._hot.units(start.events),
             },
+            turn.session_id,
+            self._replica_id,
         )
         outcome = result["outcome"]
         if outcome == "started":
             stored_events = units.numbered(start.events, int(result["last_sequence"]))
             stored = dataclasses.replace(turn, human_sequence=stored_events[human_index].sequence)
-            return TurnStartOutcome(StartOutcomeKind.STARTED, stored, stored_events)
+            return TurnStartOutcome(StartOutcomeKind.STARTED, stored, stored_events), followed
         if outcome == "duplicate":
             event = result.get("event")
-            return TurnStartOutcome(
+            duplicate = TurnStartOutcome(
                 StartOutcomeKind.DUPLICATE,
                 _turn(result["turn"]),
                 () if event is None else (_event(event),),
             )
+            return duplicate, False
         if outcome == "expired":
-            return TurnStartOutcome(StartOutcomeKind.EXPIRED_TURN, _turn(result["turn"]))
+            return TurnStartOutcome(StartOutcomeKind.EXPIRED_TURN, _turn(result["turn"])), False
         if outcome == "not_found":
             raise units.session_not_found()
         if outcome == "reused":
@@ -432,16 +458,19 @@ class PgSessionStore(SqlSessionStore):
             raise units.too_many_turns(str(result["scope"]), start.limits)
         raise RuntimeError(f"planner_start_turn answered {outcome!r}")
 
-    async def _commit(self, commit: TurnCommit) -> tuple[int, list[SessionEvent]]:
-        last = int(await self._hot.call("planner_commit", self._commit_argument(commit)))
-        return last, units.numbered(commit.events, last)
+    async def _commit(self, commit: TurnCommit) -> tuple[int, list[SessionEvent], bool]:
+        value, followed = await self._hot.call_followed(
+            "planner_commit", self._commit_argument(commit), commit.session_id, self._replica_id
+        )
+        last = int(value)
+        return last, units.numbered(commit.events, last), followed and bool(commit.events)
 
     async def _end_turn(
         self, commit: TurnCommit, promotion: Promotion
-    ) -> tuple[int, list[SessionEvent], Promoted | None]:
-        """``planner_end_turn`` (migration 0007): the ending and the promotion of the
-        first queued turn, one statement."""
-        result = await self._hot.call(
+    ) -> tuple[int, list[SessionEvent], Promoted | None, bool]:
+        """``planner_end_turn`` (migration 0008): the ending and the promotion of the
+        first queued turn, one statement, with whether another replica follows."""
+        result, followed = await self._hot.call_followed(
             "planner_end_turn",
             {
                 **self._commit_argument(commit),
@@ -455,11 +484,13 @@ class PgSessionStore(SqlSessionStore):
                     ),
                 },
             },
+            commit.session_id,
+            self._replica_id,
         )
         last = int(result["last"])
         row = result.get("promoted")
         if row is None:
-            return last, units.numbered(commit.events, last), None
+            return last, units.numbered(commit.events, last), None, followed
         now = units.utc(commit.now)
         queued = _turn(row)
         events = units.numbered(
@@ -473,7 +504,7 @@ class PgSessionStore(SqlSessionStore):
             events,
             row["queued_token"] or "",
         )
-        return last, units.numbered(commit.events, last - 2), promoted
+        return last, units.numbered(commit.events, last - 2), promoted, followed
 
     def _commit_argument(self, commit: TurnCommit) -> dict[str, Any]:
         """The argument of ``planner_commit`` for ``commit``."""

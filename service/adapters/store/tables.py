@@ -1,7 +1,7 @@
 """The planner's SQL schema as SQLAlchemy Core tables (docs/spec/api-and-streams.md,
 docs/spec/turn-loop.md and docs/spec/storage.md).
 
-Six tables, all keyed by text ids the planner generates:
+Seven tables, all keyed by text ids the planner generates:
 
 - ``sessions``: one row per session, with the compaction summary, the per-session event
   counter ``last_sequence`` (docs/spec/api-and-streams.md: from 1, no gaps, no reuse), the running
@@ -17,6 +17,8 @@ Six tables, all keyed by text ids the planner generates:
   its lease (docs/spec/turn-loop.md, "Ownership and recovery").
 - ``planner_replicas`` and ``chat_streams``: each replica's heartbeat lease and the Chat
   streams open on it, for the per-human stream limit across replicas (docs/spec/limits.md).
+- ``session_follows``: the sessions each replica follows, so that a commit signals other
+  replicas only when one follows its session (decision 0340).
 
 Unique keys carry the concurrency rules: the partial index ``uq_turns_one_running`` (one
 running turn per session, across replicas) and the AIP-155 request-id keys (for
@@ -324,6 +326,20 @@ planner_replicas = Table(
     Column("replica_id", Text, primary_key=True),
     Column("lease_expires_at", UtcDateTime, nullable=False),
 )
+
+# The sessions each replica follows (a Chat stream of the session is attached there),
+# written by the replica's notifier as it listens and stops listening (decision 0340). A
+# commit reads the other replicas' rows of its session in its own round trip and signals
+# only when there is one; forgetting a replica deletes its rows in the same transaction.
+# No foreign keys: a row is a hint that may briefly outlive its session or precede its
+# replica's first heartbeat, and the heal by sequence covers either.
+session_follows = Table(
+    "session_follows",
+    metadata,
+    Column("session_id", Text, primary_key=True),
+    Column("replica_id", Text, primary_key=True),
+)
+Index("ix_session_follows_replica_id", session_follows.c.replica_id)
 
 chat_streams = Table(
     "chat_streams",

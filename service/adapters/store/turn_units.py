@@ -227,7 +227,7 @@ def promotion_events(
     turn_id: str, session_id: str, message_json: str, promotion: Promotion, now: datetime
 ) -> list[SessionEvent]:
     """The ``message_accepted`` (the queued message) and ``turn_started`` of a promoted
-    turn, unnumbered; ``planner_end_turn`` (migration 0007) stores the same rows."""
+    turn, unnumbered; ``planner_end_turn`` (migration 0008) stores the same rows."""
     message = codec.queued_message_from_json(message_json, session_id, 0)
     return [
         SessionEvent(session_id, turn_id, EventKind.MESSAGE_ACCEPTED, now, message=message),

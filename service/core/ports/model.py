@@ -68,7 +68,13 @@ class ModelDeadlines:
 @dataclass(frozen=True)
 class ModelRequest:
     """One model call through the gateway, metered to ``project_id`` with the
-    project's ``credential_ref`` (docs/spec/limits.md)."""
+    project's ``credential_ref`` (docs/spec/limits.md).
+
+    ``system_prompt`` is what every project's requests share (the instructions), sent
+    before the tools; ``system_context`` what differs between projects and turns (the
+    project block, then any summary), sent after them, so a provider's prefix cache of
+    the instructions and tools serves every project (decision 0296).
+    """
 
     project_id: str
     credential_ref: str
@@ -79,6 +85,7 @@ class ModelRequest:
     tools: Sequence[ToolDeclaration]
     request_id: str
     deadlines: ModelDeadlines
+    system_context: str = ""
 
 
 class FinishReason(StrEnum):

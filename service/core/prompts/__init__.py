@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from importlib import resources
 
-INSTRUCTIONS_VERSION = "v2"
+INSTRUCTIONS_VERSION = "v3"
 SUMMARY_VERSION = "v2"
 
 

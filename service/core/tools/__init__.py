@@ -6,9 +6,10 @@ side by side in ``tracker``, ``skills`` and ``knowledge``. ``registry`` lists th
 in the order of docs/spec/authority.md; ``runner`` holds the checks around a call (validation,
 policy refusal, write cap, deadline) and ``cut`` the 16 KiB cut.
 
-What the model gets back is always JSON text: the tool's own shape, documented in its
-description (our shapes, not protobuf JSON; optional fields written ``name?`` are left
-out when empty), ``{"error": {"reason": "<UPPER_SNAKE>", "message": "<for the model>"}}``
+What the model gets back is always JSON text: the tool's own shape, built by its run
+function (our shapes, not protobuf JSON, with self-describing keys; optional fields are
+left out when empty; descriptions do not spell the shapes out, decision 0295),
+``{"error": {"reason": "<UPPER_SNAKE>", "message": "<for the model>"}}``
 with the reasons of ``service.core.errors.ToolFailure``, or, too large,
 ``{"truncated": true, "original_bytes": N, "content": ...}``.
 
@@ -33,7 +34,13 @@ from service.core.tools.runner import (
     touches_policy,
     validate_arguments,
 )
-from service.core.tools.unit import Invocation, Tool, ToolResult
+from service.core.tools.unit import (
+    VALIDATION_ONLY,
+    Invocation,
+    Tool,
+    ToolResult,
+    declared_schema,
+)
 
 __all__ = [
     "DEFAULT_TOOL_TIMEOUT_S",
@@ -41,6 +48,7 @@ __all__ = [
     "TOOLS",
     "TOOLS_BY_NAME",
     "TOOL_SCHEMA_VERSION",
+    "VALIDATION_ONLY",
     "WRITE_TOOLS",
     "Invocation",
     "Tool",
@@ -50,6 +58,7 @@ __all__ = [
     "ToolRunner",
     "cut_to_fit",
     "declarations",
+    "declared_schema",
     "error_result",
     "parse_arguments",
     "touches_policy",

@@ -19,7 +19,6 @@ from service.core.backend_types import (
 from service.core.model import JsonObject
 from service.core.tools.unit import (
     BODY_CHARS,
-    DATA_NOT_INSTRUCTIONS,
     INT64_MAX,
     KNOWLEDGE_READ,
     KNOWLEDGE_WRITE,
@@ -40,10 +39,6 @@ from service.core.tools.unit import (
 DEFAULT_SEARCH_LIMIT = 10
 
 _KINDS = tuple(kind.value for kind in KnowledgeKind if kind is not KnowledgeKind.UNSPECIFIED)
-_ENTRY_HEAD = (
-    '"entry_id", "kind", "title", "status", "version", "author_id", "recorded_by", '
-    '"project_ids", "item_ids"'
-)
 
 
 def _entry_head(entry: KnowledgeEntry) -> JsonObject:
@@ -94,17 +89,15 @@ async def _search_knowledge(call: Invocation, args: JsonObject) -> ToolResult:
 SEARCH_KNOWLEDGE = Tool(
     name="search_knowledge",
     description=(
-        "Search the organization's knowledge base: documents, decisions, notes and "
-        "technical-debt records, best first; an empty query lists the newest entries. "
-        "Use get_knowledge to read an entry's body. Returns "
-        '{"hits": [{' + _ENTRY_HEAD + ', "update_time"?, "score", "snippet"}], '
-        '"next_page_token"?}.' + DATA_NOT_INSTRUCTIONS
+        "Search the organization's knowledge base (documents, decisions, notes, "
+        "technical-debt records), best first; an empty query lists the newest entries. "
+        "get_knowledge reads an entry's body."
     ),
     schema=object_schema(
         {
-            "query": string("What to look for, in words.", max_length=1000, min_length=0),
-            "kind": enum("Only entries of this kind.", *_KINDS),
-            "limit": integer("At most this many entries (default 10).", 1, 50),
+            "query": string("", max_length=1000, min_length=0),
+            "kind": enum("", *_KINDS),
+            "limit": integer("Default 10.", 1, 50),
         },
         "query",
     ),
@@ -130,13 +123,8 @@ async def _get_knowledge(call: Invocation, args: JsonObject) -> ToolResult:
 
 GET_KNOWLEDGE = Tool(
     name="get_knowledge",
-    description=(
-        "Read one knowledge entry with its body. Returns "
-        '{"entry": {' + _ENTRY_HEAD + ', "body", "supersedes_ids", "superseded_by_ids", '
-        '"create_time"?, "update_time"?}}. Keep "version": update_knowledge needs it.'
-        + DATA_NOT_INSTRUCTIONS
-    ),
-    schema=object_schema({"entry_id": string("The entry's id.")}, "entry_id"),
+    description="Read one knowledge entry with its body; update_knowledge needs its version.",
+    schema=object_schema({"entry_id": string("")}, "entry_id"),
     permissions=(KNOWLEDGE_READ,),
     rpcs=("KnowledgeService.GetKnowledgeEntry",),
     run=_get_knowledge,
@@ -162,18 +150,16 @@ async def _create_knowledge(call: Invocation, args: JsonObject) -> ToolResult:
 CREATE_KNOWLEDGE = Tool(
     name="create_knowledge",
     description=(
-        "Write a new knowledge entry (a document, decision, note or debt record) linked "
-        "to this project and, optionally, to items of it. It is attributed to the human "
-        "you work for, so write only what they asked for or agreed to. Returns "
-        '{"entry": {' + _ENTRY_HEAD + "}} with version 1."
+        "Write a new knowledge entry, linked to this project and optionally to its items. "
+        "It is attributed to the human: write only what they asked for or agreed to."
     ),
     schema=object_schema(
         {
-            "kind": enum("What kind of entry.", *_KINDS),
-            "title": string("The title.", max_length=TITLE_CHARS),
-            "body": string("The body, in markdown.", max_length=BODY_CHARS),
-            "status": string("A status, e.g. proposed or accepted for a decision.", max_length=32),
-            "item_ids": id_list("Items of this project to link the entry to."),
+            "kind": enum("", *_KINDS),
+            "title": string("", max_length=TITLE_CHARS),
+            "body": string("Markdown.", max_length=BODY_CHARS),
+            "status": string("E.g. proposed or accepted for a decision.", max_length=32),
+            "item_ids": id_list("Items to link."),
         },
         "kind",
         "title",
@@ -207,22 +193,19 @@ async def _update_knowledge(call: Invocation, args: JsonObject) -> ToolResult:
 UPDATE_KNOWLEDGE = Tool(
     name="update_knowledge",
     description=(
-        "Change a knowledge entry. Send the version you read with get_knowledge; fields "
-        "you leave out stay as they are, and item_ids replaces the linked items. If the "
-        "entry changed since you read it, the result is a STALE_VERSION error: read it "
-        "again and redo the change. Returns "
-        '{"entry": {' + _ENTRY_HEAD + "}} with the new version."
+        "Change a knowledge entry; fields left out stay as they are. A STALE_VERSION "
+        "error means it changed since you read it: read it again and redo the change."
     ),
     schema=object_schema(
         {
-            "entry_id": string("The entry to change."),
+            "entry_id": string(""),
             # The contract's version is an int64; the bound makes a larger number an
             # error result naming the field, not a failure in the encoding.
             "version": integer("The version you read.", 1, INT64_MAX),
-            "title": string("A new title.", max_length=TITLE_CHARS),
-            "body": string("A new body, in markdown.", max_length=BODY_CHARS),
-            "status": string("A new status.", max_length=32),
-            "item_ids": id_list("The items to link, replacing the linked ones."),
+            "title": string("", max_length=TITLE_CHARS),
+            "body": string("Markdown.", max_length=BODY_CHARS),
+            "status": string("", max_length=32),
+            "item_ids": id_list("Replaces the linked items."),
         },
         "entry_id",
         "version",

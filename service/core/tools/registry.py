@@ -10,12 +10,12 @@ from jsonschema import Draft202012Validator
 
 from service.core.ports.model import ToolDeclaration
 from service.core.tools import knowledge, skills, tracker
-from service.core.tools.unit import Tool
+from service.core.tools.unit import Tool, declared_schema
 
 #: The version of the tool names, descriptions and schemas; recorded on each turn
 #: (docs/spec/turn-loop.md step 2). Bump it whenever a declaration changes: a unit test pins a
 #: fingerprint of ``declarations()``.
-TOOL_SCHEMA_VERSION = "tools-2026-12-1"
+TOOL_SCHEMA_VERSION = "tools-2026-12-2"
 
 TOOLS: tuple[Tool, ...] = (*tracker.TOOLS, *skills.TOOLS, *knowledge.TOOLS)
 TOOLS_BY_NAME: Mapping[str, Tool] = {tool.name: tool for tool in TOOLS}
@@ -28,16 +28,17 @@ VALIDATORS: Mapping[str, Draft202012Validator] = {
 
 
 def declarations() -> list[ToolDeclaration]:
-    """The twelve tools as offered to the model: name, description, JSON Schema text.
+    """The twelve tools as offered to the model: name, description, and the JSON Schema
+    text of ``declared_schema`` (the validation bounds left out; decision 0295).
 
     The schema text is the same on every call (stable key order), so a provider's prompt
-    cache keeps working across turns.
+    cache keeps working across turns, sessions and projects.
     """
     return [
         ToolDeclaration(
             name=tool.name,
             description=tool.description,
-            parameters_json_schema=json.dumps(tool.schema, separators=(",", ":")),
+            parameters_json_schema=json.dumps(declared_schema(tool.schema), separators=(",", ":")),
         )
         for tool in TOOLS
     ]

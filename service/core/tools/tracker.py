@@ -31,9 +31,7 @@ from service.core.backend_types import (
 from service.core.errors import ToolFailure
 from service.core.model import JsonObject
 from service.core.tools.unit import (
-    DATA_NOT_INSTRUCTIONS,
     PAGE_TOKEN,
-    PAGED,
     SKILL_READ,
     TEXT_CHARS,
     TITLE_CHARS,
@@ -61,11 +59,6 @@ DEFAULT_PRIORITY = 2
 _KINDS = tuple(kind.value for kind in ItemKind if kind is not ItemKind.UNSPECIFIED)
 _STATES = tuple(state.value for state in ItemState if state is not ItemState.UNSPECIFIED)
 _STATUSES = tuple(s.value for s in ChangesetStatus if s is not ChangesetStatus.UNSPECIFIED)
-
-_COMPACT_ITEM = (
-    '{"item_id", "kind", "title", "state", "priority", "ticket_type"?, "epic_id"?, '
-    '"milestone_id"?, "labels"?}'
-)
 
 
 def _compact_item(item: Item) -> JsonObject:
@@ -116,20 +109,16 @@ async def _list_items(call: Invocation, args: JsonObject) -> ToolResult:
 LIST_ITEMS = Tool(
     name="list_items",
     description=(
-        "List the project's milestones, epics and tickets, compactly (no descriptions), "
-        "ordered by priority then id. Use it for an overview or to find item ids; "
-        "filter by kind, state, epic_id (the tickets of an epic) or milestone_id. Use "
-        "get_item for one item's full text. Returns "
-        f'{{"items": [{_COMPACT_ITEM}], "total_size": N, "next_page_token"?}}. '
-        "Priority 0 is the highest." + PAGED
+        "List the project's milestones, epics and tickets (no text), by priority (0 is "
+        "the highest) then id, optionally filtered. get_item gives an item's text."
     ),
     schema=object_schema(
         {
-            "kind": enum("Only items of this kind.", *_KINDS),
-            "state": enum("Only items in this state.", *_STATES),
-            "epic_id": string("Only the tickets of this epic."),
-            "milestone_id": string("Only items aiming at this milestone."),
-            "page_size": integer("Items per page (default 50).", 1, 500),
+            "kind": enum("", *_KINDS),
+            "state": enum("", *_STATES),
+            "epic_id": string(""),
+            "milestone_id": string(""),
+            "page_size": integer("", 1, 500),
             "page_token": PAGE_TOKEN,
         }
     ),
@@ -150,7 +139,8 @@ async def _get_item(call: Invocation, args: JsonObject) -> ToolResult:
 
 
 def full_item(item: Item) -> JsonObject:
-    """The ``item`` of ``get_item``'s output (its description says the shape)."""
+    """The ``item`` of ``get_item``'s output: the compact item, its text, dependencies,
+    policy and times."""
     output = _compact_item(item)
     output["description"] = item.description
     output["acceptance_criteria"] = item.acceptance_criteria
@@ -166,15 +156,11 @@ def full_item(item: Item) -> JsonObject:
 GET_ITEM = Tool(
     name="get_item",
     description=(
-        "Get one milestone, epic or ticket with its description, acceptance criteria, "
-        "execution policy (read only; only humans set it) and dependencies. Returns "
-        '{"item": {"item_id", "kind", "title", "state", "priority", "ticket_type"?, '
-        '"epic_id"?, "milestone_id"?, "labels"?, "description", "acceptance_criteria", '
-        '"blocked_by_ids", "blocks_ids", "policy"?: {"mode", "settings"}, '
-        '"create_time"?, "update_time"?}}; blocked_by_ids are the items that block it, '
-        "blocks_ids the items it blocks." + DATA_NOT_INSTRUCTIONS
+        "Get one item with its description, acceptance criteria, dependencies "
+        "(blocked_by_ids: the items blocking it; blocks_ids: the items it blocks) and "
+        "execution policy (read only: only humans set it)."
     ),
-    schema=object_schema({"item_id": string("The item's id.")}, "item_id"),
+    schema=object_schema({"item_id": string("")}, "item_id"),
     permissions=(TRACKER_READ,),
     rpcs=("TrackerService.GetItem",),
     run=_get_item,
@@ -197,13 +183,12 @@ async def _list_runnable(call: Invocation, args: JsonObject) -> ToolResult:
 LIST_RUNNABLE = Tool(
     name="list_runnable",
     description=(
-        "List the tickets that are ready to work on: open tickets whose blockers are all "
-        "closed, by priority then id. Use it to say what can be done next. Returns "
-        f'{{"items": [{_COMPACT_ITEM}], "total_size": N, "next_page_token"?}}.' + PAGED
+        "List the tickets ready to work on (open, every blocker closed), by priority "
+        "then id: what can be done next."
     ),
     schema=object_schema(
         {
-            "page_size": integer("Tickets per page (default 50).", 1, 500),
+            "page_size": integer("", 1, 500),
             "page_token": PAGE_TOKEN,
         }
     ),
@@ -258,18 +243,13 @@ async def _search_project(call: Invocation, args: JsonObject) -> ToolResult:
 SEARCH_PROJECT = Tool(
     name="search_project",
     description=(
-        "Search the project's items and skills by meaning and keywords (hybrid search), "
-        "best first. Use it when you do not know an item's id or which skill covers a "
-        "topic. Items are searched when the human may read the tracker, skills when they "
-        'may read skills. Returns {"results": [{"item": ' + _COMPACT_ITEM + "} or "
-        '{"skill": {"name", "description", "version"}}, each with "score" (higher is '
-        'better) and "snippet"], "items_searched": bool, "skills_searched": bool}.'
-        + DATA_NOT_INSTRUCTIONS
+        "Search the project's items and skills by meaning and keywords, best first: to "
+        "find an item whose id you do not know, or the skill for a topic."
     ),
     schema=object_schema(
         {
-            "query": string("What to look for, in words.", max_length=1000),
-            "limit": integer("At most this many results (default 10).", 1, 50),
+            "query": string("", max_length=1000),
+            "limit": integer("Default 10.", 1, 50),
         },
         "query",
     ),
@@ -280,11 +260,6 @@ SEARCH_PROJECT = Tool(
 
 
 # --------------------------------------------------------------------------- changesets
-
-_OPERATION_SHAPES = (
-    '{"create_item": {"ref"?, "kind", "title", ...}}, {"update_item": {"item_id", ...}}, '
-    '{"add_dependency": {"item_id", "blocked_by_id"}} or {"remove_dependency": {...}}'
-)
 
 
 def _operation_json(operation: ChangesetOperation) -> JsonObject:
@@ -358,17 +333,13 @@ async def _list_changesets(call: Invocation, args: JsonObject) -> ToolResult:
 LIST_CHANGESETS = Tool(
     name="list_changesets",
     description=(
-        "List the project's changesets (proposed plan changes), newest first, optionally "
-        "by status: proposed (waiting for a human), applied or rejected. Check it before "
-        "proposing, so you do not propose the same change twice. Returns "
-        '{"changesets": [{"changeset_id", "status", "title", "description"?, "author_id", '
-        '"recorded_by", "create_time"?, "operations": [' + _OPERATION_SHAPES + "]}], "
-        '"next_page_token"?}.' + PAGED
+        "List the project's changesets (proposed plan changes), newest first. Check it "
+        "before proposing, so as not to propose a change twice."
     ),
     schema=object_schema(
         {
-            "status": enum("Only changesets with this status.", *_STATUSES),
-            "page_size": integer("Changesets per page (default 10).", 1, 100),
+            "status": enum("proposed: waiting for a human.", *_STATUSES),
+            "page_size": integer("", 1, 100),
             "page_token": PAGE_TOKEN,
         }
     ),
@@ -380,53 +351,46 @@ LIST_CHANGESETS = Tool(
 
 # --------------------------------------------------------------------------- propose_changeset
 
-_ID_OR_REF = "An item id, or the ref of an item created earlier in this changeset."
-
 _CREATE_ITEM = object_schema(
     {
-        "ref": string(
-            "A name you choose (e.g. 'auth-epic') that later operations of this changeset "
-            "use in place of the new item's id.",
-            max_length=64,
-        ),
-        "kind": enum("What to create.", *_KINDS),
-        "title": string("A one-line title.", max_length=TITLE_CHARS),
-        "description": string("The description, in markdown.", max_length=TEXT_CHARS, min_length=0),
-        "acceptance_criteria": string(
-            "The acceptance criteria, in markdown.", max_length=TEXT_CHARS, min_length=0
-        ),
-        "priority": integer("Priority, 0 (highest) to 4 (lowest); default 2.", 0, 4),
+        "ref": string("Your name for the new item, usable as its id later on.", max_length=64),
+        "kind": enum("", *_KINDS),
+        "title": string("", max_length=TITLE_CHARS),
+        "description": string("Markdown.", max_length=TEXT_CHARS, min_length=0),
+        "acceptance_criteria": string("", max_length=TEXT_CHARS, min_length=0),
+        "priority": integer("0 (highest) to 4; default 2.", 0, 4),
         "ticket_type": string("For a ticket: task, bug, feature or chore.", max_length=32),
-        "epic_id": string("For a ticket: its epic. " + _ID_OR_REF),
-        "milestone_id": string("The milestone it aims at. " + _ID_OR_REF),
+        "epic_id": string("For a ticket: its epic."),
+        "milestone_id": string(""),
     },
     "kind",
     "title",
 )
 _UPDATE_ITEM = object_schema(
     {
-        "item_id": string("The item to change. " + _ID_OR_REF),
-        "title": string("A new title.", max_length=TITLE_CHARS),
-        "description": string("A new description.", max_length=TEXT_CHARS, min_length=0),
-        "acceptance_criteria": string(
-            "New acceptance criteria.", max_length=TEXT_CHARS, min_length=0
-        ),
-        "state": enum("A new state.", *_STATES),
-        "priority": integer("Priority, 0 (highest) to 4 (lowest).", 0, 4),
-        "epic_id": string("A new epic. " + _ID_OR_REF),
-        "milestone_id": string("A new milestone. " + _ID_OR_REF),
+        "item_id": string(""),
+        "title": string("", max_length=TITLE_CHARS),
+        "description": string("", max_length=TEXT_CHARS, min_length=0),
+        "acceptance_criteria": string("", max_length=TEXT_CHARS, min_length=0),
+        "state": enum("", *_STATES),
+        "priority": integer("0 (highest) to 4.", 0, 4),
+        "epic_id": string(""),
+        "milestone_id": string(""),
     },
     "item_id",
     # Only the id would be an update that changes nothing.
     minProperties=2,
 )
-_DEPENDENCY = object_schema(
+_ADD_DEPENDENCY = object_schema(
     {
-        "item_id": string("The blocked item. " + _ID_OR_REF),
-        "blocked_by_id": string("The item that blocks it. " + _ID_OR_REF),
+        "item_id": string("The blocked item."),
+        "blocked_by_id": string("The item blocking it."),
     },
     "item_id",
     "blocked_by_id",
+)
+_REMOVE_DEPENDENCY = object_schema(
+    {"item_id": string(""), "blocked_by_id": string("")}, "item_id", "blocked_by_id"
 )
 # One key per operation instead of a oneOf: a validation error then names the exact
 # field, which the model can fix, rather than "not valid under any of the given schemas".
@@ -434,12 +398,12 @@ _OPERATION = object_schema(
     {
         "create_item": _CREATE_ITEM,
         "update_item": _UPDATE_ITEM,
-        "add_dependency": _DEPENDENCY,
-        "remove_dependency": _DEPENDENCY,
+        "add_dependency": _ADD_DEPENDENCY,
+        "remove_dependency": _REMOVE_DEPENDENCY,
     },
     minProperties=1,
     maxProperties=1,
-    description="Exactly one of create_item, update_item, add_dependency, remove_dependency.",
+    description="Exactly one key.",
 )
 
 
@@ -498,29 +462,20 @@ async def _propose_changeset(call: Invocation, args: JsonObject) -> ToolResult:
 PROPOSE_CHANGESET = Tool(
     name="propose_changeset",
     description=(
-        "Propose changes to the plan: create items, update items, add or remove "
-        "dependencies. This only proposes: nothing changes until a human approves and "
-        "applies the changeset (or rejects it), so tell the human what you proposed and "
-        "that it waits for their approval. You cannot apply or reject changesets or set "
-        "execution policies. Operations apply in order; each is "
-        + _OPERATION_SHAPES
-        + ". Give a created item a ref and use that ref instead of an id in later "
-        "operations of the same changeset. Returns "
-        '{"changeset": {"changeset_id", "status": "proposed", "title", "description"?, '
-        '"author_id", "recorded_by", "create_time"?, "operations": [...]}}.'
+        "Propose plan changes, applied in order. Nothing changes until a human approves "
+        "and applies them: tell the human what you proposed and that it waits for their "
+        "approval. An item id may be the ref of an item created earlier in the changeset; "
+        "update_item changes only the fields given."
     ),
     schema=object_schema(
         {
-            "title": string("A one-line summary of the change.", max_length=TITLE_CHARS),
-            "description": string(
-                "Why the changes are proposed.", max_length=TEXT_CHARS, min_length=0
-            ),
+            "title": string("One line.", max_length=TITLE_CHARS),
+            "description": string("Why.", max_length=TEXT_CHARS, min_length=0),
             "operations": {
                 "type": "array",
                 "items": _OPERATION,
                 "minItems": 1,
                 "maxItems": 50,
-                "description": "The operations, applied in order.",
             },
         },
         "title",

@@ -27,6 +27,7 @@ from service.core.ports import Clock, Promoted, Promotion, SessionStore, TurnCom
 from service.core.tools import WRITE_TOOLS, ToolOutcome, error_result
 from service.core.turn.events import EventBuilder, Totals
 from service.core.turn.settings import TurnDependencies, TurnObserver
+from service.core.turn.telling import StoreThenTell
 
 #: Told of a queued turn an ending started (decision 0300), with the session when the
 #: ending knew it: the turn service launches it on this replica.
@@ -206,23 +207,19 @@ async def close_stored_turn(
         lease_expired_before=lease_expired_before,
     )
     promoted: Promoted | None = None
+    telling = StoreThenTell(store, hub, observer)
     try:
         if promote is None:
-            stored = await store.commit(commit)
+            await telling.commit(commit, turn)
         else:
-            end = await store.end_turn(commit, promote)
-            stored, promoted = end.events, end.promoted
+            promoted = (await telling.end(commit, turn, promote)).promoted
     except StoreConflict:
         return False
-    observer.turn_ended(ending.reason, ending.error_reason, turn.rounds)
     log.info(
         "closed turn %s",
         ending.reason.value,
         extra={"session": turn.session_id, "turn": turn.turn_id},
     )
-    hub.publish(stored)
-    if promoted is not None:
-        hub.publish(promoted.events)
-        if on_promoted is not None:
-            on_promoted(promoted, None)
+    if promoted is not None and on_promoted is not None:
+        on_promoted(promoted, None)
     return True

@@ -54,6 +54,7 @@ from service.core.turn.model_call import model_request, stream_answer
 from service.core.turn.prompt import Prompt, PromptSource
 from service.core.turn.settings import TurnDependencies
 from service.core.turn.state import Answer, PendingCall, TurnHandle, TurnState
+from service.core.turn.telling import StoreThenTell
 from service.core.turn.tool_round import RoundCommit, ToolRound
 
 log = logging.getLogger(__name__)
@@ -144,6 +145,7 @@ class TurnLoop:
         self._started_by: tuple[SpanRef, ...] = ()
         self._compactor = Compactor(deps, self._state, self._commit_compaction)
         self._tools = ToolRound(deps, self._state, self._commit_results)
+        self._told = StoreThenTell.of(deps)
 
     async def run(self) -> None:
         """Drive the turn to its end and store it; never raises but ``CancelledError``.
@@ -272,7 +274,8 @@ class TurnLoop:
             state,
             purpose=Purpose.TURN,
             credential_ref=prompt.credential_ref,
-            system=with_context(prompt.system, state.context_block),
+            system=prompt.system,
+            system_context=with_context(prompt.context, state.context_block),
             messages=self._conversations.model_messages(self._handle.session_id, state.messages),
             tools=self._deps.declarations,
         )
@@ -406,21 +409,13 @@ class TurnLoop:
         # The ending starts the session's next queued turn in its own transaction
         # (decision 0300); it is published after this turn's end and launched here.
         end_of_turn = await self._guard(
-            self._deps.store.end_turn(commit, endings.promotion(self._deps))
+            self._told.end(commit, self._handle.turn, endings.promotion(self._deps))
         )
-        self._stored(commit, end_of_turn.events)
+        self._remember(commit, end_of_turn.events)
         promoted = end_of_turn.promoted
-        if promoted is not None:
-            self._deps.hub.publish(promoted.events)
-            if self._on_promoted is not None:
-                self._on_promoted(promoted, state.session)
+        if promoted is not None and self._on_promoted is not None:
+            self._on_promoted(promoted, state.session)
         self._trace_end(end.ending)
-        self._deps.observer.turn_ended(
-            end.ending.reason,
-            end.ending.error_reason,
-            state.rounds,
-            (self._deps.clock.now() - self._handle.turn.start_time).total_seconds(),
-        )
 
     async def _close_when_the_database_answers(self) -> None:
         """Close the turn of a run whose commit failed because the database is
@@ -507,12 +502,12 @@ class TurnLoop:
         )
 
     async def _store(self, commit: TurnCommit) -> None:
-        """Apply ``commit``, then remember what it stored and publish it; raises
-        ``Abandon``."""
-        self._stored(commit, await self._guard(self._deps.store.commit(commit)))
+        """Apply ``commit`` and tell what it stored (``StoreThenTell``), then remember it;
+        raises ``Abandon``."""
+        self._remember(commit, await self._guard(self._told.commit(commit, self._handle.turn)))
 
-    def _stored(self, commit: TurnCommit, stored: list[SessionEvent]) -> None:
-        """Remember what ``commit`` stored (``stored``) and publish it."""
+    def _remember(self, commit: TurnCommit, stored: list[SessionEvent]) -> None:
+        """Keep what ``commit`` stored (``stored``, already told) in the turn's state."""
         state = self._state
         for event in stored:
             if event.message is not None and event.kind is not EventKind.COMPACTED:
@@ -526,7 +521,6 @@ class TurnLoop:
             # The store now holds this estimate; so must the turn, or the next compaction
             # check ignores the usage an answer just reported (docs/spec/compaction.md).
             state.context = commit.context
-        self._deps.hub.publish(stored)
 
     async def _guard(self, operation: Awaitable[T]) -> T:
         try:

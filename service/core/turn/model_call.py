@@ -70,10 +70,12 @@ def model_request(
     system: str,
     messages: Sequence[ModelMessage],
     tools: Sequence[ToolDeclaration],
+    system_context: str = "",
 ) -> ModelRequest:
     """A request metered to the session's project with its model credential reference;
     each model deadline is capped by what is left of the turn (docs/spec/turn-loop.md,
-    Deadlines)."""
+    Deadlines). ``system`` goes before the tools, ``system_context`` after them
+    (``ModelRequest``)."""
     settings = deps.settings
     left = max(0.1, time_left(deps, state))
     return ModelRequest(
@@ -82,6 +84,7 @@ def model_request(
         model=settings.model,
         purpose=purpose,
         system_prompt=system,
+        system_context=system_context,
         messages=messages,
         tools=tools,
         request_id=new_model_request_id(),

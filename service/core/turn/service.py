@@ -40,6 +40,7 @@ from service.core.turn.loop import Step, TurnLoop
 from service.core.turn.prompt import PromptSource
 from service.core.turn.settings import TurnDependencies
 from service.core.turn.state import TurnHandle
+from service.core.turn.telling import StoreThenTell
 
 log = logging.getLogger(__name__)
 
@@ -272,7 +273,7 @@ class TurnService:
             if outcome.kind is StartOutcomeKind.DUPLICATE:
                 return Accepted(outcome.turn, outcome.events[0], duplicate=True)
             if outcome.kind is StartOutcomeKind.QUEUED:
-                self._deps.hub.publish(list(outcome.events))
+                StoreThenTell.of(self._deps).tell(outcome.events, outcome.turn)
                 if outcome.interrupted is not None:
                     handle = self._handles.get(outcome.interrupted.turn_id)
                     if handle is not None:
@@ -288,7 +289,7 @@ class TurnService:
             # Launched before the events are published: the turn's first steps (and its
             # model call) run before the streams' writers wake for these events.
             self._launch(TurnHandle(outcome.turn, session, acting, stored[0].sequence))
-            self._deps.hub.publish(stored)
+            StoreThenTell.of(self._deps).tell(stored, outcome.turn)
             return Accepted(outcome.turn, stored[0], duplicate=False)
         raise FailedPrecondition("a turn is still closing; try again", reason="TURN_IN_PROGRESS")
 
@@ -330,8 +331,7 @@ class TurnService:
             ended = await store.cancel_queued(
                 turn_id, events.turn_ended(endings.CANCELLED.reason, Totals())
             )
-            if ended:
-                self._deps.hub.publish(ended)
+            StoreThenTell.of(self._deps).tell(ended, turn)
             # Else it started (or ended) meanwhile: cancelled as a running turn below.
             turn = await store.get_turn(turn_id)
             if turn is None:

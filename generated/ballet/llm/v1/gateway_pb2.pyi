@@ -294,6 +294,7 @@ class GenerateRequest(_message.Message):
     MAX_OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     INCLUDE_REASONING_TEXT_FIELD_NUMBER: _builtins.int
+    SYSTEM_CONTEXT_FIELD_NUMBER: _builtins.int
     project_id: _builtins.str
     """The project the call is metered to; required."""
     credential_ref: _builtins.str
@@ -303,7 +304,9 @@ class GenerateRequest(_message.Message):
     purpose: Global___Purpose.ValueType
     """Why the model is called."""
     system_prompt: _builtins.str
-    """The system prompt."""
+    """The system prompt: the text that is the same for every project (the planner's
+    built-in instructions), sent first, before the tools.
+    """
     max_output_tokens: _builtins.int
     """The most tokens to generate; 0 means the provider's default."""
     request_id: _builtins.str
@@ -312,6 +315,14 @@ class GenerateRequest(_message.Message):
     """True to receive the model's reasoning text in ReasoningActivity.text where the
     provider exposes it; false (the default) sends only its size, so that reasoning is
     never stored or logged unless asked for.
+    """
+    system_context: _builtins.str
+    """System-side text that differs between projects and turns (the project, its
+    organization and planner skill, and after a compaction the summary), to be sent
+    after the system prompt and the tools: a second system message after the first in
+    the Chat Completions API, so that a provider's prefix cache of the system prompt and
+    the tools is shared by every project. Empty means none. A provider whose format
+    takes one system text appends it to the system prompt, after a blank line.
     """
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___Message]:
@@ -334,10 +345,11 @@ class GenerateRequest(_message.Message):
         max_output_tokens: _builtins.int = ...,
         request_id: _builtins.str = ...,
         include_reasoning_text: _builtins.bool = ...,
+        system_context: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["credential_ref", b"credential_ref", "include_reasoning_text", b"include_reasoning_text", "max_output_tokens", b"max_output_tokens", "messages", b"messages", "model", b"model", "project_id", b"project_id", "purpose", b"purpose", "request_id", b"request_id", "system_prompt", b"system_prompt", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["credential_ref", b"credential_ref", "include_reasoning_text", b"include_reasoning_text", "max_output_tokens", b"max_output_tokens", "messages", b"messages", "model", b"model", "project_id", b"project_id", "purpose", b"purpose", "request_id", b"request_id", "system_context", b"system_context", "system_prompt", b"system_prompt", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
