@@ -289,6 +289,27 @@ class DatabaseSettings:
         doc="Check every pooled connection at checkout (one round trip each, both pools); "
         "off, a connection a restart or failover broke fails one unit of work per pool.",
     )
+    unit_timeout_s: float = _key(
+        10.0,
+        gt=0,
+        doc="Seconds one unit of work (pool checkout, statements, commit) may take before "
+        "it fails UNAVAILABLE/DATABASE_UNAVAILABLE and is cancelled (decision 0310).",
+    )
+    tcp_user_timeout_s: float = _key(
+        8.0,
+        gt=0,
+        doc="PostgreSQL: seconds data sent on a connection may go unacknowledged before "
+        "the connection is aborted (libpq's tcp_user_timeout; every connection).",
+    )
+    keepalives_idle_s: int = _key(
+        5, ge=1, doc="PostgreSQL: seconds of silence before TCP keepalive probes start."
+    )
+    keepalives_interval_s: int = _key(
+        2, ge=1, doc="PostgreSQL: seconds between TCP keepalive probes."
+    )
+    keepalives_count: int = _key(
+        3, ge=1, doc="PostgreSQL: unanswered TCP keepalive probes that end a connection."
+    )
     abandoned_read_grace_s: float = _key(
         5.0,
         ge=0,

@@ -92,6 +92,7 @@ class Conversations:
             self._messages -= len(dropped)
         return [*converted, *to_model_messages(messages[start:])]
 
+
     def _forget(self, session_id: str) -> None:
         kept = self._kept.pop(session_id, None)
         if kept is not None:

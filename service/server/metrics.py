@@ -376,6 +376,7 @@ class Metrics:
         self.database_connections_limit.set(limit)
         on_failure(lambda kind: self.database_errors.labels(kind=kind).inc())
 
+
     def count_signal(self, outcome: str, n: int) -> None:
         """Count ``n`` signals of ``outcome`` (a ``Signals.watch`` callback)."""
         self.signals.labels(outcome).inc(n)

@@ -51,8 +51,21 @@ MAX_ROUNDS = Ending(Reason.MAX_ROUNDS)
 CANCELLED = Ending(Reason.CANCELLED)
 #: A message sent with ``on_busy`` INTERRUPT stopped the turn (decision 0301).
 INTERRUPTED_BY_MESSAGE = Ending(Reason.INTERRUPTED_BY_MESSAGE)
-#: A replica stopped (crash, shutdown past its grace) or lost its lease.
+#: A replica stopped (crash, shutdown past its grace): what start-up recovery finds of
+#: its own turns.
 INTERRUPTED = Ending(Reason.INTERRUPTED, "INTERRUPTED", "the replica running the turn stopped")
+#: A turn whose lease expired, closed by another run (the sweeper, a send, a cancel): its
+#: replica stopped or could not reach the database; which one, nobody here knows
+#: (decision 0311).
+LEASE_EXPIRED = Ending(
+    Reason.INTERRUPTED,
+    "INTERRUPTED",
+    "the turn's lease expired: the replica running it stopped or lost the database",
+)
+#: The lease renewal found the turn closed or taken over by another replica.
+TAKEN_OVER = Ending(
+    Reason.INTERRUPTED, "INTERRUPTED", "another replica closed the turn while it ran here"
+)
 SHUTTING_DOWN = Ending(Reason.INTERRUPTED, "INTERRUPTED", "the planner is shutting down")
 TURN_TIMEOUT = Ending(Reason.FAILED, "TURN_TIMEOUT", "the turn ran out of time")
 CREDENTIAL_EXPIRED = Ending(Reason.FAILED, "CREDENTIAL_EXPIRED", "the human's token expired")

@@ -167,7 +167,17 @@ class TurnLoop:
             self._deps.settings.turn_timeout_s, handle.request_stop, endings.TURN_TIMEOUT
         )
         try:
-            await self._finish(await self._drive())
+            end = await self._drive()
+            try:
+                await self._finish(end)
+            except Abandon as reason:
+                if not isinstance(reason.__cause__, StoreUnavailable):
+                    raise
+                log.warning(
+                    "the database failed at the turn's end; it is stored once it answers",
+                    extra=handle.log_fields(),
+                )
+                await self._finish_when_the_database_answers(end)
         except Abandon as reason:
             if isinstance(reason.__cause__, StoreUnavailable):
                 log.warning(
@@ -390,7 +400,44 @@ class TurnLoop:
 
     # ------------------------------------------------------------------ the end
 
-    async def _finish(self, end: End) -> None:
+    async def _finish(self, end: End, commit: TurnCommit | None = None) -> None:
+        commit = commit or self._ending_commit(end)
+        # The ending starts the session's next queued turn in its own transaction
+        # (decision 0300); it is told after this turn's end and launched here.
+        end_of_turn = await self._guard(
+            self._told.end(commit, self._handle.turn, endings.promotion(self._deps))
+        )
+        self._remember(commit, end_of_turn.events)
+        promoted = end_of_turn.promoted
+        if promoted is not None and self._on_promoted is not None:
+            self._on_promoted(promoted, self._state.session)
+        self._trace_end(end.ending)
+
+    async def _finish_when_the_database_answers(self, end: End) -> None:
+        """Store ``end`` (the answer as streamed, the way the turn ended) once the
+        database answers again, retried with backoff: fenced by ownership (the commit's
+        ``owner``), not by the lease's clock (decision 0311). The human saw the answer, so
+        it is kept when no other replica ended the turn meanwhile; when one did (its
+        sweeper, after the lease expired), the commit is refused (``StoreConflict``) and
+        nothing more is stored, as before. A commit that landed though its answer was
+        lost is refused the same way: the turn is no longer running."""
+        commit = self._ending_commit(end)
+        delay = 0.05
+        while True:
+            try:
+                await self._finish(end, replace(commit, now=self._deps.clock.now()))
+                return
+            except Abandon as reason:
+                if not isinstance(reason.__cause__, StoreUnavailable):
+                    log.warning(
+                        "the turn's end was refused: %s", reason, extra=self._handle.log_fields()
+                    )
+                    return
+            # Jitter keeps a replica's closing turns from hitting the database in lockstep.
+            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+            delay = min(1.0, delay * 2)
+
+    def _ending_commit(self, end: End) -> TurnCommit:
         state = self._state
         final = end.pending[0].message if end.pending else None
         context: ContextEstimate | None = None
@@ -406,16 +453,7 @@ class TurnLoop:
             context=context,
             owner=self._deps.replica_id,
         )
-        # The ending starts the session's next queued turn in its own transaction
-        # (decision 0300); it is published after this turn's end and launched here.
-        end_of_turn = await self._guard(
-            self._told.end(commit, self._handle.turn, endings.promotion(self._deps))
-        )
-        self._remember(commit, end_of_turn.events)
-        promoted = end_of_turn.promoted
-        if promoted is not None and self._on_promoted is not None:
-            self._on_promoted(promoted, state.session)
-        self._trace_end(end.ending)
+        return commit
 
     async def _close_when_the_database_answers(self) -> None:
         """Close the turn of a run whose commit failed because the database is
