@@ -26,7 +26,6 @@ from service.core.model import (
     TurnState,
 )
 from service.core.ports import ModelRequest, Role
-from service.core.turn import SendRequest
 from service.core.turn.service import Accepted
 from tests.unit.fakes import last_role
 from tests.unit.test_turn import Rig, make_rig
@@ -37,19 +36,7 @@ PROPOSAL = json.dumps(
 
 
 async def send(rig: Rig, text: str, on_busy: OnBusy, request_id: str = "") -> Accepted:
-    session = await rig.store.get_session("s1")
-    assert session is not None
-    return await rig.service.send_message(
-        SendRequest(
-            session=session,
-            human_id="alice",
-            organization_id="acme",
-            token="token-alice",
-            text=text,
-            request_id=request_id or f"req-{text}",
-            on_busy=on_busy,
-        )
-    )
+    return await rig.accept(text, request_id or f"req-{text}", on_busy)
 
 
 def last_human(request: ModelRequest) -> str:
