@@ -56,6 +56,10 @@ class TurnEndReason(StrEnum):
     INTERRUPTED = "interrupted"
     #: A message sent with ``on_busy`` INTERRUPT stopped the turn (decision 0301).
     INTERRUPTED_BY_MESSAGE = "interrupted_by_message"
+    #: An answer stopped at its output cap (decision 0291).
+    OUTPUT_LIMIT = "output_limit"
+    #: The next model call or tool call would not fit a turn budget (decision 0291).
+    BUDGET_EXHAUSTED = "budget_exhausted"
 
 
 class EventKind(StrEnum):

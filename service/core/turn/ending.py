@@ -94,6 +94,20 @@ def promotion(deps: TurnDependencies) -> Promotion:
         model=settings.model,
         max_rounds=settings.max_rounds,
     )
+#: An answer stopped at its output cap: a text answer cut there (decision 0291).
+OUTPUT_LIMIT = Ending(Reason.OUTPUT_LIMIT, "OUTPUT_LIMIT", "the answer stopped at its output limit")
+#: A second answer of the turn cut at its output limit inside a tool call (decision 0292).
+CUT_TWICE = Ending(
+    Reason.OUTPUT_LIMIT,
+    "OUTPUT_LIMIT_CUT_CALLS",
+    "two answers of the turn were cut at the output limit inside a tool call",
+)
+
+
+def budget_exhausted(budget: str, message: str) -> Ending:
+    """The turn ends before a call that would not fit its ``budget`` (``model_requests``,
+    ``tool_calls`` or ``tokens``; decision 0291); the ErrorInfo-style reason names it."""
+    return Ending(Reason.BUDGET_EXHAUSTED, f"TURN_BUDGET_{budget.upper()}", message)
 
 
 def failed(error_reason: str, message: str) -> Ending:

@@ -50,7 +50,7 @@ from service.core.turn import ending as endings
 from service.core.turn.compact import Compactor
 from service.core.turn.ending import Ending, OnPromoted, close_stored_turn, closing_commit
 from service.core.turn.events import EventBuilder
-from service.core.turn.model_call import model_request, stream_answer
+from service.core.turn.model_call import model_request, output_cap, stream_answer
 from service.core.turn.prompt import Prompt, PromptSource
 from service.core.turn.settings import TurnDependencies
 from service.core.turn.state import Answer, PendingCall, TurnHandle, TurnState
@@ -252,6 +252,14 @@ class TurnLoop:
                 return End(endings.CREDENTIAL_EXPIRED)
             if self._state.rounds >= self._deps.settings.max_rounds:
                 return End(endings.MAX_ROUNDS)
+            if self._state.tool_budget_refused:
+                return End(
+                    endings.budget_exhausted(
+                        "tool_calls",
+                        f"the turn ran {self._state.tool_calls} tool calls, its budget "
+                        "(planner.turn_max_tool_calls)",
+                    )
+                )
         return step
 
     # ------------------------------------------------------------------ the steps
@@ -279,6 +287,10 @@ class TurnLoop:
     async def _call_model(self) -> Step:
         state, prompt = self._state, self._prompt
         assert prompt is not None
+        estimate = self._compactor.request_tokens(prompt)
+        cap = output_cap(self._deps, state, Purpose.TURN, estimate)
+        if isinstance(cap, Ending):
+            return End(cap)
         request = model_request(
             self._deps,
             state,
@@ -288,6 +300,8 @@ class TurnLoop:
             system_context=with_context(prompt.context, state.context_block),
             messages=self._conversations.model_messages(self._handle.session_id, state.messages),
             tools=self._deps.declarations,
+            max_output_tokens=cap,
+            input_estimate=estimate,
         )
         streamed = await stream_answer(self._deps, state, request, relay=True)
         answer = streamed.answer
@@ -316,6 +330,10 @@ class TurnLoop:
             event = state.events.assistant_message(
                 answer.message_id, answer.text, usage=answer.usage, cut=cut, finish_reason=finish
             )
+            if answer.finish is FinishReason.LENGTH:
+                # A runaway answer stopped at its cap: shown cut, and the turn says why
+                # (decision 0291).
+                return End(endings.OUTPUT_LIMIT, (event,))
             return End(endings.COMPLETED, (event,))
         return await self._store_round(answer, calls)
 
@@ -350,6 +368,13 @@ class TurnLoop:
                 refusal = error_result(
                     "TOO_MANY_CALLS", f"at most {limit} tool calls per answer; this one was not run"
                 )
+            elif state.tool_calls + len(allowed) >= settings.turn_max_tool_calls:
+                refusal = error_result(
+                    "TURN_BUDGET_TOOL_CALLS",
+                    f"the turn ran its {settings.turn_max_tool_calls} tool calls "
+                    "(planner.turn_max_tool_calls); this one was not run",
+                )
+                state.tool_budget_refused = True
             elif call.problem:
                 refusal = error_result("MALFORMED_TOOL_CALL", f"{call.problem}; it was not run")
             elif oversize is not None:
@@ -376,6 +401,7 @@ class TurnLoop:
         for call, outcome in refusals:
             events.extend(state.events.tool_result(call.call_id, call.name, outcome))
         state.rounds += 1
+        state.tool_calls += len(allowed)
         # The answer's usage covers everything up to and including it (docs/spec/compaction.md).
         context = (
             ContextEstimate(base_tokens=answer.usage.total, pending_tokens=0)
