@@ -73,6 +73,8 @@ class MemoryStore:
     hashes: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict)
     commits: int = 0
     fail: bool = False
+    #: Set when a commit failed because of ``fail``.
+    failed: asyncio.Event = field(default_factory=asyncio.Event)
     cancelled: list[str] = field(default_factory=list)
     list_calls: list[SessionQuery] = field(default_factory=list)
 
@@ -228,6 +230,7 @@ class MemoryStore:
         utc(commit.now)
         check_events(commit.session_id, commit.turn_id, commit.events)
         if self.fail:
+            self.failed.set()
             raise StoreUnavailable("the database is unreachable")
         turn = self.turns.get(commit.turn_id)
         if turn is None or turn.session_id != commit.session_id:

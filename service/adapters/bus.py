@@ -51,7 +51,7 @@ import psycopg
 from psycopg import sql
 from sqlalchemy.engine import make_url
 
-from service.adapters.store.engine import connect_args, conninfo
+from service.adapters.store.engine import SOCKET_BOUNDS, SocketBounds, connect_args, conninfo
 from service.adapters.store.signals import CANCEL_CHANNEL, DELETED_SEQUENCE, session_channel
 
 log = logging.getLogger(__name__)
@@ -110,7 +110,8 @@ class PgNotifier:
     ``heal_interval_s`` is the period of the heal read while any session is followed;
     new follows are listened to within ``wait_s`` seconds. Reconnect delays start at
     ``min_backoff_s`` and double up to ``max_backoff_s`` seconds; ``connect_timeout_s``
-    bounds each attempt.
+    bounds each attempt; ``bounds`` are the connection's socket bounds (keepalives and
+    the TCP user timeout: a silent database ends the LISTEN connection, decision 0310).
     """
 
     def __init__(
@@ -123,6 +124,7 @@ class PgNotifier:
         min_backoff_s: float = 0.05,
         max_backoff_s: float = 2.0,
         connect_timeout_s: int = 5,
+        bounds: SocketBounds = SOCKET_BOUNDS,
     ) -> None:
         if make_url(url).get_backend_name() != "postgresql":
             raise ValueError("PgNotifier needs a PostgreSQL URL")
@@ -136,6 +138,7 @@ class PgNotifier:
         self._min_backoff_s = min_backoff_s
         self._max_backoff_s = max_backoff_s
         self._connect_timeout_s = connect_timeout_s
+        self._bounds = bounds
         self._task: asyncio.Task[None] | None = None
         self._listening = False
         self._on_events: EventsCallback | None = None
@@ -246,6 +249,7 @@ class PgNotifier:
                     **connect_args(
                         connect_timeout_s=self._connect_timeout_s,
                         application_name="ballet-planner-notifier",
+                        bounds=self._bounds,
                     ),
                 )
             except (psycopg.Error, OSError) as exc:

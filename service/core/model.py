@@ -42,6 +42,10 @@ class TurnEndReason(StrEnum):
     CANCELLED = "cancelled"
     FAILED = "failed"
     INTERRUPTED = "interrupted"
+    #: An answer stopped at its output cap (decision 0291).
+    OUTPUT_LIMIT = "output_limit"
+    #: The next model call or tool call would not fit a turn budget (decision 0291).
+    BUDGET_EXHAUSTED = "budget_exhausted"
 
 
 class EventKind(StrEnum):

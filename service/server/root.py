@@ -57,6 +57,7 @@ from service.config import (
     ConfigError,
     Settings,
     channels,
+    check_context_budget,
     split_address,
 )
 from service.core.errors import StoreUnavailable
@@ -68,11 +69,19 @@ from service.core.ports import (
 )
 from service.core.retention import RetentionJob
 from service.core.sessions import ProjectAccess, SessionLimits, SessionRules
+from service.core.tools import declarations
 from service.core.tracing import NULL_TRACER
+from service.core.turn.prompt import shared_prefix
 from service.server.identity import page_token_keys, service_credentials, token_verifier
 from service.server.metrics import Metrics, MetricsInterceptor, MetricsServer, start_metrics_server
 from service.server.retention import retention_job
-from service.server.wiring import PlannerTurns, Wiring, build_turns, project_directory
+from service.server.wiring import (
+    PlannerTurns,
+    Wiring,
+    build_turns,
+    project_directory,
+    socket_bounds,
+)
 from service.transport import convert
 from service.transport.auth import Authenticator
 from service.transport.decoding import add_planner_service
@@ -410,6 +419,8 @@ async def _open_database(settings: Settings, tracing: Tracing | None) -> Databas
             connect_timeout_s=database.connect_timeout_s,
             pool_pre_ping=database.pool_pre_ping,
             abandoned_read_grace_s=database.abandoned_read_grace_s,
+            unit_timeout_s=database.unit_timeout_s,
+            bounds=socket_bounds(database),
             context_cache_bytes=database.context_cache_bytes,
             tracer=OtelTracer(tracing.tracer) if tracing else NULL_TRACER,
         )
@@ -485,6 +496,8 @@ async def _start_planner(
     turn_machinery: Callable[[Wiring], PlannerTurns],
     tracing: Tracing | None,
 ) -> PlannerApp:
+    # The context budget with the fixed prompt as rendered (decision 0293).
+    check_context_budget(settings.planner, shared_prefix(declarations()).tokens)
     if settings.dev_mode or settings.database.is_sqlite:
         try:
             datadir.prepare(settings.data_dir)

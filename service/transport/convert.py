@@ -53,6 +53,8 @@ END_REASONS: dict[TurnEndReason, resources_pb2.TurnEndReason.ValueType] = {
     TurnEndReason.CANCELLED: resources_pb2.TURN_END_REASON_CANCELLED,
     TurnEndReason.FAILED: resources_pb2.TURN_END_REASON_FAILED,
     TurnEndReason.INTERRUPTED: resources_pb2.TURN_END_REASON_INTERRUPTED,
+    TurnEndReason.OUTPUT_LIMIT: resources_pb2.TURN_END_REASON_OUTPUT_LIMIT,
+    TurnEndReason.BUDGET_EXHAUSTED: resources_pb2.TURN_END_REASON_BUDGET_EXHAUSTED,
 }
 
 

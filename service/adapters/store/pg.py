@@ -34,7 +34,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from service.adapters.store import codec
 from service.adapters.store import turn_units as units
-from service.adapters.store.engine import connect_args, conninfo
+from service.adapters.store.engine import SOCKET_BOUNDS, SocketBounds, connect_args, conninfo
 from service.adapters.store.errors import RequestIdTaken
 from service.adapters.store.repository import CONTEXT_CACHE_BYTES, SqlSessionStore
 from service.adapters.store.signals import Signals, notify_params, notify_sql
@@ -99,6 +99,7 @@ def make_pool(
     connect_timeout_s: int = 5,
     pre_ping: bool = False,
     application_name: str = "ballet-planner",
+    bounds: SocketBounds = SOCKET_BOUNDS,
 ) -> AsyncConnectionPool[Any]:
     """A closed pool of autocommit connections for the hot path (``open()`` it).
 
@@ -106,7 +107,8 @@ def make_pool(
     connections (decision 0113 gives the sizing rule); a unit of work that waits more
     than ``timeout_s`` seconds for one fails with ``StoreUnavailable``;
     ``connect_timeout_s`` bounds each host's connection attempt. ``pre_ping`` checks
-    every connection at checkout (one round trip, ``database.pool_pre_ping``).
+    every connection at checkout (one round trip, ``database.pool_pre_ping``); ``bounds``
+    are its sockets' (``SocketBounds``).
     """
     return AsyncConnectionPool(
         conninfo(url),
@@ -119,6 +121,7 @@ def make_pool(
         kwargs=connect_args(
             connect_timeout_s=connect_timeout_s,
             application_name=application_name,
+            bounds=bounds,
             autocommit=True,
         ),
     )

@@ -45,8 +45,21 @@ class Ending:
 COMPLETED = Ending(Reason.COMPLETED)
 MAX_ROUNDS = Ending(Reason.MAX_ROUNDS)
 CANCELLED = Ending(Reason.CANCELLED)
-#: A replica stopped (crash, shutdown past its grace) or lost its lease.
+#: A replica stopped (crash, shutdown past its grace): what start-up recovery finds of
+#: its own turns.
 INTERRUPTED = Ending(Reason.INTERRUPTED, "INTERRUPTED", "the replica running the turn stopped")
+#: A turn whose lease expired, closed by another run (the sweeper, a send, a cancel): its
+#: replica stopped or could not reach the database; which one, nobody here knows
+#: (decision 0311).
+LEASE_EXPIRED = Ending(
+    Reason.INTERRUPTED,
+    "INTERRUPTED",
+    "the turn's lease expired: the replica running it stopped or lost the database",
+)
+#: The lease renewal found the turn closed or taken over by another replica.
+TAKEN_OVER = Ending(
+    Reason.INTERRUPTED, "INTERRUPTED", "another replica closed the turn while it ran here"
+)
 SHUTTING_DOWN = Ending(Reason.INTERRUPTED, "INTERRUPTED", "the planner is shutting down")
 TURN_TIMEOUT = Ending(Reason.FAILED, "TURN_TIMEOUT", "the turn ran out of time")
 CREDENTIAL_EXPIRED = Ending(Reason.FAILED, "CREDENTIAL_EXPIRED", "the human's token expired")
@@ -55,6 +68,22 @@ DATABASE_UNAVAILABLE = Ending(
     "DATABASE_UNAVAILABLE",
     "the database became unavailable during the turn",
 )
+
+
+#: An answer stopped at its output cap: a text answer cut there (decision 0291).
+OUTPUT_LIMIT = Ending(Reason.OUTPUT_LIMIT, "OUTPUT_LIMIT", "the answer stopped at its output limit")
+#: A second answer of the turn cut at its output limit inside a tool call (decision 0292).
+CUT_TWICE = Ending(
+    Reason.OUTPUT_LIMIT,
+    "OUTPUT_LIMIT_CUT_CALLS",
+    "two answers of the turn were cut at the output limit inside a tool call",
+)
+
+
+def budget_exhausted(budget: str, message: str) -> Ending:
+    """The turn ends before a call that would not fit its ``budget`` (``model_requests``,
+    ``tool_calls`` or ``tokens``; decision 0291); the ErrorInfo-style reason names it."""
+    return Ending(Reason.BUDGET_EXHAUSTED, f"TURN_BUDGET_{budget.upper()}", message)
 
 
 def failed(error_reason: str, message: str) -> Ending:

@@ -62,7 +62,7 @@ class Leases:
                 deps.clock,
                 deps.observer,
                 turn,
-                endings.INTERRUPTED,
+                endings.LEASE_EXPIRED,
                 lease_expired_before=now,
             ):
                 closed += 1
@@ -82,7 +82,7 @@ class Leases:
             if not status.held:
                 # Another replica closed it: the run's next commit conflicts and stores
                 # nothing more.
-                handle.request_stop(endings.INTERRUPTED)
+                handle.request_stop(endings.TAKEN_OVER)
             elif status.cancel_requested:
                 handle.request_stop(endings.CANCELLED)
 

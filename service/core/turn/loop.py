@@ -50,7 +50,7 @@ from service.core.turn import ending as endings
 from service.core.turn.compact import Compactor
 from service.core.turn.ending import Ending, close_stored_turn, closing_commit
 from service.core.turn.events import EventBuilder
-from service.core.turn.model_call import model_request, stream_answer
+from service.core.turn.model_call import model_request, output_cap, stream_answer
 from service.core.turn.prompt import Prompt, PromptSource
 from service.core.turn.settings import TurnDependencies
 from service.core.turn.state import Answer, PendingCall, TurnHandle, TurnState
@@ -165,7 +165,17 @@ class TurnLoop:
             self._deps.settings.turn_timeout_s, handle.request_stop, endings.TURN_TIMEOUT
         )
         try:
-            await self._finish(await self._drive())
+            end = await self._drive()
+            try:
+                await self._finish(end)
+            except Abandon as reason:
+                if not isinstance(reason.__cause__, StoreUnavailable):
+                    raise
+                log.warning(
+                    "the database failed at the turn's end; it is stored once it answers",
+                    extra=handle.log_fields(),
+                )
+                await self._finish_when_the_database_answers(end)
         except Abandon as reason:
             if isinstance(reason.__cause__, StoreUnavailable):
                 log.warning(
@@ -240,6 +250,14 @@ class TurnLoop:
                 return End(endings.CREDENTIAL_EXPIRED)
             if self._state.rounds >= self._deps.settings.max_rounds:
                 return End(endings.MAX_ROUNDS)
+            if self._state.tool_budget_refused:
+                return End(
+                    endings.budget_exhausted(
+                        "tool_calls",
+                        f"the turn ran {self._state.tool_calls} tool calls, its budget "
+                        "(planner.turn_max_tool_calls)",
+                    )
+                )
         return step
 
     # ------------------------------------------------------------------ the steps
@@ -267,6 +285,10 @@ class TurnLoop:
     async def _call_model(self) -> Step:
         state, prompt = self._state, self._prompt
         assert prompt is not None
+        estimate = self._compactor.request_tokens(prompt)
+        cap = output_cap(self._deps, state, Purpose.TURN, estimate)
+        if isinstance(cap, Ending):
+            return End(cap)
         request = model_request(
             self._deps,
             state,
@@ -276,6 +298,8 @@ class TurnLoop:
             system_context=with_context(prompt.context, state.context_block),
             messages=self._conversations.model_messages(self._handle.session_id, state.messages),
             tools=self._deps.declarations,
+            max_output_tokens=cap,
+            input_estimate=estimate,
         )
         streamed = await stream_answer(self._deps, state, request, relay=True)
         answer = streamed.answer
@@ -304,6 +328,10 @@ class TurnLoop:
             event = state.events.assistant_message(
                 answer.message_id, answer.text, usage=answer.usage, cut=cut, finish_reason=finish
             )
+            if answer.finish is FinishReason.LENGTH:
+                # A runaway answer stopped at its cap: shown cut, and the turn says why
+                # (decision 0291).
+                return End(endings.OUTPUT_LIMIT, (event,))
             return End(endings.COMPLETED, (event,))
         return await self._store_round(answer, calls)
 
@@ -338,6 +366,13 @@ class TurnLoop:
                 refusal = error_result(
                     "TOO_MANY_CALLS", f"at most {limit} tool calls per answer; this one was not run"
                 )
+            elif state.tool_calls + len(allowed) >= settings.turn_max_tool_calls:
+                refusal = error_result(
+                    "TURN_BUDGET_TOOL_CALLS",
+                    f"the turn ran its {settings.turn_max_tool_calls} tool calls "
+                    "(planner.turn_max_tool_calls); this one was not run",
+                )
+                state.tool_budget_refused = True
             elif call.problem:
                 refusal = error_result("MALFORMED_TOOL_CALL", f"{call.problem}; it was not run")
             elif oversize is not None:
@@ -364,6 +399,7 @@ class TurnLoop:
         for call, outcome in refusals:
             events.extend(state.events.tool_result(call.call_id, call.name, outcome))
         state.rounds += 1
+        state.tool_calls += len(allowed)
         # The answer's usage covers everything up to and including it (docs/spec/compaction.md).
         context = (
             ContextEstimate(base_tokens=answer.usage.total, pending_tokens=0)
@@ -388,7 +424,36 @@ class TurnLoop:
 
     # ------------------------------------------------------------------ the end
 
-    async def _finish(self, end: End) -> None:
+    async def _finish(self, end: End, commit: TurnCommit | None = None) -> None:
+        commit = commit or self._ending_commit(end)
+        await self._store(commit)
+        self._trace_end(end.ending)
+
+    async def _finish_when_the_database_answers(self, end: End) -> None:
+        """Store ``end`` (the answer as streamed, the way the turn ended) once the
+        database answers again, retried with backoff: fenced by ownership (the commit's
+        ``owner``), not by the lease's clock (decision 0311). The human saw the answer, so
+        it is kept when no other replica ended the turn meanwhile; when one did (its
+        sweeper, after the lease expired), the commit is refused (``StoreConflict``) and
+        nothing more is stored, as before. A commit that landed though its answer was
+        lost is refused the same way: the turn is no longer running."""
+        commit = self._ending_commit(end)
+        delay = 0.05
+        while True:
+            try:
+                await self._finish(end, replace(commit, now=self._deps.clock.now()))
+                return
+            except Abandon as reason:
+                if not isinstance(reason.__cause__, StoreUnavailable):
+                    log.warning(
+                        "the turn's end was refused: %s", reason, extra=self._handle.log_fields()
+                    )
+                    return
+            # Jitter keeps a replica's closing turns from hitting the database in lockstep.
+            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+            delay = min(1.0, delay * 2)
+
+    def _ending_commit(self, end: End) -> TurnCommit:
         state = self._state
         final = end.pending[0].message if end.pending else None
         context: ContextEstimate | None = None
@@ -404,8 +469,7 @@ class TurnLoop:
             context=context,
             owner=self._deps.replica_id,
         )
-        await self._store(commit)
-        self._trace_end(end.ending)
+        return commit
 
     async def _close_when_the_database_answers(self) -> None:
         """Close the turn of a run whose commit failed because the database is

@@ -250,7 +250,7 @@ class TurnService:
                 )
             )
             if outcome.kind is StartOutcomeKind.EXPIRED_TURN:
-                await self._close(outcome.turn, endings.INTERRUPTED, lease_expired_before=now)
+                await self._close(outcome.turn, endings.LEASE_EXPIRED, lease_expired_before=now)
                 continue
             if outcome.kind is StartOutcomeKind.DUPLICATE:
                 return Accepted(outcome.turn, outcome.events[0], duplicate=True)
@@ -311,7 +311,7 @@ class TurnService:
         else:
             now = self._deps.clock.now()
             if turn.lease_expires_at is not None and turn.lease_expires_at <= now:
-                await self._close(turn, endings.INTERRUPTED, lease_expired_before=now)
+                await self._close(turn, endings.LEASE_EXPIRED, lease_expired_before=now)
             else:
                 await store.request_cancel(turn_id)
                 started = self._deps.clock.monotonic()

@@ -97,6 +97,16 @@ class _TurnEndReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TurnEnd
     """A failure that retries could not fix ended the turn."""
     TURN_END_REASON_INTERRUPTED: _TurnEndReason.ValueType  # 5
     """The replica running the turn stopped or lost its lease."""
+    TURN_END_REASON_OUTPUT_LIMIT: _TurnEndReason.ValueType  # 6
+    """An answer stopped at its output cap (planner.max_output_tokens, or what was left of
+    the window or of the turn's token budget): a text answer cut there, or a second
+    answer of the turn cut inside a tool call. The cut answer is stored and shown.
+    """
+    TURN_END_REASON_BUDGET_EXHAUSTED: _TurnEndReason.ValueType  # 7
+    """The next model request or tool call would not fit one of the turn's budgets
+    (planner.turn_max_model_requests, turn_max_tool_calls, turn_max_tokens); the turn
+    ended before it was made.
+    """
 
 class TurnEndReason(_TurnEndReason, metaclass=_TurnEndReasonEnumTypeWrapper):
     """Why a turn ended (docs/spec/turn-loop.md)."""
@@ -113,6 +123,16 @@ TURN_END_REASON_FAILED: TurnEndReason.ValueType  # 4
 """A failure that retries could not fix ended the turn."""
 TURN_END_REASON_INTERRUPTED: TurnEndReason.ValueType  # 5
 """The replica running the turn stopped or lost its lease."""
+TURN_END_REASON_OUTPUT_LIMIT: TurnEndReason.ValueType  # 6
+"""An answer stopped at its output cap (planner.max_output_tokens, or what was left of
+the window or of the turn's token budget): a text answer cut there, or a second
+answer of the turn cut inside a tool call. The cut answer is stored and shown.
+"""
+TURN_END_REASON_BUDGET_EXHAUSTED: TurnEndReason.ValueType  # 7
+"""The next model request or tool call would not fit one of the turn's budgets
+(planner.turn_max_model_requests, turn_max_tool_calls, turn_max_tokens); the turn
+ended before it was made.
+"""
 Global___TurnEndReason: _TypeAlias = TurnEndReason  # noqa: Y015
 
 @_typing.final
@@ -234,6 +254,7 @@ class Message(_message.Message):
     PROVIDER_TOOL_CALL_ID_FIELD_NUMBER: _builtins.int
     TRUNCATED_FIELD_NUMBER: _builtins.int
     ORIGINAL_BYTES_FIELD_NUMBER: _builtins.int
+    SERVED_MODEL_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The session the message belongs to."""
     sequence: _builtins.int
@@ -290,6 +311,10 @@ class Message(_message.Message):
     """For a truncated copy, the size in UTF-8 bytes of its longest field in the stored
     message; 0 otherwise.
     """
+    served_model: _builtins.str
+    """For an assistant answer, the model that made it as the model server reported it
+    (e.g. a local server's loaded file); empty when the server reported none.
+    """
     @_builtins.property
     def usage(self) -> Global___Usage:
         """The usage reported for an assistant answer."""
@@ -322,10 +347,11 @@ class Message(_message.Message):
         provider_tool_call_id: _builtins.str = ...,
         truncated: _builtins.bool = ...,
         original_bytes: _builtins.int = ...,
+        served_model: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "cut", b"cut", "estimated_tokens", b"estimated_tokens", "finish_reason", b"finish_reason", "human_id", b"human_id", "kind", b"kind", "message_id", b"message_id", "original_bytes", b"original_bytes", "provider_tool_call_id", b"provider_tool_call_id", "sequence", b"sequence", "session_id", b"session_id", "text", b"text", "tool_arguments", b"tool_arguments", "tool_call_id", b"tool_call_id", "tool_error", b"tool_error", "tool_name", b"tool_name", "tool_result", b"tool_result", "truncated", b"truncated", "turn_id", b"turn_id", "up_to", b"up_to", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "cut", b"cut", "estimated_tokens", b"estimated_tokens", "finish_reason", b"finish_reason", "human_id", b"human_id", "kind", b"kind", "message_id", b"message_id", "original_bytes", b"original_bytes", "provider_tool_call_id", b"provider_tool_call_id", "sequence", b"sequence", "served_model", b"served_model", "session_id", b"session_id", "text", b"text", "tool_arguments", b"tool_arguments", "tool_call_id", b"tool_call_id", "tool_error", b"tool_error", "tool_name", b"tool_name", "tool_result", b"tool_result", "truncated", b"truncated", "turn_id", b"turn_id", "up_to", b"up_to", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
