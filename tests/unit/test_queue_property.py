@@ -187,8 +187,8 @@ async def _cancel(world: World, session: Session) -> None:
         world.spawn(world.rng.choice(world.replicas).cancel(stored, target.turn_id))
 
 
-async def _drive(seed: int) -> World:
-    world = World(random.Random(seed))
+async def _drive(number: int) -> World:
+    world = World(random.Random(number))
     world.new_replica()
     world.new_replica()
     sessions = [
@@ -292,11 +292,11 @@ def _check(world: World) -> None:
     assert max(per_request.values()) == 1
 
 
-@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("number", SEEDS)
 async def test_random_senders_strategies_cancels_and_kills_keep_the_invariants(
-    seed: int,
+    number: int,
 ) -> None:
-    world = await _drive(seed)
+    world = await _drive(number)
     _check(world)
     assert len(world.acknowledged) > 20
     strategies = {on_busy for _turn, on_busy in world.acknowledged.values()}
