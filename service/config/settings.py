@@ -164,6 +164,12 @@ class PlannerSettings:
         "tool_result_max_bytes.",
     )
     lease_s: float = _key(15.0, gt=0, doc="Lease of a running turn, renewed by its replica.")
+    max_queued_messages: int = _key(
+        10,
+        ge=1,
+        doc="Messages that may wait as queued turns in one session (on_busy ENQUEUE, "
+        "INTERRUPT, JOIN); one more is refused RESOURCE_EXHAUSTED/QUEUE_FULL.",
+    )
     sweep_interval_s: float = _key(
         5.0, gt=0, doc="How often each replica looks for turns whose lease expired."
     )
