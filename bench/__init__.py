@@ -1,4 +1,5 @@
-"""Benchmarks and load tests of the planner (docs/performance.md); not part of the test run.
+"""Benchmarks and load tests of the planner (docs/performance.md); not part of the test run
+(``tests/unit/test_fixed_prompt.py`` imports ``prompt`` and ``cl100k``).
 
 ``python -m bench`` runs everything in one process tree and one run, prints a markdown
 table and writes ``bench/results/latest.json`` and ``latest.md``. Module map:
@@ -14,6 +15,8 @@ table and writes ``bench/results/latest.json`` and ``latest.md``. Module map:
 - ``procs``: child processes, CPU seconds and memory from /proc.
 - ``profile``: py-spy on the planner and the analysis of its samples.
 - ``stats``, ``report``: percentiles, repeated runs, the table and the JSON.
+- ``prompt``: ``python -m bench prompt``, the fixed prompt's cl100k_base tokens per part
+  (T8, decision 0295); ``cl100k``: that tokenizer, built offline.
 
 The method and its reasons: docs/performance.md and docs/decisions/0090-0092.
 """

@@ -9,13 +9,13 @@ every turn's model request carries before the conversation:
   project as ``ballet-planner dev`` serves it (``devstack.demo``);
 - each tool declaration as a Chat Completions ``tools`` entry, compact JSON
   (``{"type": "function", "function": {"name", "description", "parameters"}}``), and the
-  whole ``tools`` array;
+  whole ``tools`` array, compact and as a template's ``tojson`` renders it;
 - the estimate the planner uses without a tokenizer (``service.core.estimate``), beside
   each real count.
 
-Target: the instructions plus the twelve declarations at most ``TARGET_TOKENS``. A chat
-template adds its own markup around these parts (a ``tojson`` template renders the tools
-with spaces after separators: about 19 % more). ``--json`` prints the figures as JSON.
+Target: the instructions plus the twelve declarations (the compact array) at most
+``TARGET_TOKENS``. A chat template adds its own markup around these parts. ``--json``
+prints the figures as JSON.
 """
 
 from __future__ import annotations
@@ -65,6 +65,12 @@ def tools_array(offered: Sequence[ToolDeclaration]) -> str:
     return "[" + ",".join(tool_entry(d) for d in offered) + "]"
 
 
+def tools_tojson(offered: Sequence[ToolDeclaration]) -> str:
+    """The ``tools`` array as a Jinja chat template's ``tojson`` renders it (``", "`` and
+    ``": "`` separators), the form llama.cpp and Hugging Face templates put in a prompt."""
+    return json.dumps([json.loads(tool_entry(d)) for d in offered], ensure_ascii=False)
+
+
 def demo_project() -> tuple[ProjectInfo, SkillDocument]:
     """The demo project and its pinned planner skill as ``ballet-planner dev`` serves
     them (``devstack.demo.project``)."""
@@ -101,6 +107,7 @@ def measure(count: Callable[[str], int] | None = None) -> list[Part]:
     array = tools_array(offered)
     texts += [
         ("tools (array)", array),
+        ("tools (tojson)", tools_tojson(offered)),
         ("instructions + tools", prompts.instructions() + array),
         ("fixed prompt", build_fixed(project, skill, array)),
     ]

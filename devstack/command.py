@@ -81,7 +81,11 @@ def add_dev(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
 
 #: The flag of ``dev`` for each planner setting a start can fail on.
-SETTING_FLAGS = {"server.address": "--address", "server.metrics_address": "--metrics-address"}
+SETTING_FLAGS = {
+    "server.address": "--address",
+    "server.metrics_address": "--metrics-address",
+    "database.url": "--database-url",
+}
 
 
 def log_format(asked: str | None, config_file: Path | None, environ: dict[str, str]) -> str | None:

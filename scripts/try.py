@@ -85,10 +85,23 @@ def tail(log: Path, lines: int = 15) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def text_logs(argv: list[str]) -> list[str]:
+    """dev's logs go to a file a human reads: text lines, unless the arguments choose."""
+    return [] if any(arg.startswith("--log-format") for arg in argv) else ["--log-format", "text"]
+
+
+def _leave(signum: int, _frame: object) -> None:
+    # SIGTERM, or SIGHUP when the terminal closes: leave through main's `finally`, which
+    # stops dev (in its own session, nothing else would).
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str]) -> int:
     if any(arg in ("-h", "--help") for arg in argv):
         print(__doc__)
         return 0
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _leave)
     try:
         python = setup.ensure("try")
     except setup.SetupError as error:
@@ -98,9 +111,10 @@ def main(argv: list[str]) -> int:
     work = Path(tempfile.mkdtemp(prefix="ballet-try-"))
     log, ready = work / "dev.log", work / "ready.json"
     keep_log = False
+    chatting: subprocess.Popen[bytes] | None = None
     with log.open("wb") as out:
         dev = subprocess.Popen(
-            [str(planner), "dev", "--ready-file", str(ready), *argv],
+            [str(planner), "dev", "--ready-file", str(ready), *text_logs(argv), *argv],
             cwd=Path.cwd(),
             stdin=subprocess.DEVNULL,
             stdout=out,
@@ -113,11 +127,19 @@ def main(argv: list[str]) -> int:
         if values is None:
             code = stop(dev)
             keep_log = True
-            say(f"dev did not start (exit {code}); what it said:\n{tail(log)}")
+            said = tail(log)
+            say(f"dev did not start (exit {code}); what it said (all of it in {log}):\n{said}")
+            if "in use" in said:
+                say(
+                    "the arguments of scripts/try go to dev: `scripts/try --address "
+                    "127.0.0.1:0 --devstack-address 127.0.0.1:0 --metrics-address 127.0.0.1:0` "
+                    "takes free ports"
+                )
             return code or 1
         say(
             f"dev is running: planner {values['address']}, devstack "
-            f"{values['devstack_address']}, data {values['data_dir']} (its log: {log})"
+            f"{values['devstack_address']}, data {values['data_dir']} (its log while it runs: "
+            f"{log})"
         )
         say(f"chatting as {USER} about project {values['project']}; /quit or Ctrl-D leaves")
         chat = [
@@ -136,15 +158,18 @@ def main(argv: list[str]) -> int:
         # process waits for the chat to end, then stops dev.
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
-            code = subprocess.call(chat)
+            chatting = subprocess.Popen(chat)
+            return chatting.wait()
         finally:
             signal.signal(signal.SIGINT, previous)
-        return code
     finally:
+        if chatting is not None and chatting.poll() is None:
+            chatting.terminate()  # this process was told to leave: the chat goes too
+            chatting.wait(10)
         stopped = stop(dev)
         for line in said_after_banner(log):
             say(line.removeprefix("ballet-planner "))
-        if stopped not in (0, -signal.SIGINT):
+        if stopped not in (0, -signal.SIGINT) and not keep_log:
             keep_log = True
             say(f"dev exited with {stopped}; its log: {log}")
         if not keep_log:
@@ -152,4 +177,8 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except KeyboardInterrupt:
+        # Ctrl-C while setting up or starting dev: dev was stopped on the way out.
+        sys.exit(130)

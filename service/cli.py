@@ -72,9 +72,15 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def _add_database_url(parser: argparse.ArgumentParser) -> None:
-    """``--database-url``: the flag of every subcommand that opens the planner's database
-    (serve, migrate, purge; dev has its own, for both halves)."""
+    """``--database-url`` and ``--data-dir``: the flags of every subcommand that opens the
+    planner's database (serve, migrate, purge; dev has the same two, for both halves)."""
     parser.add_argument("--database-url", help="SQLAlchemy URL (overrides database.url)")
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        help="data directory: the SQLite database and dev secret (overrides data_dir; "
+        "default ./.ballet-dev)",
+    )
 
 
 def _add_ready_file(parser: argparse.ArgumentParser) -> None:
@@ -87,7 +93,10 @@ def _add_ready_file(parser: argparse.ArgumentParser) -> None:
 
 
 def _database_overrides(args: argparse.Namespace) -> dict[str, str]:
-    return {"DATABASE__URL": args.database_url} if args.database_url else {}
+    overrides = {"DATABASE__URL": args.database_url} if args.database_url else {}
+    if args.data_dir is not None:
+        overrides["DATA_DIR"] = str(args.data_dir)
+    return overrides
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -101,7 +110,9 @@ def _serve(args: argparse.Namespace) -> int:
         # 0, or 128 + the signal's number when a second one cut the shutdown short.
         return asyncio.run(serve(settings, args.ready_file))
     except StartupError as error:
-        print(f"ballet-planner: cannot start: {error}", file=sys.stderr)
+        flag = "; with serve: --database-url" if error.setting == "database.url" else ""
+        given = flag if args.database_url else ""
+        print(f"ballet-planner: cannot start: {error}{given}", file=sys.stderr)
         return 1
 
 

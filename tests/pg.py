@@ -104,6 +104,8 @@ def _require_bin(name: str) -> Path:
 def _free_loopback_port() -> int:
     # The kernel hands out a port nobody listens on; there is a small window before
     # PostgreSQL binds it, which PgCluster.start() covers by retrying with another port.
+    # PostgreSQL must be told its port and cannot be handed a socket: the one place where
+    # a port is picked, allowed by tests/unit/test_no_port_race.py (decision 0322).
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
@@ -283,7 +285,8 @@ class PgCluster(PgServer):
         try:
             if _as_root():
                 shutil.chown(base_dir, user=PG_OS_USER, group=PG_OS_USER)
-            standby = PgCluster(base_dir, _free_loopback_port())
+            # Its first start moves to another port if this one was taken meanwhile.
+            standby = PgCluster(base_dir, _free_loopback_port(), auto_port=True)
             standby._run(
                 [
                     str(basebackup),

@@ -12,7 +12,9 @@ The stores send, after their commits (``service.adapters.store.signals``):
 the cancel channel, and on the channel of each session this process follows (a Chat
 stream here is attached to it): ``LISTEN`` when the hub's first stream of the session
 attaches, ``UNLISTEN`` when its last leaves, so the notifications a replica handles are
-those of the sessions it serves. What other replicas sent is passed to the callbacks (its
+those of the sessions it serves. In the same statement it records what it follows as its
+rows of ``session_follows``, so that other replicas' commits signal only sessions some
+replica follows (decision 0340). What other replicas sent is passed to the callbacks (its
 own events are skipped: the replica that stored them has already published them
 in-process; cancels are passed whichever replica sent them, the receiver's handling is
 idempotent).
@@ -49,7 +51,7 @@ import psycopg
 from psycopg import sql
 from sqlalchemy.engine import make_url
 
-from service.adapters.store.engine import connect_args, conninfo
+from service.adapters.store.engine import SOCKET_BOUNDS, SocketBounds, connect_args, conninfo
 from service.adapters.store.signals import CANCEL_CHANNEL, DELETED_SEQUENCE, session_channel
 
 log = logging.getLogger(__name__)
@@ -81,6 +83,18 @@ _MOVED_SEQUENCES = (
 _LAST_SEQUENCES_OF_ANY_IDS = (
     "SELECT session_id, last_sequence FROM sessions WHERE session_id = ANY(%s)"
 )
+# The rows of ``session_follows`` (decision 0340), composed into the statement that
+# listens; session ids are joined with newlines (the planner's ids hold none; one that
+# does is recorded as its parts, which only costs its commits their signal: healed).
+_RECORD = sql.SQL(
+    "INSERT INTO session_follows (session_id, replica_id) "
+    "SELECT unnest(string_to_array({sessions}, E'\\n')), {replica} ON CONFLICT DO NOTHING"
+)
+_FORGET = sql.SQL(
+    "DELETE FROM session_follows WHERE replica_id = {replica} "
+    "AND session_id = ANY(string_to_array({sessions}, E'\\n'))"
+)
+_FORGET_ALL = sql.SQL("DELETE FROM session_follows WHERE replica_id = {replica}")
 #: The sequence sent for a session not read yet: never a stored one, so it is read.
 _UNKNOWN = -2
 #: Every this many heals, every followed session is passed on with its known sequence,
@@ -96,7 +110,8 @@ class PgNotifier:
     ``heal_interval_s`` is the period of the heal read while any session is followed;
     new follows are listened to within ``wait_s`` seconds. Reconnect delays start at
     ``min_backoff_s`` and double up to ``max_backoff_s`` seconds; ``connect_timeout_s``
-    bounds each attempt.
+    bounds each attempt; ``bounds`` are the connection's socket bounds (keepalives and
+    the TCP user timeout: a silent database ends the LISTEN connection, decision 0310).
     """
 
     def __init__(
@@ -109,6 +124,7 @@ class PgNotifier:
         min_backoff_s: float = 0.05,
         max_backoff_s: float = 2.0,
         connect_timeout_s: int = 5,
+        bounds: SocketBounds = SOCKET_BOUNDS,
     ) -> None:
         if make_url(url).get_backend_name() != "postgresql":
             raise ValueError("PgNotifier needs a PostgreSQL URL")
@@ -122,6 +138,7 @@ class PgNotifier:
         self._min_backoff_s = min_backoff_s
         self._max_backoff_s = max_backoff_s
         self._connect_timeout_s = connect_timeout_s
+        self._bounds = bounds
         self._task: asyncio.Task[None] | None = None
         self._listening = False
         self._on_events: EventsCallback | None = None
@@ -132,6 +149,9 @@ class PgNotifier:
         self._channels: dict[str, set[str]] = {}
         self._known: dict[str, int] = {}
         self._listened: set[str] = set()
+        # The sessions recorded in ``session_follows`` (None: not known on this
+        # connection, so its rows are all written afresh).
+        self._recorded: set[str] | None = None
         # Follows changed since the channels listened to were last applied.
         self._follows_changed = False
         self._heals = 0
@@ -179,7 +199,7 @@ class PgNotifier:
             sessions.discard(session_id)
             if not sessions:
                 del self._channels[channel]
-                self._follows_changed = True
+        self._follows_changed = True  # its row of session_follows goes
 
     async def start(
         self,
@@ -229,6 +249,7 @@ class PgNotifier:
                     **connect_args(
                         connect_timeout_s=self._connect_timeout_s,
                         application_name="ballet-planner-notifier",
+                        bounds=self._bounds,
                     ),
                 )
             except (psycopg.Error, OSError) as exc:
@@ -260,6 +281,7 @@ class PgNotifier:
         resync: bool,
     ) -> None:
         self._listened = set()
+        self._recorded = None
         await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(CANCEL_CHANNEL)))
         self._follows_changed = True
         self._heals = -1  # the first heal on a new connection passes everything on
@@ -281,8 +303,10 @@ class PgNotifier:
                 await self._dispatch(notify.channel, notify.payload)
 
     async def _apply_follows(self, conn: psycopg.AsyncConnection[tuple[object, ...]]) -> None:
-        """LISTEN to the channels of new follows and UNLISTEN the rest, in one statement
-        (nothing to do, and no work, while the follows are unchanged)."""
+        """LISTEN to the channels of new follows and UNLISTEN the rest, and record the
+        sessions followed in ``session_follows`` (decision 0340), in one statement and
+        one transaction (nothing to do, and no work, while the follows are unchanged).
+        After a (re)connection every row of this replica is written afresh."""
         if not self._follows_changed:
             return
         self._follows_changed = False
@@ -293,9 +317,26 @@ class PgNotifier:
         statements += [
             sql.SQL("UNLISTEN {}").format(sql.Identifier(c)) for c in self._listened - wanted
         ]
+        replica = sql.Literal(self._replica_id)
+        if self._recorded is None:
+            statements.append(_FORGET_ALL.format(replica=replica))
+            recorded: set[str] = set()
+        else:
+            recorded = self._recorded
+        added = sorted(self._followed - recorded)
+        removed = sorted(recorded - self._followed)
+        if added:
+            statements.append(
+                _RECORD.format(sessions=sql.Literal("\n".join(added)), replica=replica)
+            )
+        if removed:
+            statements.append(
+                _FORGET.format(sessions=sql.Literal("\n".join(removed)), replica=replica)
+            )
         if statements:
             await conn.execute(sql.SQL("; ").join(statements))
-            self._listened = wanted
+        self._listened = wanted
+        self._recorded = set(self._followed)
 
     async def _heal(self, conn: psycopg.AsyncConnection[tuple[object, ...]]) -> None:
         """Pass every followed session's stored last sequence to ``on_events`` (-1 for a

@@ -7,8 +7,14 @@ stays free of metric libraries; labels never carry session, turn, human or proje
 
 from __future__ import annotations
 
+from typing import Any
+
 from service.core.model import TurnEndReason, Usage
 from service.server.metrics import Metrics, bounded_reason
+
+#: Label children kept per observer at most (the label values are bounded sets: end
+#: reasons, purposes, outcomes, tools); past it they are looked up each time.
+MAX_CHILDREN = 1_000
 
 
 class PrometheusTurnObserver:
@@ -17,6 +23,18 @@ class PrometheusTurnObserver:
 
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
+        # ``labels(...)`` validates, builds a key and takes a lock on every call: the
+        # children are looked up once per label values and kept (decision 0343).
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def _child(self, metric: Any, *values: str) -> Any:
+        key = (id(metric), values)
+        child = self._children.get(key)
+        if child is None:
+            child = metric.labels(*values)
+            if len(self._children) < MAX_CHILDREN:
+                self._children[key] = child
+        return child
 
     def turn_started(self) -> None:
         # ``running_turns`` is read from the turn service when scraped (main.py).
@@ -29,13 +47,14 @@ class PrometheusTurnObserver:
         rounds: int = 0,
         seconds: float | None = None,
     ) -> None:
-        self._metrics.turns.labels(reason=reason.value).inc()
+        m = self._metrics
+        self._child(m.turns, reason.value).inc()
         if reason is TurnEndReason.FAILED:
             # ErrorInfo reasons are the planner's own constants; bounded all the same.
-            self._metrics.turn_failures.labels(reason=bounded_reason(error_reason)).inc()
-        self._metrics.turn_rounds.observe(rounds)
+            self._child(m.turn_failures, bounded_reason(error_reason)).inc()
+        m.turn_rounds.observe(rounds)
         if seconds is not None:
-            self._metrics.turn_seconds.labels(reason=reason.value).observe(seconds)
+            self._child(m.turn_seconds, reason.value).observe(seconds)
 
     def first_delta(self, seconds: float) -> None:
         self._metrics.turn_first_delta_seconds.observe(seconds)
@@ -44,8 +63,9 @@ class PrometheusTurnObserver:
         self._metrics.rounds.inc()
 
     def tool_called(self, tool: str, outcome: str, seconds: float) -> None:
-        self._metrics.tool_calls.labels(tool=tool, outcome=outcome).inc()
-        self._metrics.tool_seconds.labels(tool=tool).observe(seconds)
+        m = self._metrics
+        self._child(m.tool_calls, tool, outcome).inc()
+        self._child(m.tool_seconds, tool).observe(seconds)
 
     def model_called(
         self,
@@ -55,18 +75,19 @@ class PrometheusTurnObserver:
         usage: Usage | None,
         first_delta_s: float | None = None,
     ) -> None:
-        self._metrics.model_seconds.labels(purpose=purpose, outcome=outcome).observe(seconds)
+        m = self._metrics
+        self._child(m.model_seconds, purpose, outcome).observe(seconds)
         if first_delta_s is not None:
-            self._metrics.model_first_delta_seconds.labels(purpose=purpose).observe(first_delta_s)
+            self._child(m.model_first_delta_seconds, purpose).observe(first_delta_s)
         if usage is not None:
-            self._metrics.tokens.labels(kind="input", purpose=purpose).inc(usage.input_tokens)
-            self._metrics.tokens.labels(kind="output", purpose=purpose).inc(usage.output_tokens)
+            self._child(m.tokens, "input", purpose).inc(usage.input_tokens)
+            self._child(m.tokens, "output", purpose).inc(usage.output_tokens)
 
     def compacted(self) -> None:
         self._metrics.compactions.inc()
 
     def compaction_failed(self, reason: str) -> None:
-        self._metrics.compaction_failures.labels(reason=reason).inc()
+        self._child(self._metrics.compaction_failures, reason).inc()
 
     def context_estimated(self, purpose: str, estimated: int, reported: int) -> None:
-        self._metrics.context_estimate_ratio.labels(purpose=purpose).observe(estimated / reported)
+        self._child(self._metrics.context_estimate_ratio, purpose).observe(estimated / reported)

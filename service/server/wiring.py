@@ -10,7 +10,9 @@ from typing import Any
 
 from service.adapters.bus import NullNotifier, PgNotifier
 from service.adapters.gateway import GrpcModelGateway
+from service.adapters.store.engine import SocketBounds
 from service.config import Settings
+from service.config.settings import DatabaseSettings
 from service.core.chat import ChatLimits, ChatService
 from service.core.errors import Unavailable
 from service.core.fanout import Hub
@@ -113,6 +115,12 @@ def build_turns(wiring: Wiring) -> PlannerTurns:
                 cancel_grace_s=planner.cancel_grace,
                 max_writes_per_turn=planner.max_writes_per_turn,
                 max_tool_calls_per_answer=planner.max_tool_calls_per_answer,
+                model_context_tokens=planner.model_context_tokens,
+                max_output_tokens=planner.max_output_tokens,
+                compaction_max_output_tokens=planner.compaction_max_output_tokens,
+                turn_max_model_requests=planner.turn_max_model_requests,
+                turn_max_tool_calls=planner.turn_max_tool_calls,
+                turn_max_tokens=planner.turn_max_tokens,
                 tool_concurrency=planner.tool_concurrency,
                 tool_arguments_max_bytes=planner.tool_arguments_max_bytes,
                 tool_arguments_cut_bytes=planner.tool_result_max_bytes,
@@ -124,6 +132,7 @@ def build_turns(wiring: Wiring) -> PlannerTurns:
                 sweep_interval_s=planner.sweep_interval_s,
                 prompt_cache_s=settings.auth.project_check_cache_s,
                 message_max_bytes=limits.message_max_bytes,
+                max_queued=planner.max_queued_messages,
                 running_limits=RunningLimits(
                     per_human=limits.turns_per_human, per_project=limits.turns_per_project
                 ),
@@ -173,12 +182,24 @@ def build_turns(wiring: Wiring) -> PlannerTurns:
             settings.server.replica_id,
             heal_interval_s=planner.heal_interval_s,
             connect_timeout_s=settings.database.connect_timeout_s,
+            bounds=socket_bounds(settings.database),
         )
         listener.watch(metrics.count_notification)
         notifier = listener
     # A replica listens to a session's notifications only while a stream here follows it.
     hub.on_follow(notifier.follow, notifier.unfollow)
     return PlannerTurns(turns, hub, notifier, chat, registry)
+
+
+def socket_bounds(database: DatabaseSettings) -> SocketBounds:
+    """The socket-level bounds of every PostgreSQL connection of ``database`` (its
+    ``tcp_user_timeout_s`` and ``keepalives_*`` keys, decision 0310)."""
+    return SocketBounds(
+        tcp_user_timeout_s=database.tcp_user_timeout_s,
+        keepalives_idle_s=database.keepalives_idle_s,
+        keepalives_interval_s=database.keepalives_interval_s,
+        keepalives_count=database.keepalives_count,
+    )
 
 
 @dataclass

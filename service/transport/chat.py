@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from typing import NoReturn
+from typing import NoReturn, assert_never
 
 from ballet.planner.v1 import chat_pb2
 
@@ -29,7 +29,7 @@ from service.core.fanout import (
     AcceptedAgain,
     ErrorReply,
     Heartbeat,
-    Outbound,
+    Response,
     SessionOpened,
     StreamEnd,
 )
@@ -99,7 +99,12 @@ async def commands(requests: Requests) -> AsyncIterator[Command]:
                 after_sequence=opened.after_sequence,
             )
         elif action == "send_message":
-            yield Send(request.request_id, request.send_message.text)
+            try:
+                on_busy = convert.on_busy_from_proto(request.send_message.on_busy)
+            except InvalidArgument as error:
+                yield Refused(request.request_id, error)
+                continue
+            yield Send(request.request_id, request.send_message.text, on_busy)
         elif action == "cancel_turn":
             yield Cancel(request.request_id, request.cancel_turn.turn_id)
         else:
@@ -109,8 +114,8 @@ async def commands(requests: Requests) -> AsyncIterator[Command]:
             )
 
 
-def response_of(stream: ChatStream, item: Outbound) -> chat_pb2.ChatResponse:
-    """The ``ChatResponse`` of one queued item (not ``StreamEnd``)."""
+def response_of(stream: ChatStream, item: Response) -> chat_pb2.ChatResponse:
+    """The ``ChatResponse`` of one queued item (``StreamEnd`` ends the call instead)."""
     if isinstance(item, SessionEvent):
         response = convert.event_to_proto(item)
         response.request_id = stream.echo(item)
@@ -131,7 +136,7 @@ def response_of(stream: ChatStream, item: Outbound) -> chat_pb2.ChatResponse:
         response = convert.event_to_proto(item.event)
         response.request_id = item.request_id
         return response
-    raise TypeError(f"not a Chat response: {type(item).__name__}")
+    assert_never(item)
 
 
 async def _refuse(requests: Requests, context: Context, error: Exception) -> NoReturn:

@@ -55,14 +55,14 @@ def serve_address(ready: Path, process: subprocess.Popen[str], log: Path) -> str
     return str(ready_file(ready, process, log=log)["address"])
 
 
-def start_serve(cwd: Path, env: dict[str, str]) -> tuple[subprocess.Popen[str], str]:
-    """``ballet-planner serve`` in ``cwd`` with ``env`` (the machine's ``BALLET_PLANNER__``,
+def start_serve(cwd: Path, env: dict[str, str], *args: str) -> tuple[subprocess.Popen[str], str]:
+    """``ballet-planner serve ARGS`` in ``cwd`` with ``env`` (the machine's ``BALLET_PLANNER__``,
     ``BALLET_OPENAI_`` and ``OTEL_`` variables left out), its output in
     ``cwd/serve.log``; returns the process and the address it bound once it has
     (``ready.json``), not waiting for SERVING."""
     with (cwd / "serve.log").open("w") as log:
         process = subprocess.Popen(
-            [*command(), "serve", "--ready-file", "ready.json"],
+            [*command(), "serve", "--ready-file", "ready.json", *args],
             cwd=cwd,
             env=dev_support.clean_env(**env),
             stdout=log,
@@ -262,3 +262,31 @@ def test_token_refuses_a_lifetime_that_is_not_positive_and_an_empty_user(tmp_pat
         result = run(["token", *args, "--data-dir", "state"], tmp_path)
         assert result.returncode == 2
         assert "ballet-planner token:" in result.stderr
+
+
+def test_the_database_flags_of_serve_migrate_and_purge(tmp_path: Path) -> None:
+    # Every subcommand that opens the planner's database takes --database-url and
+    # --data-dir, as dev does (decision 0324).
+    migrated = run(["migrate", "--data-dir", "state"], tmp_path)
+    assert migrated.returncode == 0, migrated.stderr
+    assert (tmp_path / "state" / "planner.db").exists()
+    url = f"sqlite+aiosqlite:///{tmp_path / 'other.db'}"
+    served, address = start_serve(
+        tmp_path,
+        {
+            "BALLET_PLANNER__SERVER__ADDRESS": "127.0.0.1:0",
+            "BALLET_PLANNER__SERVER__METRICS_ADDRESS": "",
+        },
+        "--data-dir",
+        "state",
+        "--database-url",
+        url,
+    )
+    try:
+        wait_serving(address, served, tmp_path)
+    finally:
+        served.terminate()
+        served.wait(30)
+    assert (tmp_path / "state" / "dev-secret").exists() and (tmp_path / "other.db").exists()
+    purged = run(["purge", "--data-dir", "state", "--human", "nobody", "--dry-run"], tmp_path)
+    assert purged.returncode == 0, purged.stderr

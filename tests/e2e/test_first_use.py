@@ -100,7 +100,18 @@ def test_migrate_and_serve_with_the_database_down_say_what_was_tried(
         BALLET_PLANNER__SERVER__ADDRESS="127.0.0.1:0",
         BALLET_PLANNER__SERVER__METRICS_ADDRESS="",
     )
-    for result, setting in ((migrate, "--database-url"), (serve, "BALLET_PLANNER__DATABASE__URL")):
+    # serve takes --database-url as migrate does (decision 0324), and names it.
+    serve_flag = run_cli(
+        ["serve", "--database-url", url],
+        tmp_path,
+        BALLET_PLANNER__SERVER__ADDRESS="127.0.0.1:0",
+        BALLET_PLANNER__SERVER__METRICS_ADDRESS="",
+    )
+    for result, setting in (
+        (migrate, "--database-url"),
+        (serve, "BALLET_PLANNER__DATABASE__URL"),
+        (serve_flag, "with serve: --database-url"),
+    ):
         assert result.returncode == 1
         line = _one_line(result, f"postgresql://bob@127.0.0.1:{port}/planner", setting)
         assert "unreachable: the database is unavailable" not in line

@@ -21,13 +21,14 @@ import importlib.util
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.dev_support import ANY_PORTS, REPO, clean_env
+from tests.e2e.dev_support import ANY_PORTS, REPO, Terminal, clean_env
 
 QUESTION = "What are the open epics?\n"
 
@@ -75,9 +76,11 @@ def assert_answered(result: subprocess.CompletedProcess[str], checkout: Path) ->
     assert "Traceback" not in said
 
 
-def test_try_from_a_clone_answers_a_piped_question(tmp_path: Path) -> None:
+def stamped_venv(checkout: Path) -> Path:
+    """This test run's virtualenv, when ``scripts/setup.py`` of ``checkout`` would find it
+    set up (its stamp matches the clone's pyproject files); skips otherwise (fails in CI),
+    since ``scripts/try`` would then install the clone into it."""
     venv = Path(sys.prefix)
-    checkout = clone(tmp_path)
     stamp = venv / "ballet-setup.json"
     # The clone's recipe, for its key of its pyproject files.
     spec = importlib.util.spec_from_file_location("clone_setup", checkout / "scripts/setup.py")
@@ -86,12 +89,60 @@ def test_try_from_a_clone_answers_a_piped_question(tmp_path: Path) -> None:
     spec.loader.exec_module(clone_setup)
     recorded = json.loads(stamp.read_text()) if stamp.exists() else {}
     if clone_setup.key() not in recorded.values():
-        # Run through scripts/test (or .ci/run), this virtualenv carries the stamp; without
-        # it scripts/try would install the clone into this virtualenv.
         if os.environ.get("CI") == "true":
             pytest.fail(f"{venv} has no install stamp of scripts/setup.py")
         pytest.skip(f"{venv} was not set up by scripts/setup.py (run scripts/test)")
+    return venv
+
+
+def test_try_from_a_clone_answers_a_piped_question(tmp_path: Path) -> None:
+    checkout = clone(tmp_path)
+    venv = stamped_venv(checkout)
     assert_answered(run_try(checkout, venv, timeout=120), checkout)
+
+
+def test_try_in_a_terminal_chats_and_stops_dev_when_the_chat_ends(tmp_path: Path) -> None:
+    checkout = clone(tmp_path)
+    venv = stamped_venv(checkout)
+    terminal = Terminal(
+        [str(checkout / "scripts/try"), *ANY_PORTS],
+        checkout,
+        clean_env(BALLET_VENV=str(venv), TERM="xterm"),
+    )
+    try:
+        terminal.expect(r"chatting as alice about project demo", timeout=120)
+        terminal.expect(r"> ")
+        terminal.send("What are the open epics?")
+        terminal.expect(r"PAN-4: Pantry inventory")
+        terminal.expect(r"\[COMPLETED: 1 round\]")
+        terminal.send("/quit")
+        terminal.expect(r"scripts/try: dev: stopped")
+        assert terminal.wait() == 0
+    finally:
+        terminal.close()
+    assert "Traceback" not in terminal.output
+
+
+def test_try_on_a_taken_port_says_how_to_take_free_ones(tmp_path: Path) -> None:
+    checkout = clone(tmp_path)
+    venv = stamped_venv(checkout)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        result = subprocess.run(
+            ["scripts/try", *ANY_PORTS, "--address", address],  # the last --address wins
+            cwd=checkout,
+            input=QUESTION,
+            env=clean_env(BALLET_VENV=str(venv)),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert result.returncode == 1, result.stderr
+    assert f"server.address {address} is in use" in result.stderr
+    assert "`scripts/try --address 127.0.0.1:0 " in result.stderr
+    assert result.stdout == "" and "Traceback" not in result.stderr
 
 
 @pytest.mark.slow

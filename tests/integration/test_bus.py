@@ -12,14 +12,17 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
 
 import pytest
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from service.adapters.bus import NullNotifier, PgNotifier
 from service.adapters.store import SqlSessionStore, make_engine, migrate
 from service.adapters.store.pg import PgSessionStore, make_pool
 from service.adapters.store.signals import session_channel
+from service.adapters.store.streams import SqlStreamStore
 from service.core.errors import FailedPrecondition, StoreUnavailable
 from service.core.ports import TurnCommit
 from service.server.metrics import Metrics
@@ -107,8 +110,8 @@ async def test_signals_of_other_replicas_arrive(pg_url: str, pg_engine: AsyncEng
         await listening_to(notifier, "s1")
         # The heal read at the first follow: the session as stored.
         assert await received.next() == ("events", "s1", 0)
-        # Our own events (sequences 1-2) are skipped; signals of one store are sent in
-        # commit order, so the next one delivered proves it.
+        # Our own events (sequences 1-2) are not even sent: no other replica follows s1
+        # (decision 0340); the next one delivered proves it.
         await here.start_turn(turn_start("s1", "t1", owner="replica-a"))
         await there.commit(TurnCommit("s1", "t1", T0, events=tool_round_events("s1", "t1")))
         assert await received.next() == ("events", "s1", 5)
@@ -127,6 +130,107 @@ async def test_signals_of_other_replicas_arrive(pg_url: str, pg_engine: AsyncEng
     finally:
         await notifier.stop()
     assert not notifier.listening
+
+
+class Sent:
+    """Counts what a store's ``Signals`` sent."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+
+    def __call__(self, outcome: str, count: int) -> None:
+        if outcome == "sent":
+            self.sent += count
+
+
+async def follows(engine: AsyncEngine) -> set[tuple[str, str]]:
+    async with engine.connect() as conn:
+        rows = await conn.execute(text("SELECT session_id, replica_id FROM session_follows"))
+        return {(str(r[0]), str(r[1])) for r in rows}
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("hot", [False, True], ids=["sqlalchemy", "hot-path"])
+async def test_a_commit_signals_only_a_session_another_replica_follows(
+    pg_url: str, pg_engine: AsyncEngine, hot: bool
+) -> None:
+    """Decision 0340: the commit reads who follows its session in its own round trip;
+    nobody else following, it sends no ``pg_notify`` at all (a single replica sends none),
+    and its own listener has nothing to read back."""
+    pool = make_pool(pg_url, max_size=2, timeout_s=5)
+    await pool.open()
+    here: SqlSessionStore = (
+        PgSessionStore(pg_engine, pool, "replica-a")
+        if hot
+        else SqlSessionStore(pg_engine, "replica-a")
+    )
+    assert here.signals is not None
+    sent = Sent()
+    here.signals.watch(sent)
+    own, other = Received(), Received()
+    own_notifier = PgNotifier(pg_url, "replica-a", heal_interval_s=NO_HEAL_S)
+    other_notifier = PgNotifier(pg_url, "replica-b", heal_interval_s=NO_HEAL_S)
+    await own_notifier.start(own.on_events, own.on_cancel)
+    await other_notifier.start(other.on_events, other.on_cancel)
+    try:
+        await here.create_session(new_session("s1"))
+        await listening_to(own_notifier, "s1")
+        assert await own.next() == ("events", "s1", 0)
+        assert await follows(pg_engine) == {("s1", "replica-a")}
+        await here.start_turn(turn_start("s1", "t1", owner="replica-a"))
+        await here.commit(TurnCommit("s1", "t1", T0, events=tool_round_events("s1", "t1")))
+        await here.signals.flush(5.0)
+        assert sent.sent == 0
+
+        # Another replica follows: the next commit is signalled, to it.
+        await listening_to(other_notifier, "s1")
+        assert await other.next() == ("events", "s1", 5)
+        assert await follows(pg_engine) == {("s1", "replica-a"), ("s1", "replica-b")}
+        await here.commit(TurnCommit("s1", "t1", T0, events=tool_round_events("s1", "t1")))
+        assert await other.next() == ("events", "s1", 8)
+        assert sent.sent == 1
+
+        # It stops following: its row goes, and commits are silent again.
+        other_notifier.unfollow("s1")
+        for _ in range(100):
+            if ("s1", "replica-b") not in await follows(pg_engine):
+                break
+            await asyncio.sleep(0.02)
+        await here.commit(TurnCommit("s1", "t1", T0, events=tool_round_events("s1", "t1")))
+        await here.signals.flush(5.0)
+        assert sent.sent == 1
+        assert own.drain() == [] and other.drain() == []
+    finally:
+        await other_notifier.stop()
+        await own_notifier.stop()
+        await pool.close()
+
+
+@pytest.mark.postgres
+async def test_a_forgotten_replica_takes_its_follows_along(
+    pg_url: str, pg_engine: AsyncEngine
+) -> None:
+    """A reconnecting notifier writes its rows afresh; a replica removed or swept leaves
+    none behind (``SqlStreamStore``)."""
+    streams = SqlStreamStore(pg_engine)
+    notifier = PgNotifier(pg_url, "replica-b", heal_interval_s=NO_HEAL_S)
+    received = Received()
+    async with pg_engine.begin() as conn:
+        await conn.execute(
+            text("INSERT INTO session_follows VALUES ('stale', 'replica-b'), ('x', 'replica-c')")
+        )
+    await notifier.start(received.on_events, received.on_cancel)
+    try:
+        await listening_to(notifier, "s9")
+        assert await follows(pg_engine) == {("s9", "replica-b"), ("x", "replica-c")}
+    finally:
+        await notifier.stop()
+    await streams.heartbeat("replica-b", datetime.now(UTC) + timedelta(seconds=30))
+    await streams.heartbeat("replica-c", datetime.now(UTC) - timedelta(seconds=1))
+    assert await streams.sweep_replicas(datetime.now(UTC)) == 1
+    assert await follows(pg_engine) == {("s9", "replica-b")}
+    await streams.remove_replica("replica-b")
+    assert await follows(pg_engine) == set()
 
 
 @pytest.mark.postgres

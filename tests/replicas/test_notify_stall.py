@@ -1,7 +1,7 @@
 """Two replicas on one durable cluster (fsync on) with a NOTIFYing commit stalled
 elsewhere in it (``tests.notify_stall``): turns go on, and a stream on the other replica
-gets every event, healed by sequence; a replica handles the notifications of the
-sessions it streams, not of the others.
+gets every event, healed by sequence; a session streamed on one replica only is signalled
+to nobody (decision 0340).
 
 The cluster's commits are flushed locally (``synchronous_commit = local``); the stalled
 transaction alone asks for its synchronous standby, which never comes.
@@ -85,6 +85,15 @@ async def events_handled(planner: Planner) -> float:
     )
 
 
+async def signals_sent_or_failed(planner: Planner) -> float:
+    total = 0.0
+    for outcome in ("sent", "failed"):
+        total += await asyncio.to_thread(
+            metric, planner, "ballet_planner_signals_total", f'outcome="{outcome}"'
+        )
+    return total
+
+
 async def test_turns_and_a_follower_on_the_other_replica_go_on_while_notify_is_stalled(
     stalling: tuple[Rig, str], record_property: Callable[[str, object], None]
 ) -> None:
@@ -118,7 +127,7 @@ async def test_turns_and_a_follower_on_the_other_replica_go_on_while_notify_is_s
     await on_b.close()
 
 
-async def test_a_replica_handles_no_notifications_of_sessions_it_does_not_stream(
+async def test_no_notification_is_sent_or_handled_for_a_session_only_its_replica_streams(
     stalling: tuple[Rig, str],
 ) -> None:
     r, _ = stalling
@@ -129,17 +138,15 @@ async def test_a_replica_handles_no_notifications_of_sessions_it_does_not_stream
     on_b.attach(quiet)  # B streams a session, just not the busy one
     await asyncio.gather(on_a.opened(), on_b.opened())
     before_a, before_b = await events_handled(r.a), await events_handled(r.b)
+    signalled_a = await signals_sent_or_failed(r.a)
     for n in range(TURNS):
         on_a.say(f"what is open? ({n})", f"busy-{n}")
         accepted = await on_a.wait_kind("message_accepted", count=n + 1)
         await on_a.turn_ended(accepted.response.turn_id, timeout_s=TURN_LIMIT_S)
-    # A hears its own notifications of the session it streams (three commits and the
-    # start per turn, some merged), and B none of them.
-    for _ in range(50):
-        if await events_handled(r.a) > before_a:
-            break
-        await asyncio.sleep(0.1)
-    assert await events_handled(r.a) > before_a
+    # Nobody else follows the busy session: A sends no notification for it (decision
+    # 0340), so neither A's listener nor B's reads one.
+    assert await signals_sent_or_failed(r.a) == signalled_a
+    assert await events_handled(r.a) == before_a
     assert await events_handled(r.b) == before_b
     assert on_b.events() == []
     await on_a.close()

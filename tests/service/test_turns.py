@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import psycopg
 import pytest
 from ballet.llm.v1 import gateway_pb2
 from ballet.planner.v1 import planner_service_pb2 as pb
@@ -492,7 +493,7 @@ async def test_cancel_turn_of_an_ended_turn_changes_nothing_and_of_an_unknown_on
 
 
 async def test_t1_a_one_round_turn_counted(tmp_path: Path) -> None:
-    """1 Chat request, 2 turn-purpose model calls, 1 tool call, at most 4 commits, at most
+    """1 Chat request, 2 turn-purpose model calls, 1 tool call, 3 commits, at most
     2 system-prompt RPCs (GetProject + ReadSkill), none on the next turn (cached).
 
     Commits are counted from ``send_message`` to ``turn_ended``: what the turn costs, not
@@ -515,7 +516,7 @@ async def test_t1_a_one_round_turn_counted(tmp_path: Path) -> None:
         assert len(rig.requests()) == 2
         assert len(rig.requests(gateway_pb2.PURPOSE_COMPACTION)) == 0
         assert [r.method for r in rig.stack.calls if r.method == "ListItems"] == ["ListItems"]
-        assert turn_commits <= 4, turn_commits
+        assert turn_commits == 3, turn_commits
         prompt_rpcs = [r.method for r in rig.stack.calls if r.method in ("GetProject", "ReadSkill")]
         assert len(prompt_rpcs) <= 2, prompt_rpcs
 
@@ -525,6 +526,64 @@ async def test_t1_a_one_round_turn_counted(tmp_path: Path) -> None:
         assert [r.method for r in rig.stack.calls] == ["ListItems"], "project and skill cached"
     finally:
         await stop_rig(rig)
+
+
+@pytest.mark.postgres
+async def test_t1_a_one_round_turn_on_postgresql_writes_three_times_and_notifies_nothing(
+    tmp_path: Path, pg_url: str
+) -> None:
+    """The write-transaction budget (decision 0341): on one replica a
+    one-round turn makes 3 write transactions (the message with its turn; the round; the
+    ending) and sends no ``pg_notify``: no other replica follows the session (decision
+    0340). Write transactions are the advance of ``pg_current_snapshot()``'s xmax (only a
+    writing transaction gets an xid; reading it assigns none), counted from the send to
+    ``turn_ended`` on a database of its own."""
+    rig = await start_rig(tmp_path / "stack", database_url=pg_url)
+    libpq = pg_url.replace("postgresql+psycopg://", "postgresql://", 1)
+    try:
+        rig.scenario(call_then_answer({"name": "list_items", "arguments": {}}))
+        session_id = (await rig.create_session()).session_id
+        async with await psycopg.AsyncConnection.connect(libpq, autocommit=True) as conn:
+
+            async def xmax() -> int:
+                cursor = await conn.execute("SELECT pg_snapshot_xmax(pg_current_snapshot())")
+                row = await cursor.fetchone()
+                assert row is not None
+                return int(row[0])
+
+            async def followed() -> list[str]:
+                cursor = await conn.execute(
+                    "SELECT replica_id FROM session_follows WHERE session_id = %s", (session_id,)
+                )
+                return [str(r[0]) for r in await cursor.fetchall()]
+
+            async with rig.chat() as stream:
+                await stream.open(session_id)
+                await stream.opened()
+                # The notifier records the follow within 0.1 s: before counting.
+                for _ in range(200):
+                    if await followed():
+                        break
+                    await asyncio.sleep(0.01)
+                assert await followed() == [rig.app.settings.server.replica_id]
+                sent_before = _signals(rig, "sent")
+                before = await xmax()
+                await stream.send("what is open?", "t1-pg")
+                await stream.turn()
+                writes = await xmax() - before
+            await rig.app.store.signals.flush(5.0)  # type: ignore[attr-defined]
+        assert writes == 3, writes
+        assert _signals(rig, "sent") == sent_before
+        assert rig.app.store.signals.pending == 0  # type: ignore[attr-defined]
+    finally:
+        await stop_rig(rig)
+
+
+def _signals(rig: Rig, outcome: str) -> float:
+    value = rig.app.metrics.registry.get_sample_value(
+        "ballet_planner_signals_total", {"outcome": outcome}
+    )
+    return value or 0.0
 
 
 def _started(rig: Rig, method: str) -> float:

@@ -15,7 +15,11 @@ from bench import cl100k
 from bench.prompt import TARGET_TOKENS, measure, tool_entry, tools_array
 from service.core import prompts
 from service.core.estimate import MESSAGE_OVERHEAD_TOKENS, declarations_tokens, text_tokens
+from service.core.ports import Acting, SkillDocument
+from service.core.projects import ProjectDirectory
 from service.core.tools import declarations
+from service.core.turn.prompt import PromptSource, shared_prefix
+from tests.unit.fakes import FakeBackends, FakeClock
 
 #: The estimator's calibrated error bound (decision 0171: within 15 % of cl100k).
 ESTIMATE_MARGIN = 1.15
@@ -76,3 +80,25 @@ def test_a_tool_entry_is_the_declaration_as_sent() -> None:
     declaration = declarations()[0]
     entry = json.loads(tool_entry(declaration))
     assert entry["function"]["parameters"] == json.loads(declaration.parameters_json_schema)
+
+
+async def test_the_prompt_of_every_project_starts_with_the_same_instructions() -> None:
+    # Decision 0296: what differs between projects is in the context, never the system
+    # prompt; the same project gives the same context on every turn and session.
+    backends = FakeBackends(skill=SkillDocument("planning", "1.2.0", "# Plan\nSmall steps."))
+    source = PromptSource(
+        ProjectDirectory(backends, FakeClock(), cache_s=0.0), model="m", declarations=declarations()
+    )
+    alice = Acting(human_id="alice", organization_id="acme", token="t", session_id="s1")
+    again = Acting(human_id="alice", organization_id="acme", token="t", session_id="s2")
+    first, second = await source.prompt(alice, "demo"), await source.prompt(again, "demo")
+    other = await source.prompt(alice, "other")
+    assert first.system == second.system == other.system == prompts.instructions()
+    assert first.context == second.context != other.context
+    assert "- id: demo" in first.context and "- id: other" in other.context
+    assert "# Plan" in first.context and "# Plan" not in first.system
+    shared = shared_prefix(declarations())
+    assert shared.system == first.system
+    assert first.fixed_tokens == shared.tokens + MESSAGE_OVERHEAD_TOKENS + text_tokens(
+        first.context
+    )

@@ -13,7 +13,7 @@ from service.core.sessions import Caller, ProjectAccess
 from service.core.tools import declarations
 from service.core.turn.prompt import PromptSource
 from tests.unit.fakes import FakeBackends, FakeClock
-from tests.unit.session_fakes import FakeTracker, ManualClock
+from tests.unit.session_fakes import FakeTracker
 
 ALICE = Caller("alice", "acme", token="alice-token")
 SKILL = SkillDocument("planning", "1.2.0", "# Plan\nSmall steps.")
@@ -78,7 +78,7 @@ async def test_answers_are_kept_per_organization_and_human() -> None:
 
 async def test_refusals_are_not_kept() -> None:
     tracker = FakeTracker()
-    access = ProjectAccess(ProjectDirectory(tracker, ManualClock()))  # type: ignore[arg-type]
+    access = ProjectAccess(ProjectDirectory(tracker, FakeClock()))  # type: ignore[arg-type]
     with pytest.raises(NotFound):
         await access.check(ALICE, "demo")
     tracker.allow("alice", "demo")
@@ -92,3 +92,28 @@ async def test_a_zero_cache_asks_every_time() -> None:
     await world.access.check(ALICE, "demo")
     await world.prompt()
     assert world.backends.project_reads == 2
+
+
+async def test_the_rendered_prompt_is_kept_with_the_answers_it_derives_from() -> None:
+    """Decision 0342: a prompt is rendered and estimated once per answer of the directory;
+    a new answer (the entry expired and was read again) renders it again, and each human's
+    entry has its own."""
+    world = World(skill=SKILL, cache_s=30.0)
+    acting = ALICE.acting("s1")
+    first = await world.prompts.prompt(acting, "demo")
+    assert await world.prompts.prompt(ALICE.acting("s2"), "demo") is first
+    world.clock.advance(31.0)
+    again = await world.prompts.prompt(acting, "demo")
+    assert again is not first and again == first
+    bob = await world.prompts.prompt(Caller("bob", "acme", token="bob-token").acting("s3"), "demo")
+    assert bob is not again
+
+
+async def test_kept_prompts_are_bounded() -> None:
+    world = World()
+    world.prompts = PromptSource(
+        world.directory, model="m", declarations=declarations(), max_built=2
+    )
+    firsts = [await world.prompts.prompt(ALICE.acting("s"), p) for p in ("a", "b", "c")]
+    assert await world.prompts.prompt(ALICE.acting("s"), "c") is firsts[2]
+    assert await world.prompts.prompt(ALICE.acting("s"), "a") is not firsts[0]

@@ -88,3 +88,49 @@ async def test_a_turn_another_replica_closed_is_left_alone() -> None:
     turn = await asyncio.wait_for(rig.service.wait_for_end(turn_id), 5)
     assert turn.end_reason is TurnEndReason.INTERRUPTED
     assert len(rig.store.events["s1"]) == before
+
+
+def one_answer(rig_box: list[Any]) -> Any:
+    """A model that answers at once and, as it answers, cuts the store (the database goes
+    silent while the answer streams)."""
+
+    def script(request: ModelRequest) -> dict[str, Any]:
+        rig_box[0].store.fail = True
+        return {"text": "the answer the human saw"}
+
+    return script
+
+
+async def test_an_answer_streamed_while_the_store_was_gone_is_kept_when_it_answers() -> None:
+    """Decision 0311: the owner's ending is fenced by ownership, not by the lease's clock;
+    nobody else took the turn, so the answer is stored and the turn COMPLETED."""
+    box: list[Any] = []
+    rig = make_rig(one_answer(box))
+    box.append(rig)
+    turn_id = await rig.send("go")
+    await asyncio.wait_for(rig.store.failed.wait(), 5)
+    assert rig.store.turns[turn_id].state is TurnState.RUNNING
+    # Long past the lease (the store cannot tell the owner so): nobody else ended it.
+    rig.clock.advance(600)
+    rig.store.fail = False
+    turn = await asyncio.wait_for(rig.service.wait_for_end(turn_id), 5)
+    assert turn.end_reason is TurnEndReason.COMPLETED
+    answers = [m for m in rig.store.messages["s1"] if m.kind is MessageKind.ASSISTANT]
+    assert [m.text for m in answers] == ["the answer the human saw"]
+
+
+async def test_an_answer_whose_turn_another_replica_ended_is_refused() -> None:
+    box: list[Any] = []
+    rig = make_rig(one_answer(box))
+    box.append(rig)
+    turn_id = await rig.send("go")
+    await asyncio.wait_for(rig.store.failed.wait(), 5)
+    # Another replica's sweeper closed it meanwhile.
+    rig.store.turns[turn_id] = replace(
+        rig.store.turns[turn_id], state=TurnState.ENDED, end_reason=TurnEndReason.INTERRUPTED
+    )
+    before = len(rig.store.events["s1"])
+    rig.store.fail = False
+    turn = await asyncio.wait_for(rig.service.wait_for_end(turn_id), 5)
+    assert turn.end_reason is TurnEndReason.INTERRUPTED
+    assert len(rig.store.events["s1"]) == before

@@ -168,3 +168,60 @@ def test_the_stores_reads_are_marked() -> None:
     ]:
         assert getattr(getattr(store, name), READ_MARK, False), (store, name)
     assert not getattr(SqlSessionStore.commit, READ_MARK, False)
+
+
+async def test_a_unit_of_work_past_its_deadline_fails_unavailable_and_is_cancelled_once() -> None:
+    """Decision 0310: whatever a unit waits for (a silent database), its caller gets
+    ``StoreUnavailable`` at the deadline, and the unit is cancelled once, not twice."""
+    units = UnitsOfWork(unit_timeout_s=0.05)
+    kinds: list[str] = []
+    units.on_failure(kinds.append)
+    cancellations: list[str] = []
+    release = asyncio.Event()
+
+    async def stuck() -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancellations.append("cancelled")
+            # psycopg's own cleanup after a cancellation: it needs further awaits.
+            await release.wait()
+            raise
+
+    with pytest.raises(StoreUnavailable, match=r"did not answer within 0\.05 s"):
+        await units.run(stuck(), "commit")
+    assert cancellations == ["cancelled"] and units.units_expired == 1
+    assert kinds == ["unavailable"]
+    assert units.in_flight == 1  # still cleaning up; drain does not cancel it again
+    release.set()
+    await units.drain(5)
+    assert cancellations == ["cancelled"] and units.in_flight == 0
+
+
+async def test_a_unit_whose_caller_left_still_ends_at_its_deadline() -> None:
+    units = UnitsOfWork(unit_timeout_s=0.05)
+    ended = asyncio.Event()
+
+    async def stuck() -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            ended.set()
+
+    caller = asyncio.get_running_loop().create_task(units.run(stuck()))
+    await asyncio.sleep(0)
+    caller.cancel()
+    await asyncio.wait({caller})
+    await asyncio.wait_for(ended.wait(), 5)
+    assert units.units_expired == 1
+
+
+async def test_a_unit_within_its_deadline_returns_its_result() -> None:
+    units = UnitsOfWork(unit_timeout_s=5)
+
+    async def work() -> str:
+        await asyncio.sleep(0)
+        return "done"
+
+    assert await units.run(work()) == "done"
+    assert units.units_expired == 0

@@ -23,7 +23,7 @@ from typing import Any
 from psycopg_pool import AsyncConnectionPool
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from service.adapters.store.engine import is_postgresql, make_engine
+from service.adapters.store.engine import SOCKET_BOUNDS, SocketBounds, is_postgresql, make_engine
 from service.adapters.store.pg import PgSessionStore, PgStreamStore, StatementObserver, make_pool
 from service.adapters.store.repository import SqlSessionStore
 from service.adapters.store.streams import SqlStreamStore
@@ -88,6 +88,8 @@ async def open_database(
     connect_timeout_s: int = 5,
     pool_pre_ping: bool = False,
     abandoned_read_grace_s: float = ABANDONED_READ_GRACE_S,
+    unit_timeout_s: float | None = None,
+    bounds: SocketBounds = SOCKET_BOUNDS,
     context_cache_bytes: int = 64 << 20,
     tracer: Tracer = NULL_TRACER,
 ) -> Database:
@@ -97,7 +99,9 @@ async def open_database(
     reached fails here (``StoreUnavailable``) rather than at the first turn.
     ``pool_timeout_s``, ``connect_timeout_s`` (seconds, per host) and ``pool_pre_ping``
     apply to both pools; a read whose caller left is cancelled after
-    ``abandoned_read_grace_s`` seconds (``work.py``). ``tracer`` traces the units of
+    ``abandoned_read_grace_s`` seconds (``work.py``); every unit of work fails
+    ``StoreUnavailable`` past ``unit_timeout_s`` seconds (None: no deadline) and every
+    PostgreSQL socket has ``bounds`` (decision 0310). ``tracer`` traces the units of
     work."""
     engine = make_engine(
         url,
@@ -106,8 +110,11 @@ async def open_database(
         pool_timeout_s=pool_timeout_s,
         pool_pre_ping=pool_pre_ping,
         connect_timeout_s=connect_timeout_s,
+        bounds=bounds,
     )
-    work = UnitsOfWork(tracer, abandoned_read_grace_s=abandoned_read_grace_s)
+    work = UnitsOfWork(
+        tracer, abandoned_read_grace_s=abandoned_read_grace_s, unit_timeout_s=unit_timeout_s
+    )
     if not is_postgresql(engine):
         sessions = SqlSessionStore(
             engine, replica_id, context_cache_bytes=context_cache_bytes, units_of_work=work
@@ -119,6 +126,7 @@ async def open_database(
         timeout_s=pool_timeout_s,
         connect_timeout_s=connect_timeout_s,
         pre_ping=pool_pre_ping,
+        bounds=bounds,
     )
     try:
         await pool.open(wait=True, timeout=pool_timeout_s)

@@ -28,6 +28,7 @@ writes, so after a failover new connections find the promoted standby.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,15 +45,39 @@ from ballet_common.files import check_sqlite_file, create_private_file
 READ_ONLY_OPTION = "ballet_read_only"
 
 
-#: TCP keepalives on every PostgreSQL connection: a peer that vanished without closing
-#: the socket (a failed host, a dropped NAT entry) is found in about a minute rather than
-#: the kernel's two hours.
-KEEPALIVES: dict[str, int] = {
-    "keepalives": 1,
-    "keepalives_idle": 30,
-    "keepalives_interval": 10,
-    "keepalives_count": 3,
-}
+@dataclass(frozen=True)
+class SocketBounds:
+    """The socket-level bounds of every PostgreSQL connection the planner opens (the two
+    pools, the LISTEN connection, migrate), in seconds (decision 0310).
+
+    ``tcp_user_timeout_s`` (libpq's ``tcp_user_timeout``, Linux ``TCP_USER_TIMEOUT``):
+    data sent and not acknowledged for that long aborts the connection, so a statement
+    on a connection whose peer went silent fails instead of waiting on TCP's
+    retransmissions (about 15 minutes), and data the kernel still holds is never
+    delivered later. Keepalives (idle, interval, count) find a silent peer of an idle
+    connection (the LISTEN connection, a pooled one) after about ``keepalives_idle_s`` +
+    ``tcp_user_timeout_s``: with a user timeout set, Linux lets it decide when the unanswered
+    probes end the connection.
+    """
+
+    tcp_user_timeout_s: float = 8.0
+    keepalives_idle_s: int = 5
+    keepalives_interval_s: int = 2
+    keepalives_count: int = 3
+
+    def libpq(self) -> dict[str, int]:
+        """The libpq parameters (``tcp_user_timeout`` in milliseconds)."""
+        return {
+            "keepalives": 1,
+            "keepalives_idle": self.keepalives_idle_s,
+            "keepalives_interval": self.keepalives_interval_s,
+            "keepalives_count": self.keepalives_count,
+            "tcp_user_timeout": max(1, round(self.tcp_user_timeout_s * 1000)),
+        }
+
+
+#: The defaults of ``database.tcp_user_timeout_s`` and ``database.keepalives_*``.
+SOCKET_BOUNDS = SocketBounds()
 
 
 def conninfo(url: str) -> str:
@@ -70,15 +95,22 @@ def conninfo(url: str) -> str:
     return make_conninfo("", **kwargs)
 
 
-def connect_args(*, connect_timeout_s: int, application_name: str, **more: Any) -> dict[str, Any]:
+def connect_args(
+    *,
+    connect_timeout_s: int,
+    application_name: str,
+    bounds: SocketBounds = SOCKET_BOUNDS,
+    **more: Any,
+) -> dict[str, Any]:
     """The libpq parameters every PostgreSQL connection of the planner adds to its URL's:
     ``connect_timeout_s`` bounds each host's connection attempt (libpq applies it per
     host, so a dead primary costs at most that before the next host is tried), the
-    application name, keepalives (``KEEPALIVES``), and ``more``."""
+    application name, the socket bounds (``SocketBounds``: keepalives and the TCP user
+    timeout), and ``more``."""
     return {
         "connect_timeout": connect_timeout_s,
         "application_name": application_name,
-        **KEEPALIVES,
+        **bounds.libpq(),
         **more,
     }
 
@@ -114,6 +146,7 @@ def make_engine(
     sqlite_busy_timeout_ms: int = 10_000,
     application_name: str = "ballet-planner",
     echo: bool = False,
+    bounds: SocketBounds = SOCKET_BOUNDS,
 ) -> AsyncEngine:
     """An ``AsyncEngine`` for ``url``: ``postgresql+psycopg://...`` or
     ``sqlite+aiosqlite:///path`` (a file; ``:memory:`` is one connection's private
@@ -127,7 +160,8 @@ def make_engine(
     failed unit of work; on it, every checkout first checks its connection, so no unit
     of work meets a connection a failover left broken. ``connect_timeout_s`` bounds a
     PostgreSQL connection attempt per host, so an unreachable server fails fast instead
-    of hanging a turn. Raises ``ValueError`` for any other backend.
+    of hanging a turn; ``bounds`` are its sockets' (``SocketBounds``). Raises
+    ``ValueError`` for any other backend.
     """
     parsed = make_url(url)
     backend = parsed.get_backend_name()
@@ -142,7 +176,9 @@ def make_engine(
             pool_pre_ping=pool_pre_ping,
             echo=echo,
             connect_args=connect_args(
-                connect_timeout_s=connect_timeout_s, application_name=application_name
+                connect_timeout_s=connect_timeout_s,
+                application_name=application_name,
+                bounds=bounds,
             ),
         )
         return engine
@@ -197,4 +233,3 @@ def _configure_sqlite(engine: AsyncEngine, *, busy_timeout_ms: int) -> None:
         if connection.get_execution_options().get(READ_ONLY_OPTION):
             return
         connection.exec_driver_sql("BEGIN IMMEDIATE")
-

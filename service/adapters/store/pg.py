@@ -34,7 +34,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from service.adapters.store import codec
 from service.adapters.store import turn_units as units
-from service.adapters.store.engine import connect_args, conninfo
+from service.adapters.store.engine import SOCKET_BOUNDS, SocketBounds, connect_args, conninfo
 from service.adapters.store.errors import RequestIdTaken
 from service.adapters.store.repository import CONTEXT_CACHE_BYTES, SqlSessionStore
 from service.adapters.store.signals import Signals, notify_params, notify_sql
@@ -51,11 +51,13 @@ from service.core.errors import (
     StoreConflict,
     StoreUnavailable,
 )
-from service.core.model import Session, SessionEvent, Turn
+from service.core.model import EventKind, Session, SessionEvent, Turn, TurnStartedData
 from service.core.ports import (
     ContextSnapshot,
     LeaseStatus,
     OpenStream,
+    Promoted,
+    Promotion,
     StartOutcomeKind,
     TurnCommit,
     TurnStart,
@@ -79,10 +81,15 @@ FROM sessions s WHERE s.session_id = %s
 _CONTEXT_MESSAGES = """
 SELECT * FROM messages WHERE session_id = %s AND sequence > %s ORDER BY sequence
 """
+# Whether another replica follows the session (decision 0340): read in the statement of
+# the commit, so that a commit nobody else follows sends no signal and costs no round trip.
+_FOLLOWED_ELSEWHERE = (
+    "EXISTS (SELECT 1 FROM session_follows WHERE session_id = %s AND replica_id <> %s)"
+)
 _RENEW_LEASE = """
 UPDATE turns SET lease_expires_at = %s
 WHERE turn_id = %s AND owner = %s AND state = 'running'
-RETURNING cancel_requested
+RETURNING cancel_requested, cancel_reason
 """
 
 
@@ -94,6 +101,7 @@ def make_pool(
     connect_timeout_s: int = 5,
     pre_ping: bool = False,
     application_name: str = "ballet-planner",
+    bounds: SocketBounds = SOCKET_BOUNDS,
 ) -> AsyncConnectionPool[Any]:
     """A closed pool of autocommit connections for the hot path (``open()`` it).
 
@@ -101,7 +109,8 @@ def make_pool(
     connections (decision 0113 gives the sizing rule); a unit of work that waits more
     than ``timeout_s`` seconds for one fails with ``StoreUnavailable``;
     ``connect_timeout_s`` bounds each host's connection attempt. ``pre_ping`` checks
-    every connection at checkout (one round trip, ``database.pool_pre_ping``).
+    every connection at checkout (one round trip, ``database.pool_pre_ping``); ``bounds``
+    are its sockets' (``SocketBounds``).
     """
     return AsyncConnectionPool(
         conninfo(url),
@@ -114,6 +123,7 @@ def make_pool(
         kwargs=connect_args(
             connect_timeout_s=connect_timeout_s,
             application_name=application_name,
+            bounds=bounds,
             autocommit=True,
         ),
     )
@@ -236,11 +246,35 @@ class PgHotPath:
             assert row is not None
             return row[0]
 
-    async def renew_lease(self, turn_id: str, owner: str, until: datetime) -> bool | None:
-        """Extend a lease; None when the turn is not ``owner``'s running turn, else
-        whether a cancel was requested."""
+    async def call_followed(
+        self, function: str, argument: Mapping[str, Any], session_id: str, replica_id: str
+    ) -> tuple[Any, bool]:
+        """``call``, and in the same statement whether a replica other than
+        ``replica_id`` follows ``session_id`` (``session_follows``, decision 0340): the
+        value and that flag, in one round trip."""
+        async with self._conn() as conn:
+            cursor = conn.cursor()
+            await self._run(
+                cursor,
+                f"SELECT {function}(%s), {_FOLLOWED_ELSEWHERE}",
+                (Jsonb(argument, dumps=_dumps), session_id, replica_id),
+                prepare=True,
+            )
+            row = await cursor.fetchone()
+            assert row is not None
+            return row[0], bool(row[1])
+
+    async def renew_lease(self, turn_id: str, owner: str, until: datetime) -> LeaseStatus:
+        """Extend a lease (``held`` false when the turn is not ``owner``'s running
+        turn) and say whether, and why, a cancel was requested."""
         row = await self.one(_RENEW_LEASE, (until, turn_id, owner))
-        return None if row is None else bool(row["cancel_requested"])
+        if row is None:
+            return LeaseStatus(held=False)
+        return LeaseStatus(
+            held=True,
+            cancel_requested=bool(row["cancel_requested"]),
+            cancel_reason=str(row["cancel_reason"]),
+        )
 
     async def notify(self, signals: Sequence[tuple[str, str]], lock_timeout_s: float) -> None:
         """Send ``(channel, payload)`` notifications in one autocommit statement, waiting
@@ -384,14 +418,11 @@ class PgSessionStore(SqlSessionStore):
 
     async def renew_lease(self, turn_id: str, owner: str, until: datetime) -> LeaseStatus:
         """See ``SqlSessionStore.renew_lease`` (one statement)."""
-        cancel_requested = await self._hot.renew_lease(turn_id, owner, units.utc(until))
-        if cancel_requested is None:
-            return LeaseStatus(held=False)
-        return LeaseStatus(held=True, cancel_requested=cancel_requested)
+        return await self._hot.renew_lease(turn_id, owner, units.utc(until))
 
-    async def _start(self, start: TurnStart, human_index: int) -> TurnStartOutcome:
+    async def _start(self, start: TurnStart, human_index: int) -> tuple[TurnStartOutcome, bool]:
         turn = start.turn
-        result = await self._hot.call(
+        result, followed = await self._hot.call_followed(
             "planner_start_turn",
             {
                 "turn": {**codec.turn_row(turn), "project_id": start.project_id},
@@ -402,21 +433,24 @@ class PgSessionStore(SqlSessionStore):
                 "added_tokens": units.message_tokens(start.events),
                 **self._hot.units(start.events),
             },
+            turn.session_id,
+            self._replica_id,
         )
         outcome = result["outcome"]
         if outcome == "started":
             stored_events = units.numbered(start.events, int(result["last_sequence"]))
             stored = dataclasses.replace(turn, human_sequence=stored_events[human_index].sequence)
-            return TurnStartOutcome(StartOutcomeKind.STARTED, stored, stored_events)
+            return TurnStartOutcome(StartOutcomeKind.STARTED, stored, stored_events), followed
         if outcome == "duplicate":
             event = result.get("event")
-            return TurnStartOutcome(
+            duplicate = TurnStartOutcome(
                 StartOutcomeKind.DUPLICATE,
                 _turn(result["turn"]),
                 () if event is None else (_event(event),),
             )
+            return duplicate, False
         if outcome == "expired":
-            return TurnStartOutcome(StartOutcomeKind.EXPIRED_TURN, _turn(result["turn"]))
+            return TurnStartOutcome(StartOutcomeKind.EXPIRED_TURN, _turn(result["turn"])), False
         if outcome == "not_found":
             raise units.session_not_found()
         if outcome == "reused":
@@ -427,35 +461,78 @@ class PgSessionStore(SqlSessionStore):
             raise units.too_many_turns(str(result["scope"]), start.limits)
         raise RuntimeError(f"planner_start_turn answered {outcome!r}")
 
-    async def _commit(self, commit: TurnCommit) -> tuple[int, list[SessionEvent]]:
+    async def _commit(self, commit: TurnCommit) -> tuple[int, list[SessionEvent], bool]:
+        value, followed = await self._hot.call_followed(
+            "planner_commit", self._commit_argument(commit), commit.session_id, self._replica_id
+        )
+        last = int(value)
+        return last, units.numbered(commit.events, last), followed and bool(commit.events)
+
+    async def _end_turn(
+        self, commit: TurnCommit, promotion: Promotion
+    ) -> tuple[int, list[SessionEvent], Promoted | None, bool]:
+        """``planner_end_turn`` (migration 0008): the ending and the promotion of the
+        first queued turn, one statement, with whether another replica follows."""
+        result, followed = await self._hot.call_followed(
+            "planner_end_turn",
+            {
+                **self._commit_argument(commit),
+                "promote": {
+                    "owner": promotion.owner,
+                    "lease_expires_at": units.utc(promotion.lease_expires_at),
+                    "model": promotion.model,
+                    "turn_started": codec.encode_data(
+                        EventKind.TURN_STARTED,
+                        TurnStartedData(promotion.model, promotion.max_rounds),
+                    ),
+                },
+            },
+            commit.session_id,
+            self._replica_id,
+        )
+        last = int(result["last"])
+        row = result.get("promoted")
+        if row is None:
+            return last, units.numbered(commit.events, last), None, followed
+        now = units.utc(commit.now)
+        queued = _turn(row)
+        events = units.numbered(
+            units.promotion_events(
+                queued.turn_id, commit.session_id, row["queued_message"], promotion, now
+            ),
+            last,
+        )
+        promoted = Promoted(
+            units.promoted_turn(queued, promotion, now, last - 1),
+            events,
+            row["queued_token"] or "",
+        )
+        return last, units.numbered(commit.events, last - 2), promoted, followed
+
+    def _commit_argument(self, commit: TurnCommit) -> dict[str, Any]:
+        """The argument of ``planner_commit`` for ``commit``."""
         context = commit.context
         summary = commit.summary
-        last = int(
-            await self._hot.call(
-                "planner_commit",
-                {
-                    "session_id": commit.session_id,
-                    "turn_id": commit.turn_id,
-                    "now": units.utc(commit.now),
-                    "owner": commit.owner,
-                    "lease_expired_before": None
-                    if commit.lease_expired_before is None
-                    else units.utc(commit.lease_expired_before),
-                    "patch": units.patch_values(commit.turn_patch, units.utc(commit.now)),
-                    "summary": None if summary is None else summary.summary,
-                    "summary_up_to": None if summary is None else summary.up_to,
-                    "context": None
-                    if context is None
-                    else {
-                        "base_tokens": context.base_tokens,
-                        "pending_tokens": context.pending_tokens,
-                    },
-                    "added_tokens": units.message_tokens(commit.events),
-                    **self._hot.units(commit.events),
-                },
-            )
-        )
-        return last, units.numbered(commit.events, last)
+        return {
+            "session_id": commit.session_id,
+            "turn_id": commit.turn_id,
+            "now": units.utc(commit.now),
+            "owner": commit.owner,
+            "lease_expired_before": None
+            if commit.lease_expired_before is None
+            else units.utc(commit.lease_expired_before),
+            "patch": units.patch_values(commit.turn_patch, units.utc(commit.now)),
+            "summary": None if summary is None else summary.summary,
+            "summary_up_to": None if summary is None else summary.up_to,
+            "context": None
+            if context is None
+            else {
+                "base_tokens": context.base_tokens,
+                "pending_tokens": context.pending_tokens,
+            },
+            "added_tokens": units.message_tokens(commit.events),
+            **self._hot.units(commit.events),
+        }
 
 
 @every_method_a_unit_of_work

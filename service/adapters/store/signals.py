@@ -5,7 +5,9 @@ the whole cluster, WAL flush included, under one lock; a ``NOTIFY`` commit that 
 anywhere (a synchronous standby that lags) stops every other one. So no unit of work of
 the store notifies in its own transaction. Once it has committed, it hands its signal to
 ``Signals``, which returns at once; one task per store sends what is pending in one
-short autocommit statement of its own, off the turn's path:
+short autocommit statement of its own, off the turn's path. A store hands on the signal
+of a commit of events only when another replica follows the session (its commit read
+``session_follows`` in the same round trip, decision 0340): a single replica sends none.
 
 - events of a session: ``'<last_sequence> <replica_id>'`` on the session's channel
   (``session_channel``), ``last_sequence`` -1 when the session was deleted;

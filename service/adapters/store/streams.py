@@ -11,7 +11,8 @@ transaction-scoped advisory lock keyed by the human does that (two humans rarely
 key, and sharing one only makes them wait for each other); on SQLite every write
 transaction already holds the database's one write lock (``BEGIN IMMEDIATE``, see
 ``engine``). Statements: ``open_stream`` 3 on PostgreSQL (lock, count, insert), 2 on
-SQLite; ``close_streams`` 1; ``heartbeat`` 1 (2 on the first beat); ``replica_streams``
+SQLite; ``close_streams`` 1; ``remove_replica`` 2; ``sweep_replicas`` 1 (2 when one
+was swept); ``heartbeat`` 1 (2 on the first beat); ``replica_streams``
 1.
 """
 
@@ -29,7 +30,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from service.adapters.store.engine import is_postgresql, read_only
 from service.adapters.store.errors import translated
-from service.adapters.store.tables import chat_streams, planner_replicas
+from service.adapters.store.tables import chat_streams, planner_replicas, session_follows
 from service.adapters.store.work import UnitsOfWork, every_method_a_unit_of_work, read_unit
 from service.core.errors import StoreConflict
 from service.core.ports import OpenStream
@@ -139,16 +140,21 @@ class SqlStreamStore:
                 return [str(row.stream_id) for row in rows]
 
     async def remove_replica(self, replica_id: str) -> None:
-        """Delete the replica's row and, by cascade, its streams. Raises
-        ``StoreUnavailable``."""
+        """Delete the replica's row and, by cascade, its streams, and the sessions it
+        followed (``session_follows``). Raises ``StoreUnavailable``."""
         async with self._write() as conn:
             await conn.execute(
                 delete(planner_replicas).where(planner_replicas.c.replica_id == replica_id)
             )
+            # The sessions it followed (decision 0340): nobody listens there any more.
+            await conn.execute(
+                delete(session_follows).where(session_follows.c.replica_id == replica_id)
+            )
 
     async def sweep_replicas(self, now: datetime) -> int:
         """Delete replicas whose lease expired before ``now`` and, by cascade, their
-        streams; returns how many. Raises ``StoreUnavailable``."""
+        streams, and the sessions they followed; returns how many. Raises
+        ``StoreUnavailable``."""
         async with self._write() as conn:
             gone = (
                 await conn.execute(
@@ -157,6 +163,11 @@ class SqlStreamStore:
                     .returning(planner_replicas.c.replica_id)
                 )
             ).all()
+            if gone:
+                ids = [str(row.replica_id) for row in gone]
+                await conn.execute(
+                    delete(session_follows).where(session_follows.c.replica_id.in_(ids))
+                )
         return len(gone)
 
     @read_unit

@@ -1,7 +1,7 @@
 """The planner's SQL schema as SQLAlchemy Core tables (docs/spec/api-and-streams.md,
 docs/spec/turn-loop.md and docs/spec/storage.md).
 
-Six tables, all keyed by text ids the planner generates:
+Seven tables, all keyed by text ids the planner generates:
 
 - ``sessions``: one row per session, with the compaction summary, the per-session event
   counter ``last_sequence`` (docs/spec/api-and-streams.md: from 1, no gaps, no reuse), the running
@@ -17,6 +17,8 @@ Six tables, all keyed by text ids the planner generates:
   its lease (docs/spec/turn-loop.md, "Ownership and recovery").
 - ``planner_replicas`` and ``chat_streams``: each replica's heartbeat lease and the Chat
   streams open on it, for the per-human stream limit across replicas (docs/spec/limits.md).
+- ``session_follows``: the sessions each replica follows, so that a commit signals other
+  replicas only when one follows its session (decision 0340).
 
 Unique keys carry the concurrency rules: the partial index ``uq_turns_one_running`` (one
 running turn per session, across replicas) and the AIP-155 request-id keys (for
@@ -66,6 +68,7 @@ metadata = MetaData(naming_convention=NAMING_CONVENTION)
 #: ``turns.state`` values (``service.core.model.TurnState``).
 RUNNING = "running"
 ENDED = "ended"
+QUEUED = "queued"
 
 
 class UtcDateTime(TypeDecorator[datetime]):
@@ -257,7 +260,18 @@ turns = Table(
     _text("owner"),
     Column("lease_expires_at", UtcDateTime, nullable=True),
     _flag("cancel_requested"),
-    CheckConstraint(f"state IN ('{RUNNING}', '{ENDED}')", name="state"),
+    # A queued turn (decision 0300): the turn it waited behind; until it starts, its
+    # human message (the ``messages`` row as JSON, without session and sequence) and its
+    # estimated tokens, and the human's token (never kept longer); its place (INTERRUPT
+    # first, then acceptance order: human_sequence is its message_queued event's).
+    _text("behind_turn_id"),
+    # Why a cancel was requested: '' (CancelTurn) or 'interrupted_by_message' (decision 0301).
+    _text("cancel_reason"),
+    Column("queued_message", Text, nullable=True),
+    Column("queued_token", Text, nullable=True),
+    _count("queued_tokens"),
+    _count("queue_priority"),
+    CheckConstraint(f"state IN ('{RUNNING}', '{ENDED}', '{QUEUED}')", name="state"),
     # AIP-155 keys of SendMessage, per session, for the life of the session
     # (docs/spec/api-and-streams.md). Turns always have one (the request id is required), so the key
     # is not partial and also serves every lookup of a session's turns, e.g. the cascade of a
@@ -269,6 +283,8 @@ turns = Table(
 #: a partial index only when the query's condition implies the index's, which a bound
 #: parameter does not once the statement is prepared with a generic plan.
 IS_RUNNING = turns.c.state == literal_column(f"'{RUNNING}'")
+#: ``turns.state = 'queued'``, inlined for the partial index as ``IS_RUNNING`` is.
+IS_QUEUED = turns.c.state == literal_column(f"'{QUEUED}'")
 
 # One running turn per session, across replicas (docs/spec/api-and-streams.md and
 # docs/spec/turn-loop.md): the loser of a race between two replicas fails here even if both passed
@@ -279,6 +295,15 @@ Index(
     unique=True,
     postgresql_where=IS_RUNNING,
     sqlite_where=IS_RUNNING,
+)
+# A session's queue, in the order its turns run (decision 0300).
+Index(
+    "ix_turns_queued_session_id",
+    turns.c.session_id,
+    turns.c.queue_priority,
+    turns.c.human_sequence,
+    postgresql_where=IS_QUEUED,
+    sqlite_where=IS_QUEUED,
 )
 # The sweeper: running turns whose lease expired (docs/spec/turn-loop.md).
 Index("ix_turns_state_lease_expires_at", turns.c.state, turns.c.lease_expires_at)
@@ -301,6 +326,20 @@ planner_replicas = Table(
     Column("replica_id", Text, primary_key=True),
     Column("lease_expires_at", UtcDateTime, nullable=False),
 )
+
+# The sessions each replica follows (a Chat stream of the session is attached there),
+# written by the replica's notifier as it listens and stops listening (decision 0340). A
+# commit reads the other replicas' rows of its session in its own round trip and signals
+# only when there is one; forgetting a replica deletes its rows in the same transaction.
+# No foreign keys: a row is a hint that may briefly outlive its session or precede its
+# replica's first heartbeat, and the heal by sequence covers either.
+session_follows = Table(
+    "session_follows",
+    metadata,
+    Column("session_id", Text, primary_key=True),
+    Column("replica_id", Text, primary_key=True),
+)
+Index("ix_session_follows_replica_id", session_follows.c.replica_id)
 
 chat_streams = Table(
     "chat_streams",

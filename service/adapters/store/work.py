@@ -33,6 +33,19 @@ cancelled, once, ``abandoned_read_grace_s`` seconds later if it is still running
 single cancellation makes psycopg cancel the statement on the server and wait for it,
 and the connection goes back to its pool (a second cancellation is what 0180 rules
 out, and the store never sends one).
+
+Every unit of work has a deadline, ``unit_timeout_s`` (``database.unit_timeout_s``,
+decision 0310): its pool checkout, statements and commit together. A database that went
+silent (a black hole: no reset, no answer) would otherwise hold a unit of work on TCP's
+retransmissions. Past it the caller gets ``StoreUnavailable`` at once, and the unit is
+cancelled once (as a read whose caller left): psycopg then cancels the statement on the
+server or, that failing, closes the connection within about 10 s; the socket's own
+``tcp_user_timeout`` (``engine.SocketBounds``) aborts a connection whose data went
+unacknowledged, so a statement sent into the hole is never delivered after it heals: a
+caller told "unavailable" does not find its request executed later (a ``SendMessage``
+either is acknowledged within the bound or fails, and is retried by its request id).
+A deadline does not apply to a unit of work of a ``UnitsOfWork`` made without one (the
+default: tests, the offline purge command).
 """
 
 from __future__ import annotations
@@ -102,8 +115,12 @@ class UnitsOfWork:
         tracer: Tracer = tracing.NULL_TRACER,
         *,
         abandoned_read_grace_s: float = ABANDONED_READ_GRACE_S,
+        unit_timeout_s: float | None = None,
     ) -> None:
         self._running: set[asyncio.Task[Any]] = set()
+        self._unit_timeout_s = unit_timeout_s if unit_timeout_s and unit_timeout_s > 0 else None
+        #: Units of work cancelled at their deadline (``unit_timeout_s``).
+        self.units_expired = 0
         self._tracer = tracer
         self._on_failure: Callable[[str], object] | None = None
         self._read_grace_s = max(0.0, abandoned_read_grace_s)
@@ -126,17 +143,35 @@ class UnitsOfWork:
 
         A caller cancelled while it waits gets ``CancelledError`` at once; ``work`` goes
         on to its end, or, when it is a ``read``, for at most ``abandoned_read_grace_s``
-        seconds more. ``name`` (the store method's) names its span.
+        seconds more. ``name`` (the store method's) names its span. Past the deadline
+        (``unit_timeout_s``) raises ``StoreUnavailable``, whatever ``work`` is waiting
+        for, and cancels it once.
         """
         if name and self._tracer.current() is not None:
             work = _traced(self._tracer, name, work)
-        task = asyncio.get_running_loop().create_task(work)
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(work)
         self._running.add(task)
         task.add_done_callback(self._running.discard)
         if self._on_failure is not None:
             task.add_done_callback(self._report_failure)
+        deadline = self._unit_timeout_s
+        if deadline is not None:
+            expiry = loop.call_later(deadline, self._expire, task)
+            task.add_done_callback(lambda _: expiry.cancel())
         try:
-            return await asyncio.shield(task)
+            if deadline is None:
+                return await asyncio.shield(task)
+            # ``wait`` neither cancels the task nor raises when it is cancelled at its
+            # deadline; a caller cancelled meanwhile gets CancelledError here at once.
+            await asyncio.wait({task}, timeout=deadline)
+            if not task.done() or task.cancelled():
+                self._expire(task)
+                raise StoreUnavailable(
+                    f"the database did not answer within {deadline:g} s "
+                    f"(database.unit_timeout_s{f', {name}' if name else ''})"
+                )
+            return task.result()
         except asyncio.CancelledError:
             # Nobody will read the outcome: report a failure that is a bug, and retrieve
             # the rest, so nothing is logged as "never retrieved".
@@ -145,9 +180,21 @@ class UnitsOfWork:
                 self._cancel_later(task)
             raise
 
+    def _expire(self, task: asyncio.Task[Any]) -> None:
+        # The deadline: cancelled once, never again (``drain`` skips it too).
+        if task.done() or task in self._cancelled:
+            return
+        self.units_expired += 1
+        self._cancelled.add(task)
+        task.add_done_callback(self._cancelled.discard)
+        if self._on_failure is not None:
+            self._on_failure("unavailable")
+        task.add_done_callback(_report_abandoned)
+        task.cancel()
+
     def _cancel_later(self, task: asyncio.Task[Any]) -> None:
         def cancel() -> None:
-            if not task.done():
+            if not task.done() and task not in self._cancelled:
                 self.abandoned_reads_cancelled += 1
                 self._cancelled.add(task)
                 task.add_done_callback(self._cancelled.discard)

@@ -15,6 +15,8 @@ Who owns what (docs/architecture.md has the whole map):
   (the system-side summary and pending changesets, the context estimate).
 - ``pending.py``: the changesets the session proposed that still wait for the human.
 - ``ending.py``: the one ending, for the loop, recovery, start-up and shutdown alike.
+- ``telling.py``: store, then tell: a turn's commit, then its publication and the
+  ending's count (``StoreThenTell``).
 - ``events.py``: typed builders of every session event.
 - ``prompt.py``: the system prompt and its cache.
 - ``state.py``: the handle the service holds and the state only the loop touches.

@@ -34,7 +34,7 @@ import random
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
+from typing import TypeVar, assert_never
 
 from service.core import tracing
 from service.core.context import with_context
@@ -48,12 +48,13 @@ from service.core.tools.cut import cut_text, utf8_size
 from service.core.tracing import NULL_SPAN, Span, SpanRef
 from service.core.turn import ending as endings
 from service.core.turn.compact import Compactor
-from service.core.turn.ending import Ending, close_stored_turn, closing_commit
+from service.core.turn.ending import Ending, OnPromoted, close_stored_turn, closing_commit
 from service.core.turn.events import EventBuilder
-from service.core.turn.model_call import model_request, stream_answer
+from service.core.turn.model_call import model_request, output_cap, stream_answer
 from service.core.turn.prompt import Prompt, PromptSource
 from service.core.turn.settings import TurnDependencies
 from service.core.turn.state import Answer, PendingCall, TurnHandle, TurnState
+from service.core.turn.telling import StoreThenTell
 from service.core.turn.tool_round import RoundCommit, ToolRound
 
 log = logging.getLogger(__name__)
@@ -120,8 +121,10 @@ class TurnLoop:
         *,
         conversations: Conversations | None = None,
         on_step: Callable[[Step], None] | None = None,
+        on_promoted: OnPromoted | None = None,
     ) -> None:
         self._deps = deps
+        self._on_promoted = on_promoted
         self._prompts = prompts
         # Not ``or``: an empty Conversations is still the service's, to be filled.
         self._conversations = (
@@ -142,6 +145,7 @@ class TurnLoop:
         self._started_by: tuple[SpanRef, ...] = ()
         self._compactor = Compactor(deps, self._state, self._commit_compaction)
         self._tools = ToolRound(deps, self._state, self._commit_results)
+        self._told = StoreThenTell.of(deps)
 
     async def run(self) -> None:
         """Drive the turn to its end and store it; never raises but ``CancelledError``.
@@ -163,7 +167,17 @@ class TurnLoop:
             self._deps.settings.turn_timeout_s, handle.request_stop, endings.TURN_TIMEOUT
         )
         try:
-            await self._finish(await self._drive())
+            end = await self._drive()
+            try:
+                await self._finish(end)
+            except Abandon as reason:
+                if not isinstance(reason.__cause__, StoreUnavailable):
+                    raise
+                log.warning(
+                    "the database failed at the turn's end; it is stored once it answers",
+                    extra=handle.log_fields(),
+                )
+                await self._finish_when_the_database_answers(end)
         except Abandon as reason:
             if isinstance(reason.__cause__, StoreUnavailable):
                 log.warning(
@@ -208,15 +222,17 @@ class TurnLoop:
                 elif isinstance(step, CallModel):
                     step = await self._call_model()
                     self._name_round(step)
-                else:
+                elif isinstance(step, RunTools):
                     step = await self._run_tools(step)
+                else:
+                    assert_never(step)
 
     def _round_span(self) -> AbstractContextManager[Span]:
         """The span of the next model call and what follows it, linked to the RPC that
         started the turn (decision 0190)."""
         return self._deps.tracer.span(tracing.ROUND_SPAN, links=self._started_by)
 
-    def _name_round(self, step: Step) -> None:
+    def _name_round(self, step: RunTools | End) -> None:
         if isinstance(step, RunTools):
             # The calls run (refused ones, beyond the per-answer cap, are not counted).
             calls = {tracing.ROUND: self._state.rounds, tracing.TOOL_CALLS: len(step.calls)}
@@ -238,11 +254,19 @@ class TurnLoop:
                 return End(endings.CREDENTIAL_EXPIRED)
             if self._state.rounds >= self._deps.settings.max_rounds:
                 return End(endings.MAX_ROUNDS)
+            if self._state.tool_budget_refused:
+                return End(
+                    endings.budget_exhausted(
+                        "tool_calls",
+                        f"the turn ran {self._state.tool_calls} tool calls, its budget "
+                        "(planner.turn_max_tool_calls)",
+                    )
+                )
         return step
 
     # ------------------------------------------------------------------ the steps
 
-    async def _prepare(self) -> Step:
+    async def _prepare(self) -> Compact | End:
         state = self._state
         snapshot = await self._guard(self._deps.store.load_context(state.session.session_id))
         if snapshot is None:
@@ -262,9 +286,13 @@ class TurnLoop:
         state.versions = self._prompt.versions
         return Compact()
 
-    async def _call_model(self) -> Step:
+    async def _call_model(self) -> RunTools | End:
         state, prompt = self._state, self._prompt
         assert prompt is not None
+        estimate = self._compactor.request_tokens(prompt)
+        cap = output_cap(self._deps, state, Purpose.TURN, estimate)
+        if isinstance(cap, Ending):
+            return End(cap)
         request = model_request(
             self._deps,
             state,
@@ -274,6 +302,8 @@ class TurnLoop:
             system_context=with_context(prompt.context, state.context_block),
             messages=self._conversations.model_messages(self._handle.session_id, state.messages),
             tools=self._deps.declarations,
+            max_output_tokens=cap,
+            input_estimate=estimate,
         )
         streamed = await stream_answer(self._deps, state, request, relay=True)
         answer = streamed.answer
@@ -302,10 +332,14 @@ class TurnLoop:
             event = state.events.assistant_message(
                 answer.message_id, answer.text, usage=answer.usage, cut=cut, finish_reason=finish
             )
+            if answer.finish is FinishReason.LENGTH:
+                # A runaway answer stopped at its cap: shown cut, and the turn says why
+                # (decision 0291).
+                return End(endings.OUTPUT_LIMIT, (event,))
             return End(endings.COMPLETED, (event,))
         return await self._store_round(answer, calls)
 
-    async def _run_tools(self, step: RunTools) -> Step:
+    async def _run_tools(self, step: RunTools) -> Compact | End:
         unstored = await self._tools.run(step.calls, step.unstored)
         if unstored is not None:
             # Stopped before any call returned: the ending stores the round.
@@ -336,6 +370,13 @@ class TurnLoop:
                 refusal = error_result(
                     "TOO_MANY_CALLS", f"at most {limit} tool calls per answer; this one was not run"
                 )
+            elif state.tool_calls + len(allowed) >= settings.turn_max_tool_calls:
+                refusal = error_result(
+                    "TURN_BUDGET_TOOL_CALLS",
+                    f"the turn ran its {settings.turn_max_tool_calls} tool calls "
+                    "(planner.turn_max_tool_calls); this one was not run",
+                )
+                state.tool_budget_refused = True
             elif call.problem:
                 refusal = error_result("MALFORMED_TOOL_CALL", f"{call.problem}; it was not run")
             elif oversize is not None:
@@ -362,6 +403,7 @@ class TurnLoop:
         for call, outcome in refusals:
             events.extend(state.events.tool_result(call.call_id, call.name, outcome))
         state.rounds += 1
+        state.tool_calls += len(allowed)
         # The answer's usage covers everything up to and including it (docs/spec/compaction.md).
         context = (
             ContextEstimate(base_tokens=answer.usage.total, pending_tokens=0)
@@ -386,7 +428,44 @@ class TurnLoop:
 
     # ------------------------------------------------------------------ the end
 
-    async def _finish(self, end: End) -> None:
+    async def _finish(self, end: End, commit: TurnCommit | None = None) -> None:
+        commit = commit or self._ending_commit(end)
+        # The ending starts the session's next queued turn in its own transaction
+        # (decision 0300); it is told after this turn's end and launched here.
+        end_of_turn = await self._guard(
+            self._told.end(commit, self._handle.turn, endings.promotion(self._deps))
+        )
+        self._remember(commit, end_of_turn.events)
+        promoted = end_of_turn.promoted
+        if promoted is not None and self._on_promoted is not None:
+            self._on_promoted(promoted, self._state.session)
+        self._trace_end(end.ending)
+
+    async def _finish_when_the_database_answers(self, end: End) -> None:
+        """Store ``end`` (the answer as streamed, the way the turn ended) once the
+        database answers again, retried with backoff: fenced by ownership (the commit's
+        ``owner``), not by the lease's clock (decision 0311). The human saw the answer, so
+        it is kept when no other replica ended the turn meanwhile; when one did (its
+        sweeper, after the lease expired), the commit is refused (``StoreConflict``) and
+        nothing more is stored, as before. A commit that landed though its answer was
+        lost is refused the same way: the turn is no longer running."""
+        commit = self._ending_commit(end)
+        delay = 0.05
+        while True:
+            try:
+                await self._finish(end, replace(commit, now=self._deps.clock.now()))
+                return
+            except Abandon as reason:
+                if not isinstance(reason.__cause__, StoreUnavailable):
+                    log.warning(
+                        "the turn's end was refused: %s", reason, extra=self._handle.log_fields()
+                    )
+                    return
+            # Jitter keeps a replica's closing turns from hitting the database in lockstep.
+            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+            delay = min(1.0, delay * 2)
+
+    def _ending_commit(self, end: End) -> TurnCommit:
         state = self._state
         final = end.pending[0].message if end.pending else None
         context: ContextEstimate | None = None
@@ -402,14 +481,7 @@ class TurnLoop:
             context=context,
             owner=self._deps.replica_id,
         )
-        await self._store(commit)
-        self._trace_end(end.ending)
-        self._deps.observer.turn_ended(
-            end.ending.reason,
-            end.ending.error_reason,
-            state.rounds,
-            (self._deps.clock.now() - self._handle.turn.start_time).total_seconds(),
-        )
+        return commit
 
     async def _close_when_the_database_answers(self) -> None:
         """Close the turn of a run whose commit failed because the database is
@@ -437,6 +509,8 @@ class TurnLoop:
                     endings.DATABASE_UNAVAILABLE,
                     owner=deps.replica_id,
                     pending=self._tools.unstored_events(),
+                    promote=endings.promotion(deps),
+                    on_promoted=self._on_promoted,
                 )
                 self._trace_end(endings.DATABASE_UNAVAILABLE)
                 return
@@ -494,9 +568,12 @@ class TurnLoop:
         )
 
     async def _store(self, commit: TurnCommit) -> None:
-        """Apply ``commit``, then remember what it stored and publish it; raises
-        ``Abandon``."""
-        stored = await self._guard(self._deps.store.commit(commit))
+        """Apply ``commit`` and tell what it stored (``StoreThenTell``), then remember it;
+        raises ``Abandon``."""
+        self._remember(commit, await self._guard(self._told.commit(commit, self._handle.turn)))
+
+    def _remember(self, commit: TurnCommit, stored: list[SessionEvent]) -> None:
+        """Keep what ``commit`` stored (``stored``, already told) in the turn's state."""
         state = self._state
         for event in stored:
             if event.message is not None and event.kind is not EventKind.COMPACTED:
@@ -510,7 +587,6 @@ class TurnLoop:
             # The store now holds this estimate; so must the turn, or the next compaction
             # check ignores the usage an answer just reported (docs/spec/compaction.md).
             state.context = commit.context
-        self._deps.hub.publish(stored)
 
     async def _guard(self, operation: Awaitable[T]) -> T:
         try:

@@ -14,6 +14,7 @@ the whole fixed prefix by every turn and session of one project (decision 0296).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ from service.core import prompts
 from service.core.context import project_block
 from service.core.estimate import MESSAGE_OVERHEAD_TOKENS, declarations_tokens, text_tokens
 from service.core.ports import Acting, ProjectInfo, SkillDocument, ToolDeclaration, TurnPatch
-from service.core.projects import ProjectDirectory
+from service.core.projects import PROJECT_CACHE_MAX_ENTRIES, ProjectDirectory
 from service.core.tools import TOOL_SCHEMA_VERSION
 
 
@@ -71,7 +72,9 @@ def shared_prefix(declarations: Sequence[ToolDeclaration]) -> SharedPrefix:
 class PromptSource:
     """Builds ``Prompt``s from the project and its planner skill as the process's
     ``ProjectDirectory`` gives them (read as the human, cached there, the same answers
-    the session access checks see)."""
+    the session access checks see). A prompt is rendered and estimated once per answer
+    of the directory and reused while the directory gives the same answer (decision
+    0342); at most ``max_built`` are kept, least recently used dropped first."""
 
     def __init__(
         self,
@@ -79,10 +82,18 @@ class PromptSource:
         *,
         model: str,
         declarations: Sequence[ToolDeclaration],
+        max_built: int = PROJECT_CACHE_MAX_ENTRIES,
     ) -> None:
         self._directory = directory
         self._model = model
         self._shared = shared_prefix(declarations)
+        # The prompt last built per directory entry, with the answers it was built from:
+        # reused while the directory gives the same answers (the same objects), rebuilt
+        # when an entry was read again (decision 0342). Bounded like the directory.
+        self._built: OrderedDict[
+            tuple[str, str, str], tuple[ProjectInfo, SkillDocument | None, Prompt]
+        ] = OrderedDict()
+        self._max_built = max_built
 
     async def prompt(self, acting: Acting, project_id: str) -> Prompt:
         """The prompt for a turn of ``acting`` in ``project_id``.
@@ -95,6 +106,19 @@ class PromptSource:
         skill: SkillDocument | None = None
         if project.planner_skill:
             skill = await self._directory.skill(acting, project_id, project.planner_skill)
+        key = (acting.organization_id, acting.human_id, project_id)
+        built = self._built.get(key)
+        if built is not None and built[0] is project and built[1] is skill:
+            self._built.move_to_end(key)
+            return built[2]
+        prompt = self._build(project, skill)
+        self._built[key] = (project, skill, prompt)
+        self._built.move_to_end(key)
+        while len(self._built) > self._max_built:
+            self._built.popitem(last=False)
+        return prompt
+
+    def _build(self, project: ProjectInfo, skill: SkillDocument | None) -> Prompt:
         context = project_block(project, skill)
         return Prompt(
             system=self._shared.system,
