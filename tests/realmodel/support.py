@@ -355,7 +355,9 @@ PROVIDER_OPTIONS: dict[str, Any] = {"system_context": "merged"}
 BASE_SETTINGS = {
     "PLANNER__MODEL": MODEL_NAME,
     "PLANNER__MODEL_CONTEXT_TOKENS": str(CONTEXT_TOKENS),
-    "PLANNER__COMPACT_AT_TOKENS": "4000",
+    "PLANNER__COMPACT_AT_TOKENS": "3000",
+    # Small answers keep the cases quick on a 2-core CPU; the cap is what stops a runaway.
+    "PLANNER__MAX_OUTPUT_TOKENS": "48",
     "PLANNER__MAX_ROUNDS": "2",
     "PLANNER__TOOL_RESULT_MAX_BYTES": "1024",
     "PLANNER__COMPACTION_INPUT_MAX_TOKENS": "2048",
