@@ -303,8 +303,6 @@ class Interactive:
                 await self._handle(argument)
             else:
                 await client.send(argument, resources_pb2.ON_BUSY_INTERRUPT)
-                if client.running_turn:
-                    client.note("(interrupting the answer)")
         elif command == "/cancel":
             when = await client.request_cancel()
             client.note(
