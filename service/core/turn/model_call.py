@@ -231,10 +231,12 @@ async def _stream_answer(
                 )
                 call.arguments = chunk.call.arguments
                 call.problem = chunk.problem
+                call.cut = chunk.cut
                 call.complete = True
             elif isinstance(chunk, FinishChunk):
                 answer.finish = chunk.reason
                 answer.usage = chunk.usage
+                answer.model = chunk.model
 
     task = asyncio.get_running_loop().create_task(consume())
     # A stop cancels the stream at once; the turn's own task is never cancelled.
