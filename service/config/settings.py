@@ -28,7 +28,6 @@ environment it is given.
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import os
 import secrets
 import socket
@@ -38,6 +37,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from ballet_common.addresses import is_loopback as is_loopback
 
 # ConfigError is this module's error too: every caller of load_settings catches it here.
 from service.config.loading import ConfigError as ConfigError
@@ -163,6 +164,12 @@ class PlannerSettings:
         "tool_result_max_bytes.",
     )
     lease_s: float = _key(15.0, gt=0, doc="Lease of a running turn, renewed by its replica.")
+    max_queued_messages: int = _key(
+        10,
+        ge=1,
+        doc="Messages that may wait as queued turns in one session (on_busy ENQUEUE, "
+        "INTERRUPT, JOIN); one more is refused RESOURCE_EXHAUSTED/QUEUE_FULL.",
+    )
     sweep_interval_s: float = _key(
         5.0, gt=0, doc="How often each replica looks for turns whose lease expired."
     )
@@ -725,16 +732,6 @@ def split_address(address: str, key: str) -> tuple[str, int]:
     if not sep or not host or not port_text.isdigit() or int(port_text) > 65535:
         raise ConfigError(f"{key}: expected host:port, got {address!r}")
     return host.strip("[]"), int(port_text)
-
-
-def is_loopback(host: str) -> bool:
-    """True for ``localhost`` and loopback IP addresses (127.0.0.0/8, ::1)."""
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def iter_keys(

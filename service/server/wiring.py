@@ -132,6 +132,7 @@ def build_turns(wiring: Wiring) -> PlannerTurns:
                 sweep_interval_s=planner.sweep_interval_s,
                 prompt_cache_s=settings.auth.project_check_cache_s,
                 message_max_bytes=limits.message_max_bytes,
+                max_queued=planner.max_queued_messages,
                 running_limits=RunningLimits(
                     per_human=limits.turns_per_human, per_project=limits.turns_per_project
                 ),

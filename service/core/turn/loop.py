@@ -49,7 +49,7 @@ from service.core.tools.cut import cut_text, utf8_size
 from service.core.tracing import NULL_SPAN, Span, SpanRef
 from service.core.turn import ending as endings
 from service.core.turn.compact import Compactor
-from service.core.turn.ending import Ending, close_stored_turn, closing_commit
+from service.core.turn.ending import Ending, OnPromoted, close_stored_turn, closing_commit
 from service.core.turn.events import EventBuilder
 from service.core.turn.model_call import model_request, output_cap, stream_answer
 from service.core.turn.prompt import Prompt, PromptSource
@@ -125,8 +125,10 @@ class TurnLoop:
         *,
         conversations: Conversations | None = None,
         on_step: Callable[[Step], None] | None = None,
+        on_promoted: OnPromoted | None = None,
     ) -> None:
         self._deps = deps
+        self._on_promoted = on_promoted
         self._prompts = prompts
         # Not ``or``: an empty Conversations is still the service's, to be filled.
         self._conversations = (
@@ -466,7 +468,15 @@ class TurnLoop:
 
     async def _finish(self, end: End, commit: TurnCommit | None = None) -> None:
         commit = commit or self._ending_commit(end)
-        await self._store(commit)
+        # The ending starts the session's next queued turn in its own transaction
+        # (decision 0300); it is told after this turn's end and launched here.
+        end_of_turn = await self._guard(
+            self._told.end(commit, self._handle.turn, endings.promotion(self._deps))
+        )
+        self._remember(commit, end_of_turn.events)
+        promoted = end_of_turn.promoted
+        if promoted is not None and self._on_promoted is not None:
+            self._on_promoted(promoted, self._state.session)
         self._trace_end(end.ending)
 
     async def _finish_when_the_database_answers(self, end: End) -> None:
@@ -537,6 +547,8 @@ class TurnLoop:
                     endings.DATABASE_UNAVAILABLE,
                     owner=deps.replica_id,
                     pending=self._tools.unstored_events(),
+                    promote=endings.promotion(deps),
+                    on_promoted=self._on_promoted,
                 )
                 self._trace_end(endings.DATABASE_UNAVAILABLE)
                 return
@@ -596,7 +608,10 @@ class TurnLoop:
     async def _store(self, commit: TurnCommit) -> None:
         """Apply ``commit`` and tell what it stored (``StoreThenTell``), then remember it;
         raises ``Abandon``."""
-        stored = await self._guard(self._told.commit(commit, self._handle.turn))
+        self._remember(commit, await self._guard(self._told.commit(commit, self._handle.turn)))
+
+    def _remember(self, commit: TurnCommit, stored: list[SessionEvent]) -> None:
+        """Keep what ``commit`` stored (``stored``, already told) in the turn's state."""
         state = self._state
         for event in stored:
             if event.message is not None and event.kind is not EventKind.COMPACTED:
