@@ -703,6 +703,20 @@ def test_tool_result_lines_read_as_lines_not_json() -> None:
     lines = readable_result(many).splitlines()
     assert len(lines) == 12 and lines[-1] == "(and 19 more)"
     assert readable_result("not json") == "not json"
+    proposed = json.dumps(
+        {
+            "changeset": {
+                "changeset_id": "cs-1",
+                "status": "proposed",
+                "title": "New ticket: add retries",
+                "operations": [{"create_item": {"kind": "ticket", "title": "add retries"}}],
+            }
+        }
+    )
+    assert readable_result(proposed) == (
+        "changeset: cs-1: New ticket: add retries (status proposed)\n"
+        "  - create item: add retries (kind ticket)"
+    )
 
 
 def test_the_demo_scenario_shows_no_raw_tool_json() -> None:

@@ -35,7 +35,7 @@ import random
 from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
+from typing import TypeVar, assert_never
 
 from service.core import tracing
 from service.core.context import with_context
@@ -226,15 +226,17 @@ class TurnLoop:
                 elif isinstance(step, CallModel):
                     step = await self._call_model()
                     self._name_round(step)
-                else:
+                elif isinstance(step, RunTools):
                     step = await self._run_tools(step)
+                else:
+                    assert_never(step)
 
     def _round_span(self) -> AbstractContextManager[Span]:
         """The span of the next model call and what follows it, linked to the RPC that
         started the turn (decision 0190)."""
         return self._deps.tracer.span(tracing.ROUND_SPAN, links=self._started_by)
 
-    def _name_round(self, step: Step) -> None:
+    def _name_round(self, step: RunTools | End) -> None:
         if isinstance(step, RunTools):
             # The calls run (refused ones, beyond the per-answer cap, are not counted).
             calls = {tracing.ROUND: self._state.rounds, tracing.TOOL_CALLS: len(step.calls)}
@@ -270,7 +272,7 @@ class TurnLoop:
 
     # ------------------------------------------------------------------ the steps
 
-    async def _prepare(self) -> Step:
+    async def _prepare(self) -> Compact | End:
         state = self._state
         snapshot = await self._guard(self._deps.store.load_context(state.session.session_id))
         if snapshot is None:
@@ -290,7 +292,7 @@ class TurnLoop:
         state.versions = self._prompt.versions
         return Compact()
 
-    async def _call_model(self) -> Step:
+    async def _call_model(self) -> RunTools | End:
         state, prompt = self._state, self._prompt
         assert prompt is not None
         estimate = self._compactor.request_tokens(prompt)
@@ -351,7 +353,7 @@ class TurnLoop:
             return End(endings.COMPLETED, (event,))
         return await self._store_round(answer, calls)
 
-    async def _run_tools(self, step: RunTools) -> Step:
+    async def _run_tools(self, step: RunTools) -> Compact | End:
         unstored = await self._tools.run(step.calls, step.unstored, step.shared)
         if unstored is not None:
             # Stopped before any call returned: the ending stores the round.
