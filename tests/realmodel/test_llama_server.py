@@ -15,12 +15,14 @@ fails (``BALLET_REQUIRE_LLAMA_SERVER=1``, .ci/run builds it first).
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 
 import pytest
 from ballet.planner.v1 import resources_pb2
 
 from tests.realmodel.support import (
+    BASE_SETTINGS,
     LlamaBuild,
     LlamaServer,
     RealPlanner,
@@ -38,17 +40,12 @@ def build() -> LlamaBuild:
     return llama_build()
 
 
-#: A server-side output limit, a safety net for the cases here: without one, a small
-#: model's answer can run until the context is full.
-SAFETY_LIMIT = ("--n-predict", "48")
-
-
 @pytest.fixture(scope="module")
 async def server(
     build: LlamaBuild, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[LlamaServer]:
     log = tmp_path_factory.mktemp("llama") / "llama-server.log"
-    server = LlamaServer(build, log, template=build.template_tools, extra=SAFETY_LIMIT)
+    server = LlamaServer(build, log, template=build.template_tools)
     await server.start()
     yield server
     await server.stop()
@@ -68,10 +65,12 @@ def by_kind(messages: list[M.Message], kind: int) -> list[M.Message]:
 
 #: A prompt SmolLM2-135M follows: it copies the line, and once ``<tool_call>`` is out the
 #: server's grammar holds the rest to a valid call.
-CALL_LIST_EPICS = (
+CALL_GET_ITEM = (
     "Reply with exactly this line and nothing else: "
-    '<tool_call>{"name": "list_items", "arguments": {"kind": "epic"}}</tool_call>'
+    '<tool_call>{"name": "get_item", "arguments": {"item_id": "PAN-4"}}</tool_call>'
 )
+#: ``planner.max_output_tokens`` of the planner here (tests/realmodel/support.py).
+OUTPUT_CAP = int(BASE_SETTINGS["PLANNER__MAX_OUTPUT_TOKENS"])
 #: A prompt the model answers at length (it does not stop on its own within the limit).
 LONG_ANSWER = "Write a long story about a dragon who lives in a library."
 
@@ -83,6 +82,51 @@ async def test_a_text_answer_is_streamed_and_stored(planner: RealPlanner) -> Non
     assert answers and answers[-1].text.strip()
     assert turn.streamed_text == answers[-1].text
     assert answers[-1].usage.input_tokens > 0 and answers[-1].usage.output_tokens > 0
+
+
+async def test_an_answer_without_a_server_side_limit_stops_at_the_planners_cap(
+    planner: RealPlanner,
+) -> None:
+    """The server has no output limit; every request carries ``planner.max_output_tokens``
+    as ``max_tokens``. A short question ends on its own within the cap; an answer that
+    would run on is stopped there, stored cut, and the turn ends with its reason."""
+    short = await planner.turn("Say hello in five words.")
+    assert short.ended.reason in (M.TURN_END_REASON_COMPLETED, M.TURN_END_REASON_OUTPUT_LIMIT)
+    assert 0 < short.ended.usage.output_tokens <= OUTPUT_CAP
+
+    long = await planner.turn(LONG_ANSWER)
+    assert long.ended.reason == M.TURN_END_REASON_OUTPUT_LIMIT, long.ended.error_message
+    assert long.ended.error_info.reason == "OUTPUT_LIMIT"
+    assert "output limit" in long.ended.error_message
+    answer = by_kind(await long.transcript(), M.MESSAGE_KIND_ASSISTANT)[-1]
+    assert answer.cut and answer.finish_reason == "length" and answer.text
+    assert answer.usage.output_tokens == OUTPUT_CAP
+
+
+async def test_a_tool_round_runs_the_complete_call_of_an_answer_cut_at_the_cap(
+    planner: RealPlanner,
+) -> None:
+    """llama-server parses the template's ``<tool_call>`` output into OpenAI tool-call
+    deltas; the planner runs the complete call (whatever the finish reason), gives any call
+    the cap cut an error result without running it, and goes on to the next model call
+    with the results."""
+    turn = await planner.turn(CALL_GET_ITEM)
+    assert turn.ended.reason != M.TURN_END_REASON_FAILED, turn.ended.error_message
+    messages = await turn.transcript()
+    calls = by_kind(messages, M.MESSAGE_KIND_TOOL_CALL)
+    results = {m.tool_call_id: m for m in by_kind(messages, M.MESSAGE_KIND_TOOL_RESULT)}
+    assert (calls[0].tool_name, json.loads(calls[0].tool_arguments)) == (
+        "get_item",
+        {"item_id": "PAN-4"},
+    )
+    first = results[calls[0].tool_call_id]
+    assert not first.tool_error and "Pantry inventory" in first.tool_result
+    for call in calls[1:]:
+        if call.cut:
+            assert "CUT_AT_OUTPUT_LIMIT" in results[call.tool_call_id].tool_result
+    # The turn went on: a model answer came after the results.
+    assert messages[-1].kind == M.MESSAGE_KIND_ASSISTANT
+    assert messages.index(first) < len(messages) - 1
 
 
 async def test_a_cancel_mid_stream_stops_the_server_and_keeps_the_partial_answer(
@@ -125,7 +169,7 @@ async def own_template_server(
 ) -> AsyncIterator[LlamaServer]:
     """SmolLM2's own template, which has no place for tools."""
     log = tmp_path_factory.mktemp("llama-own") / "llama-server.log"
-    server = LlamaServer(build, log, template=None, extra=SAFETY_LIMIT)
+    server = LlamaServer(build, log, template=None)
     await server.start()
     yield server
     await server.stop()
