@@ -232,10 +232,12 @@ async def _stream_answer(
                 )
                 call.arguments = chunk.call.arguments
                 call.problem = chunk.problem
+                call.cut = chunk.cut
                 call.complete = True
             elif isinstance(chunk, FinishChunk):
                 answer.finish = chunk.reason
                 answer.usage = chunk.usage
+                answer.model = chunk.model
             else:
                 assert_never(chunk)
 
