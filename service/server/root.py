@@ -70,6 +70,7 @@ from service.core.retention import RetentionJob
 from service.core.sessions import ProjectAccess, SessionLimits, SessionRules
 from service.core.tracing import NULL_TRACER
 from service.server.identity import page_token_keys, service_credentials, token_verifier
+from service.server.logs import quiet_clients_gone
 from service.server.metrics import Metrics, MetricsInterceptor, MetricsServer, start_metrics_server
 from service.server.retention import retention_job
 from service.server.wiring import (
@@ -95,6 +96,11 @@ SERVICE_NAME = planner_service_pb2.DESCRIPTOR.services_by_name["PlannerService"]
 LIVENESS_SERVICE = "liveness"
 #: A database ping slower than this counts as a failure (seconds).
 PING_TIMEOUT_S = 5.0
+#: While the database is unreachable it is pinged this often (seconds, at most the
+#: health interval), so a replica is SERVING within this of the database's return: the
+#: ping opens a connection of its own, it does not wait for a pool's backoff (decision
+#: 0312).
+RECOVERY_PING_S = 0.2
 #: Shutdown: the end of the grace period kept for closing channels and pools, and before
 #: it the time the streams get to deliver their end (``config.SHUTDOWN_OVERHEAD_S``).
 CLOSE_RESERVE_S = 0.5
@@ -277,8 +283,9 @@ class PlannerApp:
                 else:
                     log.warning("database unreachable: health NOT_SERVING")
             self.metrics.database_up.set(1 if healthy else 0)
+            wait_s = interval_s if serving else min(interval_s, RECOVERY_PING_S)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), interval_s)
+                await asyncio.wait_for(self._stopping.wait(), wait_s)
 
     async def _set_health(self, serving: bool) -> None:
         status = (
@@ -493,6 +500,8 @@ async def _start_planner(
     turn_machinery: Callable[[Wiring], PlannerTurns],
     tracing: Tracing | None,
 ) -> PlannerApp:
+    # A client that gave up is not an error of the planner (decision 0313).
+    quiet_clients_gone()
     if settings.dev_mode or settings.database.is_sqlite:
         try:
             datadir.prepare(settings.data_dir)
