@@ -266,10 +266,17 @@ class PlannerApp:
 
     async def _watch_database(self, interval_s: float) -> None:
         serving = True
+        # A replica whose database has not answered for a lease's length holds no valid
+        # lease any more (each was renewed at most then): its streams go (decision 0314).
+        let_go_after_s = self.settings.planner.lease_s
+        last_answer = time.monotonic()
+        let_go = False
         while not self._stopping.is_set():
             try:
                 await asyncio.wait_for(self.store.ping(), PING_TIMEOUT_S)
                 healthy = True
+                last_answer = time.monotonic()
+                let_go = False
             except (StoreUnavailable, TimeoutError):
                 healthy = False
             except Exception:
@@ -283,9 +290,24 @@ class PlannerApp:
                 else:
                     log.warning("database unreachable: health NOT_SERVING")
             self.metrics.database_up.set(1 if healthy else 0)
+            if not healthy and not let_go and time.monotonic() - last_answer >= let_go_after_s:
+                let_go = True
+                self._let_clients_go(time.monotonic() - last_answer)
             wait_s = interval_s if serving else min(interval_s, RECOVERY_PING_S)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), wait_s)
+
+    def _let_clients_go(self, silent_s: float) -> None:
+        ended = self._turns.hub.let_go(
+            "this replica cannot reach its database; reopen the stream on another replica "
+            "with after_sequence"
+        )
+        log.warning(
+            "database silent for %.1f s: this replica's leases have expired; %d Chat "
+            "stream(s) ended UNAVAILABLE/REPLICA_UNAVAILABLE",
+            silent_s,
+            ended,
+        )
 
     async def _set_health(self, serving: bool) -> None:
         status = (
