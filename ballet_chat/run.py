@@ -16,7 +16,8 @@ from ballet_chat.client import TITLE_CHARS, ChatClient, ChatError, ChatOptions, 
 from ballet_chat.input import LineSource
 from ballet_chat.interactive import Interactive
 from ballet_chat.render import describe_turn_end, short
-from ballet_common.grpc.channels import is_loopback, make_channel
+from ballet_common.addresses import is_loopback
+from ballet_common.grpc.channels import make_channel
 
 
 async def run_once(client: ChatClient, text: str) -> int:

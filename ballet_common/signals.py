@@ -54,6 +54,22 @@ def signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
+def stopping_message(grace_s: float, running: int, turns_end_within_s: float, hurry: str) -> str:
+    """What a graceful stop waits for, and ``hurry``, how to skip it: "stopping: 1 running
+    turn gets up to 13 s to end, then is interrupted; at most 20 s in all; press Ctrl-C
+    again to stop at once". ``grace_s`` bounds the whole stop, ``running`` turns get
+    ``turns_end_within_s`` seconds of it (``PlannerApp``; decisions 0181, 0185)."""
+    if running:
+        turns = "turn gets" if running == 1 else "turns get"
+        waits = (
+            f"{running} running {turns} up to {turns_end_within_s:g} s to end, then "
+            f"{'is' if running == 1 else 'are'} interrupted; at most {grace_s:g} s in all"
+        )
+    else:
+        waits = f"no turn running; at most {grace_s:g} s"
+    return f"stopping: {waits}; {hurry}"
+
+
 class StopSignals:
     """SIGINT and SIGTERM handled by the running event loop while the ``with`` block
     runs (enter it inside the loop; the main thread only, as ``add_signal_handler``

@@ -26,14 +26,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.metadata
-import inspect
 import logging
 import os
 import re
 import threading
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +44,8 @@ from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from ballet_common.grpc.handlers import EndWatch, WatchingInterceptor
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,6 @@ _SERVER_ERRORS = frozenset(
         grpc.StatusCode.DATA_LOSS,
     }
 )
-_CANCELLED: tuple[type[BaseException], ...] = (asyncio.CancelledError, GeneratorExit)
 
 
 class TracingConfigError(ValueError):
@@ -438,22 +438,6 @@ def _rpc_attributes(method: str | bytes) -> tuple[str, dict[str, Any]]:
 # --------------------------------------------------------------------------- server
 
 
-def _server_code(
-    context: grpc.aio.ServicerContext[Any, Any], default: grpc.StatusCode
-) -> grpc.StatusCode:
-    try:
-        code = context.code()
-    except Exception:  # the context may be gone with the call; the default stands
-        return default
-    if isinstance(code, grpc.StatusCode):
-        return code
-    if isinstance(code, int):
-        for candidate in grpc.StatusCode:
-            if candidate.value[0] == code:
-                return candidate
-    return default
-
-
 @dataclass(frozen=True)
 class _Active:
     """A server span, the context token that made it current, and the RPC's task."""
@@ -463,7 +447,7 @@ class _Active:
     task: asyncio.Task[Any] | None
 
 
-class TracingServerInterceptor(grpc.aio.ServerInterceptor):
+class TracingServerInterceptor(WatchingInterceptor):
     """A SERVER span per RPC: named ``pkg.Service/Method``, child of the W3C trace
     context in the call's metadata (an absent or malformed one starts a new trace),
     current while the handler runs (so what the handler starts, tasks included, is its
@@ -472,42 +456,16 @@ class TracingServerInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, tracer: trace.Tracer) -> None:
         self._tracer = tracer
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[Any], Awaitable[Any]],
-        handler_call_details: Any,
-    ) -> Any:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        method = handler_call_details.method
+    def start(self, handler_call_details: Any) -> EndWatch:
         metadata = tuple(handler_call_details.invocation_metadata or ())
-        options = {
-            "request_deserializer": handler.request_deserializer,
-            "response_serializer": handler.response_serializer,
-        }
-        if handler.unary_unary is not None:
-            behaviour = self._unary(method, metadata, handler.unary_unary)
-            return grpc.unary_unary_rpc_method_handler(behaviour, **options)
-        if handler.stream_unary is not None:
-            behaviour = self._unary(method, metadata, handler.stream_unary)
-            return grpc.stream_unary_rpc_method_handler(behaviour, **options)
-        if handler.unary_stream is not None:
-            behaviour = self._streaming(method, metadata, handler.unary_stream)
-            return grpc.unary_stream_rpc_method_handler(behaviour, **options)
-        if handler.stream_stream is not None:
-            behaviour = self._streaming(method, metadata, handler.stream_stream)
-            return grpc.stream_stream_rpc_method_handler(behaviour, **options)
-        return handler  # pragma: no cover - every handler has one behaviour
-
-    def _start(self, method: str, metadata: tuple[Any, ...]) -> _Active:
         parent = propagate.extract(metadata, getter=_GETTER)
-        name, attributes = _rpc_attributes(method)
+        name, attributes = _rpc_attributes(handler_call_details.method)
         span = self._tracer.start_span(
             name, context=parent, kind=SpanKind.SERVER, attributes=attributes
         )
         token = otel_context.attach(trace.set_span_in_context(span, parent))
-        return _Active(span, token, asyncio.current_task())
+        active = _Active(span, token, asyncio.current_task())
+        return lambda code, error, _context: self._end(active, code, error)
 
     @staticmethod
     def _end(active: _Active, code: grpc.StatusCode, error: str) -> None:
@@ -521,60 +479,6 @@ class TracingServerInterceptor(grpc.aio.ServerInterceptor):
         # generator finalized elsewhere (a stream its caller left) has nothing to detach.
         if asyncio.current_task() is active.task:
             otel_context.detach(active.token)
-
-    def _unary(
-        self, method: str, metadata: tuple[Any, ...], behaviour: Callable[..., Any]
-    ) -> Callable[..., Any]:
-        async def traced(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            active = self._start(method, metadata)
-            code, error = grpc.StatusCode.UNKNOWN, ""
-            try:
-                response = await behaviour(request, context)
-                code = _server_code(context, grpc.StatusCode.OK)
-                return response
-            except grpc.aio.AbortError:
-                code = _server_code(context, grpc.StatusCode.UNKNOWN)
-                raise
-            except BaseException as exc:
-                if isinstance(exc, _CANCELLED):
-                    code = grpc.StatusCode.CANCELLED
-                else:
-                    error = type(exc).__qualname__
-                raise
-            finally:
-                self._end(active, code, error)
-
-        return traced
-
-    def _streaming(
-        self, method: str, metadata: tuple[Any, ...], behaviour: Callable[..., Any]
-    ) -> Callable[..., Any]:
-        if not inspect.isasyncgenfunction(behaviour):
-            # A handler that writes with context.write() and returns.
-            return self._unary(method, metadata, behaviour)
-
-        async def traced(
-            request: Any, context: grpc.aio.ServicerContext[Any, Any]
-        ) -> AsyncIterator[Any]:
-            active = self._start(method, metadata)
-            code, error = grpc.StatusCode.UNKNOWN, ""
-            try:
-                async for response in behaviour(request, context):
-                    yield response
-                code = _server_code(context, grpc.StatusCode.OK)
-            except grpc.aio.AbortError:
-                code = _server_code(context, grpc.StatusCode.UNKNOWN)
-                raise
-            except BaseException as exc:
-                if isinstance(exc, _CANCELLED):
-                    code = grpc.StatusCode.CANCELLED
-                else:
-                    error = type(exc).__qualname__
-                raise
-            finally:
-                self._end(active, code, error)
-
-        return traced
 
 
 # --------------------------------------------------------------------------- client

@@ -119,12 +119,45 @@ class ServerProbe:
                 await self._conn.execute(
                     "SELECT coalesce(sum(calls), 0)::bigint FROM pg_stat_statements"
                     " WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())"
-                    " AND query NOT LIKE %s AND query NOT LIKE %s AND query NOT LIKE %s",
-                    ("%pg_stat_statements%", "%pg_current_snapshot%", "%pg_stat_activity%"),
+                    " AND query NOT LIKE %s AND query NOT LIKE %s AND query NOT LIKE %s"
+                    " AND query NOT LIKE %s AND query NOT LIKE %s",
+                    (
+                        "%pg_stat_statements%",
+                        "%pg_current_snapshot%",
+                        "%pg_stat_activity%",
+                        "%count(*) FROM session_follows%",
+                    ),
                 )
             ).fetchone()
         except psycopg.Error:
             return -1
+        assert row is not None
+        return int(str(row[0]))
+
+    async def notifies(self) -> int:
+        """``pg_notify`` statements run so far in this database (``pg_stat_statements``;
+        -1 when the extension is not loaded)."""
+        try:
+            row = await (
+                await self._conn.execute(
+                    "SELECT coalesce(sum(calls), 0)::bigint FROM pg_stat_statements"
+                    " WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())"
+                    " AND query LIKE %s",
+                    ("%pg_notify%",),
+                )
+            ).fetchone()
+        except psycopg.Error:
+            return -1
+        assert row is not None
+        return int(str(row[0]))
+
+    async def follows(self, session_id: str) -> int:
+        """Replicas recorded as following ``session_id`` (``session_follows``)."""
+        row = await (
+            await self._conn.execute(
+                "SELECT count(*) FROM session_follows WHERE session_id = %s", (session_id,)
+            )
+        ).fetchone()
         assert row is not None
         return int(str(row[0]))
 

@@ -51,6 +51,7 @@ import grpc
 
 from ballet_common.readyfile import remove_ready_file, write_ready_file
 from ballet_common.signals import StopSignals, stop_when_signalled
+from ballet_common.signals import stopping_message as stopping_text
 from ballet_common.tokens import DevSecretError, Trust, dev_secret
 from ballet_common.tracing import Tracing, TracingConfigError, tracing_from_environment
 from devstack.defaults import BUF_INSTALL, BUF_PROGRAM
@@ -443,20 +444,12 @@ def ready_values(app: DevApp) -> dict[str, str]:
 
 
 def stopping_message(planner: PlannerApp) -> str:
-    """What a graceful stop waits for, and how to skip it: "stopping: 1 running turn gets
-    up to 13 s to end, then is interrupted; at most 20 s in all; press Ctrl-C again to
-    stop at once" (decision 0185)."""
-    grace = planner.settings.server.grace_s
-    running = planner.running_turns
-    if running:
-        turns = "turn gets" if running == 1 else "turns get"
-        waits = (
-            f"{running} running {turns} up to {planner.turns_end_within_s:g} s to end, then "
-            f"{'is' if running == 1 else 'are'} interrupted; at most {grace:g} s in all"
-        )
-    else:
-        waits = f"no turn running; at most {grace:g} s"
-    return f"stopping: {waits}; press Ctrl-C again to stop at once"
+    """What a graceful stop waits for, and how to skip it (decision 0185;
+    ``ballet_common.signals.stopping_message``)."""
+    grace, running = planner.settings.server.grace_s, planner.running_turns
+    return stopping_text(
+        grace, running, planner.turns_end_within_s, "press Ctrl-C again to stop at once"
+    )
 
 
 async def run_dev(options: DevOptions, settings: Settings | None = None) -> int:

@@ -119,7 +119,7 @@ class KnowledgeServicer(knowledge_pb2_grpc.KnowledgeServiceServicer):
             size = page_size(request.page_size, default=SEARCH_DEFAULT, maximum=SEARCH_MAX)
             kind = _kind(request.kind, required=False)
             filters = {"org": caller.organization_id, "query": request.query, "kind": kind}
-            position = self._pages.decode(request.page_token, "SearchKnowledge", filters)
+            position = self._pages.decode_page(request.page_token, "SearchKnowledge", filters)
             offset = int(position["o"]) if position else 0
             async with self._store.read() as session:
                 await _org_permission(session, caller, KNOWLEDGE_READ)

@@ -13,7 +13,6 @@ per request id), and drive ``faults`` (delays and errors per RPC or service).
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -29,6 +28,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ballet_common import devusers, ports
+from ballet_common.addresses import is_loopback
 from ballet_common.files import check_sqlite_file, create_private_file, private_directory
 from ballet_common.tokens import (
     HUMAN_AUDIENCES,
@@ -159,7 +159,7 @@ class DevStack:
         not a SQLite database (``DatabaseFileError``) and malformed input files
         (``ImportFileError``), ``OSError`` when the address cannot be bound.
         """
-        if not config.allow_non_loopback and not _is_loopback(config.address):
+        if not config.allow_non_loopback and not is_loopback(config.address):
             raise ValueError(
                 f"{config.address} is not a loopback address; the devstack serves plaintext "
                 "(the standalone devstack binds it anyway with --allow-non-loopback: "
@@ -378,16 +378,6 @@ class DevStack:
         await self.store.run_write(
             lambda session: set_role(session, user=user, project_id=project_id, role=role)
         )
-
-
-def _is_loopback(address: str) -> bool:
-    host = address.rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class _RecordingServer:

@@ -57,7 +57,7 @@ class SkillsServicer(skills_pb2_grpc.SkillsServiceServicer):
         async def work(caller: Caller) -> skills_pb2.ListSkillsResponse:
             size = page_size(request.page_size, default=LIST_DEFAULT, maximum=LIST_MAX)
             filters = {"project": request.project_id}
-            position = self._pages.decode(request.page_token, "ListSkills", filters)
+            position = self._pages.decode_page(request.page_token, "ListSkills", filters)
             after = str(position["n"]) if position else None
             async with self._store.read() as session:
                 access = await project_access(

@@ -182,7 +182,7 @@ class TrackerServicer(tracker_pb2_grpc.TrackerServiceServicer):
                 "epic": request.epic_id,
                 "milestone": request.milestone_id,
             }
-            position = self._pages.decode(request.page_token, "ListItems", filters)
+            position = self._pages.decode_page(request.page_token, "ListItems", filters)
             async with self._store.read() as session:
                 await _readable(session, caller, request.project_id)
                 page = await items_store.list_items(
@@ -229,7 +229,7 @@ class TrackerServicer(tracker_pb2_grpc.TrackerServiceServicer):
         async def work(caller: Caller) -> tracker_pb2.ListRunnableTicketsResponse:
             size = page_size(request.page_size, default=LIST_DEFAULT, maximum=LIST_MAX)
             filters = {"project": request.project_id}
-            position = self._pages.decode(request.page_token, "ListRunnableTickets", filters)
+            position = self._pages.decode_page(request.page_token, "ListRunnableTickets", filters)
             async with self._store.read() as session:
                 await _readable(session, caller, request.project_id)
                 page = await items_store.runnable_tickets(
@@ -256,7 +256,7 @@ class TrackerServicer(tracker_pb2_grpc.TrackerServiceServicer):
             if not request.query.strip():
                 raise InvalidArgument("QUERY_REQUIRED", "query is required")
             filters = {"project": request.project_id, "query": request.query}
-            position = self._pages.decode(request.page_token, "SearchProject", filters)
+            position = self._pages.decode_page(request.page_token, "SearchProject", filters)
             offset = int(position["o"]) if position else 0
             async with self._store.read() as session:
                 access = await project_access(
@@ -322,7 +322,7 @@ class TrackerServicer(tracker_pb2_grpc.TrackerServiceServicer):
             size = page_size(request.page_size, default=CHANGESETS_DEFAULT, maximum=CHANGESETS_MAX)
             status = _enum(request.status, STATUS_NAMES, "status")
             filters = {"project": request.project_id, "status": status}
-            position = self._pages.decode(request.page_token, "ListChangesets", filters)
+            position = self._pages.decode_page(request.page_token, "ListChangesets", filters)
             async with self._store.read() as session:
                 await _readable(session, caller, request.project_id)
                 records, more = await items_store.list_changesets(

@@ -90,10 +90,18 @@ def text_logs(argv: list[str]) -> list[str]:
     return [] if any(arg.startswith("--log-format") for arg in argv) else ["--log-format", "text"]
 
 
+def _leave(signum: int, _frame: object) -> None:
+    # SIGTERM, or SIGHUP when the terminal closes: leave through main's `finally`, which
+    # stops dev (in its own session, nothing else would).
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str]) -> int:
     if any(arg in ("-h", "--help") for arg in argv):
         print(__doc__)
         return 0
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _leave)
     try:
         python = setup.ensure("try")
     except setup.SetupError as error:
@@ -103,6 +111,7 @@ def main(argv: list[str]) -> int:
     work = Path(tempfile.mkdtemp(prefix="ballet-try-"))
     log, ready = work / "dev.log", work / "ready.json"
     keep_log = False
+    chatting: subprocess.Popen[bytes] | None = None
     with log.open("wb") as out:
         dev = subprocess.Popen(
             [str(planner), "dev", "--ready-file", str(ready), *text_logs(argv), *argv],
@@ -129,7 +138,8 @@ def main(argv: list[str]) -> int:
             return code or 1
         say(
             f"dev is running: planner {values['address']}, devstack "
-            f"{values['devstack_address']}, data {values['data_dir']} (its log: {log})"
+            f"{values['devstack_address']}, data {values['data_dir']} (its log while it runs: "
+            f"{log})"
         )
         say(f"chatting as {USER} about project {values['project']}; /quit or Ctrl-D leaves")
         chat = [
@@ -148,11 +158,14 @@ def main(argv: list[str]) -> int:
         # process waits for the chat to end, then stops dev.
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
-            code = subprocess.call(chat)
+            chatting = subprocess.Popen(chat)
+            return chatting.wait()
         finally:
             signal.signal(signal.SIGINT, previous)
-        return code
     finally:
+        if chatting is not None and chatting.poll() is None:
+            chatting.terminate()  # this process was told to leave: the chat goes too
+            chatting.wait(10)
         stopped = stop(dev)
         for line in said_after_banner(log):
             say(line.removeprefix("ballet-planner "))

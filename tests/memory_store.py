@@ -21,9 +21,15 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
+from service.adapters.store.codec import queued_message_json
 from service.adapters.store.turn_units import (
     check_events,
     checked_start,
+    promoted_turn,
+    promotion_events,
+    queue_place,
+    queued_event,
+    queued_turn,
     too_many_turns,
     turn_in_progress,
     utc,
@@ -37,22 +43,26 @@ from service.core.errors import (
 from service.core.estimate import message_tokens
 from service.core.model import (
     ContextEstimate,
-    EventKind,
     Message,
     MessageKind,
+    OnBusy,
     Session,
     SessionEvent,
     Turn,
+    TurnEndReason,
     TurnState,
 )
 from service.core.ports import (
     ContextSnapshot,
     LeaseStatus,
     NewSession,
+    Promoted,
+    Promotion,
     SessionCursor,
     SessionQuery,
     StartOutcomeKind,
     TurnCommit,
+    TurnEnd,
     TurnStart,
     TurnStartOutcome,
 )
@@ -77,6 +87,8 @@ class MemoryStore:
     failed: asyncio.Event = field(default_factory=asyncio.Event)
     cancelled: list[str] = field(default_factory=list)
     list_calls: list[SessionQuery] = field(default_factory=list)
+    #: Queued turns: turn_id -> (message as JSON, token, queue priority).
+    queued: dict[str, tuple[str, str, int]] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ sessions
 
@@ -153,6 +165,7 @@ class MemoryStore:
         self.messages.pop(session_id, None)
         self.events.pop(session_id, None)
         self.turns = {k: t for k, t in self.turns.items() if t.session_id != session_id}
+        self.queued = {k: q for k, q in self.queued.items() if k in self.turns}
         self.hashes = {k: v for k, v in self.hashes.items() if v[0] != session_id}
         return True
 
@@ -202,13 +215,15 @@ class MemoryStore:
                 accepted = [
                     e
                     for e in self.events[session_id]
-                    if e.turn_id == turn.turn_id and e.kind is EventKind.MESSAGE_ACCEPTED
+                    if e.turn_id == turn.turn_id and e.sequence == turn.human_sequence
                 ]
                 return TurnStartOutcome(StartOutcomeKind.DUPLICATE, turn, accepted[:1])
         running = [t for t in self.turns.values() if t.state is TurnState.RUNNING]
         for turn in running:
             if turn.session_id == session_id:
                 if turn.lease_expires_at is not None and turn.lease_expires_at > start.now:
+                    if start.enqueue is not None:
+                        return self._enqueue(start, turn)
                     raise turn_in_progress()
                 return TurnStartOutcome(StartOutcomeKind.EXPIRED_TURN, turn)
         # Only turns whose lease holds count against the limits.
@@ -267,13 +282,59 @@ class MemoryStore:
         self.commits += 1
         return stored
 
+    async def end_turn(self, commit: TurnCommit, promotion: Promotion) -> TurnEnd:
+        if commit.turn_patch is None or commit.turn_patch.end_reason is None:
+            raise ValueError("end_turn needs a turn_patch with an end_reason")
+        utc(promotion.lease_expires_at)
+        stored = await self.commit(commit)
+        waiting = sorted(
+            (
+                t
+                for t in self.turns.values()
+                if t.session_id == commit.session_id and t.state is TurnState.QUEUED
+            ),
+            key=lambda t: (-self.queued[t.turn_id][2], t.human_sequence),
+        )
+        if not waiting:
+            return TurnEnd(stored)
+        queued = waiting[0]
+        message_json, token, _priority = self.queued.pop(queued.turn_id)
+        now = utc(commit.now)
+        events = self._append(
+            commit.session_id,
+            promotion_events(queued.turn_id, commit.session_id, message_json, promotion, now),
+            None,
+        )
+        turn = promoted_turn(queued, promotion, now, events[0].sequence)
+        self.turns[turn.turn_id] = turn
+        return TurnEnd(stored, Promoted(turn, events, token))
+
+    async def cancel_queued(self, turn_id: str, event: SessionEvent) -> list[SessionEvent]:
+        await asyncio.sleep(0)
+        check_events(event.session_id, turn_id, [event])
+        turn = self.turns.get(turn_id)
+        if turn is None or turn.state is not TurnState.QUEUED:
+            return []
+        self.queued.pop(turn_id, None)
+        self.turns[turn_id] = replace(
+            turn,
+            state=TurnState.ENDED,
+            end_reason=TurnEndReason.CANCELLED,
+            end_time=event.create_time,
+            queued_text="",
+        )
+        self.commits += 1
+        return self._append(event.session_id, [event], None)
+
     async def renew_lease(self, turn_id: str, owner: str, until: datetime) -> LeaseStatus:
         await asyncio.sleep(0)
         turn = self.turns.get(turn_id)
         if turn is None or turn.state is not TurnState.RUNNING or turn.owner != owner:
             return LeaseStatus(held=False)
         self.turns[turn_id] = replace(turn, lease_expires_at=utc(until))
-        return LeaseStatus(held=True, cancel_requested=turn.cancel_requested)
+        return LeaseStatus(
+            held=True, cancel_requested=turn.cancel_requested, cancel_reason=turn.cancel_reason
+        )
 
     async def request_cancel(self, turn_id: str) -> Turn | None:
         await asyncio.sleep(0)
@@ -339,6 +400,32 @@ class MemoryStore:
         return turn
 
     # ------------------------------------------------------------------ internals
+
+    def _enqueue(self, start: TurnStart, running: Turn) -> TurnStartOutcome:
+        enqueue = start.enqueue
+        assert enqueue is not None
+        session_id = start.turn.session_id
+        priority, behind = queue_place(
+            enqueue,
+            running.turn_id,
+            [
+                (t.turn_id, self.queued[t.turn_id][2], t.human_sequence)
+                for t in self.turns.values()
+                if t.session_id == session_id and t.state is TurnState.QUEUED
+            ],
+        )
+        (event,) = self._append(session_id, [queued_event(enqueue, behind)], None)
+        turn = queued_turn(start, event.sequence, behind)
+        self.turns[turn.turn_id] = turn
+        self.queued[turn.turn_id] = (queued_message_json(start.message), enqueue.token, priority)
+        interrupted = None
+        if enqueue.on_busy is OnBusy.INTERRUPT:
+            interrupted = replace(
+                running, cancel_requested=True, cancel_reason="interrupted_by_message"
+            )
+            self.turns[running.turn_id] = interrupted
+        self.commits += 1
+        return TurnStartOutcome(StartOutcomeKind.QUEUED, turn, [event], interrupted)
 
     def _session(self, session_id: str) -> Session:
         running = next(

@@ -11,12 +11,13 @@ Nothing here does I/O at import time; certificate files are read when a channel 
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+
+from ballet_common.addresses import is_loopback
 
 #: Keepalive of every outbound channel, in milliseconds (docs/spec/limits.md).
 KEEPALIVE_TIME_MS = 60_000
@@ -90,44 +91,8 @@ def make_channel(
             f"refusing a plaintext channel to {address}: configure TLS for it, or set "
             "insecure = true to allow plaintext to a non-loopback address"
         )
-    return grpc.aio.insecure_channel(
-        address, options=options, interceptors=interceptors or None
-    )
+    return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors or None)
 
 
 def _read(path: Path | None) -> bytes | None:
     return None if path is None else path.read_bytes()
-
-
-def is_loopback(address: str) -> bool:
-    """True when ``address`` stays on this machine: ``localhost``, a loopback IP
-    (127.0.0.0/8, ``::1``) with or without a port and a gRPC name scheme, or a Unix
-    socket. Any other name is not, even if it resolves to loopback: resolution may
-    change, the configuration does not."""
-    target = address.strip()
-    if target.startswith(("unix:", "unix-abstract:")):
-        return True
-    for scheme in ("dns:///", "dns:", "ipv4:", "ipv6:"):
-        if target.startswith(scheme):
-            target = target[len(scheme) :]
-            break
-    # ``ipv4:`` and ``ipv6:`` targets may list several addresses; all must be local.
-    return all(_loopback_host(_host(part)) for part in target.split(","))
-
-
-def _loopback_host(host: str) -> bool:
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _host(target: str) -> str:
-    if target.startswith("["):
-        return target[1 : target.find("]")] if "]" in target else target
-    if target.count(":") == 1:
-        return target.split(":", 1)[0]
-    # No port, or a bare IPv6 address.
-    return target

@@ -92,6 +92,7 @@ def to_proto(request: ModelRequest, *, with_tools: bool = True) -> gateway_pb2.G
         system_prompt=request.system_prompt,
         system_context=request.system_context,
         request_id=request.request_id,
+        max_output_tokens=request.max_output_tokens,
     )
     for message in request.messages:
         _add_message(proto, message)

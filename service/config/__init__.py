@@ -54,6 +54,9 @@ from service.config.settings import (
     channels as channels,
 )
 from service.config.settings import (
+    check_context_budget as check_context_budget,
+)
+from service.config.settings import (
     is_loopback as is_loopback,
 )
 from service.config.settings import (

@@ -28,7 +28,6 @@ environment it is given.
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import os
 import secrets
 import socket
@@ -38,6 +37,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from ballet_common.addresses import is_loopback as is_loopback
 
 # ConfigError is this module's error too: every caller of load_settings catches it here.
 from service.config.loading import ConfigError as ConfigError
@@ -122,6 +123,35 @@ class PlannerSettings:
     max_tool_calls_per_answer: int = _key(
         16, ge=1, doc="Tool calls run per model answer; the rest get an error result."
     )
+    max_output_tokens: int = _key(
+        2048,
+        ge=16,
+        doc="Most tokens one turn answer may generate (sent as the request's output cap, "
+        "lowered to what is left of the window and of turn_max_tokens); an answer cut there "
+        "ends the turn OUTPUT_LIMIT.",
+    )
+    compaction_max_output_tokens: int = _key(
+        1024, ge=16, doc="Most tokens one compaction answer (a summary) may generate."
+    )
+    turn_max_model_requests: int = _key(
+        32,
+        ge=1,
+        doc="Model calls one turn may make, compaction calls included; the turn ends "
+        "BUDGET_EXHAUSTED before one more.",
+    )
+    turn_max_tool_calls: int = _key(
+        64,
+        ge=1,
+        doc="Tool calls one turn may run; calls past it get an error result and the turn "
+        "ends BUDGET_EXHAUSTED before its next model call.",
+    )
+    turn_max_tokens: int = _key(
+        1_000_000,
+        ge=1024,
+        doc="Input plus output tokens summed over one turn's model calls (compaction "
+        "included); the turn ends BUDGET_EXHAUSTED before a call that could not fit, and "
+        "what is left caps the next answer.",
+    )
     tool_concurrency: int = _key(4, ge=1, doc="Tool calls of one answer run at once.")
     tool_result_max_bytes: int = _key(
         16 * KiB, ge=1 * KiB, doc="Largest tool result given to the model; longer ones are cut."
@@ -134,6 +164,12 @@ class PlannerSettings:
         "tool_result_max_bytes.",
     )
     lease_s: float = _key(15.0, gt=0, doc="Lease of a running turn, renewed by its replica.")
+    max_queued_messages: int = _key(
+        10,
+        ge=1,
+        doc="Messages that may wait as queued turns in one session (on_busy ENQUEUE, "
+        "INTERRUPT, JOIN); one more is refused RESOURCE_EXHAUSTED/QUEUE_FULL.",
+    )
     sweep_interval_s: float = _key(
         5.0, gt=0, doc="How often each replica looks for turns whose lease expired."
     )
@@ -541,14 +577,57 @@ def _resolve(settings: Settings) -> Settings:
 # --------------------------------------------------------------------------- checks
 
 
+def check_context_budget(planner: PlannerSettings, fixed_prompt_tokens: int = 0) -> None:
+    """The context budget (docs/configuration.md, "The context budget"; decision 0293);
+    raises ``ConfigError`` naming the keys.
+
+    ``fixed_prompt_tokens`` is the estimated fixed prompt as rendered (the instructions and
+    the tool declarations; the composition root counts it, ``service.core.turn.prompt.
+    shared_prefix``); 0 when not known (the loader's own check). Checked:
+
+    - the fixed prompt plus ``max_output_tokens`` fits ``model_context_tokens`` (else no
+      first answer has room);
+    - the fixed prompt, ``compact_at_tokens``, ``max_rounds`` full rounds
+      (``round_budget_tokens`` each) and ``max_output_tokens`` fit it;
+    - ``compaction_input_max_tokens`` plus ``compaction_max_output_tokens`` fit it.
+    """
+    window = planner.model_context_tokens
+    fixed = fixed_prompt_tokens
+    if fixed + planner.max_output_tokens > window:
+        raise ConfigError(
+            f"planner.model_context_tokens: {window} does not fit the fixed prompt (the "
+            f"instructions and tool declarations, about {fixed} tokens) plus "
+            f"planner.max_output_tokens ({planner.max_output_tokens}); raise "
+            "planner.model_context_tokens (and the model server's window) or lower "
+            "planner.max_output_tokens"
+        )
+    rounds = planner.max_rounds * planner.round_budget_tokens
+    needed = fixed + planner.compact_at_tokens + rounds + planner.max_output_tokens
+    if needed > window:
+        prompt = f"the fixed prompt (about {fixed} tokens) plus " if fixed else ""
+        raise ConfigError(
+            f"planner.compact_at_tokens: {prompt}{planner.compact_at_tokens} plus "
+            f"planner.max_rounds ({planner.max_rounds}) rounds of "
+            f"{planner.round_budget_tokens} tokens plus planner.max_output_tokens "
+            f"({planner.max_output_tokens}) is {needed}, more than "
+            f"planner.model_context_tokens ({window})"
+        )
+    compaction = planner.compaction_input_max_tokens + planner.compaction_max_output_tokens
+    if compaction > window:
+        raise ConfigError(
+            f"planner.compaction_input_max_tokens: {planner.compaction_input_max_tokens} plus "
+            f"planner.compaction_max_output_tokens ({planner.compaction_max_output_tokens}) "
+            f"must be at most planner.model_context_tokens ({window})"
+        )
+
+
 def validate(settings: Settings) -> None:
     """The start-up checks that involve several keys; raises ``ConfigError``.
 
     - the shutdown (docs/spec/operations.md; decision 0181): ``server.grace_s`` is at least
       ``planner.cancel_grace`` + ``SHUTDOWN_OVERHEAD_S``;
-    - the context budget (docs/configuration.md): ``compact_at_tokens`` plus ``max_rounds`` full
-      rounds (``PlannerSettings.round_budget_tokens`` each) fits ``model_context_tokens``, and
-      ``compaction_input_max_tokens`` fits it too;
+    - the context budget (``check_context_budget``, without the fixed prompt: the
+      composition root checks again with it);
     - the server's addresses parse as ``host:port``; dev mode binds only loopback, and
       the server speaks plaintext only on loopback or with ``insecure = true``
       (docs/spec/authority.md; outbound channels are checked where they are made);
@@ -557,20 +636,7 @@ def validate(settings: Settings) -> None:
       client certificate on its channel); service issuers never overlap human ones.
     """
     planner = settings.planner
-    needed = planner.compact_at_tokens + planner.max_rounds * planner.round_budget_tokens
-    if needed > planner.model_context_tokens:
-        raise ConfigError(
-            f"planner.compact_at_tokens: {planner.compact_at_tokens} plus "
-            f"planner.max_rounds ({planner.max_rounds}) rounds of "
-            f"{planner.round_budget_tokens} tokens is {needed}, more than "
-            f"planner.model_context_tokens ({planner.model_context_tokens})"
-        )
-    if planner.compaction_input_max_tokens > planner.model_context_tokens:
-        raise ConfigError(
-            f"planner.compaction_input_max_tokens: must be at most "
-            f"planner.model_context_tokens ({planner.model_context_tokens}), got "
-            f"{planner.compaction_input_max_tokens}"
-        )
+    check_context_budget(planner)
     if settings.server.grace_s < planner.cancel_grace + SHUTDOWN_OVERHEAD_S:
         raise ConfigError(
             f"server.grace_s: must be at least planner.cancel_grace "
@@ -666,16 +732,6 @@ def split_address(address: str, key: str) -> tuple[str, int]:
     if not sep or not host or not port_text.isdigit() or int(port_text) > 65535:
         raise ConfigError(f"{key}: expected host:port, got {address!r}")
     return host.strip("[]"), int(port_text)
-
-
-def is_loopback(host: str) -> bool:
-    """True for ``localhost`` and loopback IP addresses (127.0.0.0/8, ::1)."""
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def iter_keys(

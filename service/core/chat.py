@@ -57,7 +57,7 @@ from service.core.fanout import (
     StreamQueue,
 )
 from service.core.ids import new_id
-from service.core.model import EventKind, Message, Session, SessionEvent, Turn
+from service.core.model import EventKind, Message, OnBusy, Session, SessionEvent, Turn
 from service.core.outbound import CLIENT_MESSAGE_MAX_BYTES, messages_for_client
 from service.core.ports import Clock, SessionStore
 from service.core.sessions import Caller, SessionRules, check_request_id
@@ -84,10 +84,12 @@ class Open:
 
 @dataclass(frozen=True)
 class Send:
-    """Send a human message to the attached session (starts a turn)."""
+    """Send a human message to the attached session (starts a turn, or with ``on_busy``
+    queues it while one runs; decision 0300)."""
 
     request_id: str
     text: str
+    on_busy: OnBusy = OnBusy.REJECT
 
 
 @dataclass(frozen=True)
@@ -167,14 +169,24 @@ class ChatService:
             self._on_stream_change(delta)
 
     async def send_message(
-        self, caller: Caller, session_id: str, text: str, request_id: str
+        self,
+        caller: Caller,
+        session_id: str,
+        text: str,
+        request_id: str,
+        on_busy: OnBusy = OnBusy.REJECT,
     ) -> tuple[Turn, list[Message]]:
         """``SendMessage``: run one whole turn; returns it ended, with its messages as a
         client is sent them. When the caller goes away the turn goes on (``GetTurn``
-        reads its outcome). Raises what ``SessionRules.owned_session`` and
-        ``TurnService.send_message`` raise."""
+        reads its outcome). A message queued behind a running turn (``on_busy``) is
+        answered at once: the turn in state QUEUED, no messages (decision 0300). Raises
+        what ``SessionRules.owned_session`` and ``TurnService.send_message`` raise."""
         session = await self.rules.owned_session(caller, session_id)
-        accepted = await self.turns.send_message(_send_request(session, caller, text, request_id))
+        accepted = await self.turns.send_message(
+            _send_request(session, caller, text, request_id, on_busy)
+        )
+        if accepted.queued:
+            return accepted.turn, []
         turn = await self.turns.wait_for_end(accepted.turn.turn_id)
         stored = await self.store.turn_messages(turn.turn_id)
         return turn, messages_for_client(stored, self.limits.client_message_max_bytes)
@@ -447,7 +459,9 @@ class ChatStream:
         # changes; the project access is re-checked (cached), and a session deleted
         # since is refused by the store when the message is stored (SESSION_NOT_FOUND).
         await service.rules.recheck_project(self._caller, session)
-        request = _send_request(session, self._caller, command.text, command.request_id)
+        request = _send_request(
+            session, self._caller, command.text, command.request_id, command.on_busy
+        )
         # Before the call: the live message_accepted is published before it returns.
         if command.request_id:
             self._sending.add(command.request_id)
@@ -479,7 +493,13 @@ class ChatStream:
             self._reply_error(error, command.request_id)
 
 
-def _send_request(session: Session, caller: Caller, text: str, request_id: str) -> SendRequest:
+def _send_request(
+    session: Session,
+    caller: Caller,
+    text: str,
+    request_id: str,
+    on_busy: OnBusy = OnBusy.REJECT,
+) -> SendRequest:
     if caller.is_service:
         raise HumanRequired("sending needs the session owner's token")
     return SendRequest(
@@ -489,4 +509,5 @@ def _send_request(session: Session, caller: Caller, text: str, request_id: str) 
         token=caller.token,
         text=text,
         request_id=request_id,
+        on_busy=on_busy,
     )

@@ -27,10 +27,22 @@ class MessageKind(StrEnum):
 
 
 class TurnState(StrEnum):
-    """Whether a turn runs or has ended."""
+    """Whether a turn runs, has ended, or waits for the running turn of its session to
+    end (QUEUED: a message sent with ``on_busy`` ENQUEUE or INTERRUPT; decision 0300)."""
 
     RUNNING = "running"
     ENDED = "ended"
+    QUEUED = "queued"
+
+
+class OnBusy(StrEnum):
+    """What to do with a human message that arrives while a turn of its session runs
+    (docs/clients.md; decision 0300). REJECT is the default."""
+
+    REJECT = "reject"
+    ENQUEUE = "enqueue"
+    INTERRUPT = "interrupt"
+    JOIN = "join"
 
 
 class TurnEndReason(StrEnum):
@@ -42,6 +54,12 @@ class TurnEndReason(StrEnum):
     CANCELLED = "cancelled"
     FAILED = "failed"
     INTERRUPTED = "interrupted"
+    #: A message sent with ``on_busy`` INTERRUPT stopped the turn (decision 0301).
+    INTERRUPTED_BY_MESSAGE = "interrupted_by_message"
+    #: An answer stopped at its output cap (decision 0291).
+    OUTPUT_LIMIT = "output_limit"
+    #: The next model call or tool call would not fit a turn budget (decision 0291).
+    BUDGET_EXHAUSTED = "budget_exhausted"
 
 
 class EventKind(StrEnum):
@@ -57,6 +75,9 @@ class EventKind(StrEnum):
     KNOWLEDGE_WRITTEN = "knowledge_written"
     COMPACTED = "compacted"
     TURN_ENDED = "turn_ended"
+    #: A human message stored as a queued turn (its transcript message is stored by the
+    #: ``message_accepted`` of the turn's start; decision 0300).
+    MESSAGE_QUEUED = "message_queued"
 
 
 #: Events that store a message; the message's sequence is the event's.
@@ -204,6 +225,17 @@ class TurnStartedData:
 
 
 @dataclass(frozen=True)
+class MessageQueuedData:
+    """Payload of ``message_queued``: the queued message's ``text``, the turn it waits
+    behind and the strategy it was sent with."""
+
+    text: str
+    behind_turn_id: str
+    on_busy: OnBusy
+    human_id: str
+
+
+@dataclass(frozen=True)
 class TurnEndedData:
     """Payload of ``turn_ended``; ``error_reason`` is an ErrorInfo reason for FAILED."""
 
@@ -241,7 +273,12 @@ class CompactedData:
 
 
 EventData: TypeAlias = (
-    TurnStartedData | TurnEndedData | ChangesetProposedData | KnowledgeWrittenData | CompactedData
+    TurnStartedData
+    | TurnEndedData
+    | ChangesetProposedData
+    | KnowledgeWrittenData
+    | CompactedData
+    | MessageQueuedData
 )
 
 
@@ -345,3 +382,9 @@ class Turn:
     lease_expires_at: datetime | None = None
     cancel_requested: bool = False
     end_time: datetime | None = None
+    #: A queued turn's place: the turn it waited behind when accepted, and its text
+    #: until it starts (decision 0300).
+    behind_turn_id: str = ""
+    queued_text: str = ""
+    #: Why a cancel was requested: "" (CancelTurn) or "interrupted_by_message".
+    cancel_reason: str = ""

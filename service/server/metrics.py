@@ -13,11 +13,10 @@ prometheus_client's HTTP server in its own thread.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import platform
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +33,7 @@ from prometheus_client import (
     start_http_server,
 )
 
+from ballet_common.grpc.handlers import EndWatch, WatchingInterceptor
 from ballet_common.grpc.status import from_trailers
 from service.config import split_address
 from service.core.model import TurnEndReason
@@ -42,8 +42,6 @@ from service.version import version
 
 #: Latency buckets in seconds, from a fast tool call to a long model answer.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-#: A call cancelled by the client or the server (a stream closed while it yields).
-_CANCELLED: tuple[type[BaseException], ...] = (asyncio.CancelledError, GeneratorExit)
 #: Estimate / reported tokens: 1 is exact; the estimator aims within 0.85 to 1.15.
 ESTIMATE_RATIO_BUCKETS = (0.5, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0, 1.05, 1.1, 1.15, 1.2, 1.3, 1.5, 2)
 RPC_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 60)
@@ -376,7 +374,6 @@ class Metrics:
         self.database_connections_limit.set(limit)
         on_failure(lambda kind: self.database_errors.labels(kind=kind).inc())
 
-
     def count_signal(self, outcome: str, n: int) -> None:
         """Count ``n`` signals of ``outcome`` (a ``Signals.watch`` callback)."""
         self.signals.labels(outcome).inc(n)
@@ -429,20 +426,6 @@ class PurgeRunMetrics:
         )
 
 
-def _code_name(context: grpc.aio.ServicerContext[Any, Any], default: grpc.StatusCode) -> str:
-    try:
-        code = context.code()
-    except Exception:  # the context may be gone with the call; the default stands
-        code = None
-    if isinstance(code, grpc.StatusCode):
-        return str(code.name)
-    if isinstance(code, int):
-        for candidate in grpc.StatusCode:
-            if candidate.value[0] == code:
-                return str(candidate.name)
-    return str(default.name)
-
-
 def _reason(context: grpc.aio.ServicerContext[Any, Any]) -> str:
     """The ErrorInfo reason of the status a handler aborted with (``NONE`` without one)."""
     try:
@@ -452,7 +435,7 @@ def _reason(context: grpc.aio.ServicerContext[Any, Any]) -> str:
     return bounded_reason(failure.reason) if failure is not None and failure.reason else "NONE"
 
 
-class MetricsInterceptor(grpc.aio.ServerInterceptor):
+class MetricsInterceptor(WatchingInterceptor):
     """Counts and times every RPC: ``grpc_server_started``/``handled``/``handling``, and
     ``grpc_server_errors`` by ErrorInfo reason.
 
@@ -463,94 +446,18 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[Any], Awaitable[Any]],
-        handler_call_details: Any,
-    ) -> Any:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
+    def start(self, handler_call_details: Any) -> EndWatch:
         method = str(handler_call_details.method)
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                self._unary(method, handler.unary_unary),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                self._streaming(method, handler.unary_stream),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.stream_unary is not None:
-            return grpc.stream_unary_rpc_method_handler(
-                self._unary(method, handler.stream_unary),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.stream_stream is not None:
-            return grpc.stream_stream_rpc_method_handler(
-                self._streaming(method, handler.stream_stream),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        return handler  # pragma: no cover - every handler has one behaviour
+        self._metrics.grpc_started.labels(method).inc()
+        started = time.perf_counter()
 
-    def _done(self, method: str, started: float, code: str, reason: str = "NONE") -> None:
-        self._metrics.grpc_handled.labels(method, code).inc()
-        self._metrics.grpc_seconds.labels(method).observe(time.perf_counter() - started)
-        if code not in ("OK", "CANCELLED"):
-            self._metrics.grpc_errors.labels(method, code, reason).inc()
+        def done(code: grpc.StatusCode, _error: str, context: Any) -> None:
+            self._metrics.grpc_handled.labels(method, code.name).inc()
+            self._metrics.grpc_seconds.labels(method).observe(time.perf_counter() - started)
+            if code not in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
+                self._metrics.grpc_errors.labels(method, code.name, _reason(context)).inc()
 
-    def _unary(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
-        async def wrapper(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            self._metrics.grpc_started.labels(method).inc()
-            started = time.perf_counter()
-            code, reason = "UNKNOWN", "NONE"
-            try:
-                response = await behavior(request, context)
-                code = _code_name(context, grpc.StatusCode.OK)
-                return response
-            except grpc.aio.AbortError:
-                code, reason = _code_name(context, grpc.StatusCode.UNKNOWN), _reason(context)
-                raise
-            except BaseException as error:
-                if isinstance(error, _CANCELLED):
-                    code = "CANCELLED"
-                raise
-            finally:
-                self._done(method, started, code, reason)
-
-        return wrapper
-
-    def _streaming(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
-        if not inspect.isasyncgenfunction(behavior):
-            # A handler that writes with context.write() and returns: time the coroutine.
-            return self._unary(method, behavior)
-
-        async def wrapper(
-            request: Any, context: grpc.aio.ServicerContext[Any, Any]
-        ) -> AsyncIterator[Any]:
-            self._metrics.grpc_started.labels(method).inc()
-            started = time.perf_counter()
-            code, reason = "UNKNOWN", "NONE"
-            try:
-                async for response in behavior(request, context):
-                    yield response
-                code = _code_name(context, grpc.StatusCode.OK)
-            except grpc.aio.AbortError:
-                code, reason = _code_name(context, grpc.StatusCode.UNKNOWN), _reason(context)
-                raise
-            except BaseException as error:
-                if isinstance(error, _CANCELLED):
-                    code = "CANCELLED"
-                raise
-            finally:
-                self._done(method, started, code, reason)
-
-        return wrapper
+        return done
 
 
 @dataclass

@@ -57,6 +57,7 @@ from service.config import (
     ConfigError,
     Settings,
     channels,
+    check_context_budget,
     split_address,
 )
 from service.core.errors import StoreUnavailable
@@ -68,7 +69,9 @@ from service.core.ports import (
 )
 from service.core.retention import RetentionJob
 from service.core.sessions import ProjectAccess, SessionLimits, SessionRules
+from service.core.tools import declarations
 from service.core.tracing import NULL_TRACER
+from service.core.turn.prompt import shared_prefix
 from service.server.identity import page_token_keys, service_credentials, token_verifier
 from service.server.logs import quiet_clients_gone
 from service.server.metrics import Metrics, MetricsInterceptor, MetricsServer, start_metrics_server
@@ -524,6 +527,8 @@ async def _start_planner(
 ) -> PlannerApp:
     # A client that gave up is not an error of the planner (decision 0313).
     quiet_clients_gone()
+    # The context budget with the fixed prompt as rendered (decision 0293).
+    check_context_budget(settings.planner, shared_prefix(declarations()).tokens)
     if settings.dev_mode or settings.database.is_sqlite:
         try:
             datadir.prepare(settings.data_dir)

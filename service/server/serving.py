@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ballet_common.readyfile import remove_ready_file, write_ready_file
 from ballet_common.signals import StopSignals, signal_name, stop_when_signalled
+from ballet_common.signals import stopping_message as stopping_text
 from service.config import Settings
 from service.server.root import PlannerApp, planner_tracing, start_planner
 
@@ -89,17 +90,9 @@ async def warn_of_missing_dependencies(settings: Settings) -> None:
 
 
 def stopping_message(app: PlannerApp) -> str:
-    """What a graceful stop waits for, and how to skip it, for the log: "stopping: 1
-    running turn gets up to 13 s to end, then is interrupted; at most 20 s in all; a
-    second SIGINT or SIGTERM stops at once"."""
-    grace = app.settings.server.grace_s
-    running = app.running_turns
-    if running:
-        turns = "turn gets" if running == 1 else "turns get"
-        waits = (
-            f"{running} running {turns} up to {app.turns_end_within_s:g} s to end, then "
-            f"{'is' if running == 1 else 'are'} interrupted; at most {grace:g} s in all"
-        )
-    else:
-        waits = f"no turn running; at most {grace:g} s"
-    return f"stopping: {waits}; a second SIGINT or SIGTERM stops at once"
+    """What a graceful stop of ``app`` waits for, for the log
+    (``ballet_common.signals.stopping_message``)."""
+    grace, running = app.settings.server.grace_s, app.running_turns
+    return stopping_text(
+        grace, running, app.turns_end_within_s, "a second SIGINT or SIGTERM stops at once"
+    )

@@ -115,6 +115,12 @@ def build_turns(wiring: Wiring) -> PlannerTurns:
                 cancel_grace_s=planner.cancel_grace,
                 max_writes_per_turn=planner.max_writes_per_turn,
                 max_tool_calls_per_answer=planner.max_tool_calls_per_answer,
+                model_context_tokens=planner.model_context_tokens,
+                max_output_tokens=planner.max_output_tokens,
+                compaction_max_output_tokens=planner.compaction_max_output_tokens,
+                turn_max_model_requests=planner.turn_max_model_requests,
+                turn_max_tool_calls=planner.turn_max_tool_calls,
+                turn_max_tokens=planner.turn_max_tokens,
                 tool_concurrency=planner.tool_concurrency,
                 tool_arguments_max_bytes=planner.tool_arguments_max_bytes,
                 tool_arguments_cut_bytes=planner.tool_result_max_bytes,
@@ -126,6 +132,7 @@ def build_turns(wiring: Wiring) -> PlannerTurns:
                 sweep_interval_s=planner.sweep_interval_s,
                 prompt_cache_s=settings.auth.project_check_cache_s,
                 message_max_bytes=limits.message_max_bytes,
+                max_queued=planner.max_queued_messages,
                 running_limits=RunningLimits(
                     per_human=limits.turns_per_human, per_project=limits.turns_per_project
                 ),

@@ -99,7 +99,12 @@ async def commands(requests: Requests) -> AsyncIterator[Command]:
                 after_sequence=opened.after_sequence,
             )
         elif action == "send_message":
-            yield Send(request.request_id, request.send_message.text)
+            try:
+                on_busy = convert.on_busy_from_proto(request.send_message.on_busy)
+            except InvalidArgument as error:
+                yield Refused(request.request_id, error)
+                continue
+            yield Send(request.request_id, request.send_message.text, on_busy)
         elif action == "cancel_turn":
             yield Cancel(request.request_id, request.cancel_turn.turn_id)
         else:

@@ -14,7 +14,7 @@ from ballet.planner.v1 import chat_pb2, resources_pb2
 from google.protobuf import timestamp_pb2
 from google.rpc import error_details_pb2, status_pb2
 
-from service.core.errors import ERROR_DOMAIN
+from service.core.errors import ERROR_DOMAIN, InvalidArgument
 from service.core.model import (
     ChangesetProposedData,
     CompactedData,
@@ -22,6 +22,8 @@ from service.core.model import (
     KnowledgeWrittenData,
     Message,
     MessageKind,
+    MessageQueuedData,
+    OnBusy,
     Session,
     SessionEvent,
     TextDelta,
@@ -46,6 +48,20 @@ MESSAGE_KINDS: dict[MessageKind, resources_pb2.MessageKind.ValueType] = {
 TURN_STATES: dict[TurnState, resources_pb2.TurnState.ValueType] = {
     TurnState.RUNNING: resources_pb2.TURN_STATE_RUNNING,
     TurnState.ENDED: resources_pb2.TURN_STATE_ENDED,
+    TurnState.QUEUED: resources_pb2.TURN_STATE_QUEUED,
+}
+ON_BUSY: dict[resources_pb2.OnBusy.ValueType, OnBusy] = {
+    resources_pb2.ON_BUSY_UNSPECIFIED: OnBusy.REJECT,
+    resources_pb2.ON_BUSY_REJECT: OnBusy.REJECT,
+    resources_pb2.ON_BUSY_ENQUEUE: OnBusy.ENQUEUE,
+    resources_pb2.ON_BUSY_INTERRUPT: OnBusy.INTERRUPT,
+    resources_pb2.ON_BUSY_JOIN: OnBusy.JOIN,
+}
+ON_BUSY_TO_PROTO: dict[OnBusy, resources_pb2.OnBusy.ValueType] = {
+    OnBusy.REJECT: resources_pb2.ON_BUSY_REJECT,
+    OnBusy.ENQUEUE: resources_pb2.ON_BUSY_ENQUEUE,
+    OnBusy.INTERRUPT: resources_pb2.ON_BUSY_INTERRUPT,
+    OnBusy.JOIN: resources_pb2.ON_BUSY_JOIN,
 }
 END_REASONS: dict[TurnEndReason, resources_pb2.TurnEndReason.ValueType] = {
     TurnEndReason.COMPLETED: resources_pb2.TURN_END_REASON_COMPLETED,
@@ -53,7 +69,19 @@ END_REASONS: dict[TurnEndReason, resources_pb2.TurnEndReason.ValueType] = {
     TurnEndReason.CANCELLED: resources_pb2.TURN_END_REASON_CANCELLED,
     TurnEndReason.FAILED: resources_pb2.TURN_END_REASON_FAILED,
     TurnEndReason.INTERRUPTED: resources_pb2.TURN_END_REASON_INTERRUPTED,
+    TurnEndReason.INTERRUPTED_BY_MESSAGE: resources_pb2.TURN_END_REASON_INTERRUPTED_BY_MESSAGE,
+    TurnEndReason.OUTPUT_LIMIT: resources_pb2.TURN_END_REASON_OUTPUT_LIMIT,
+    TurnEndReason.BUDGET_EXHAUSTED: resources_pb2.TURN_END_REASON_BUDGET_EXHAUSTED,
 }
+
+
+def on_busy_from_proto(value: resources_pb2.OnBusy.ValueType) -> OnBusy:
+    """The ``on_busy`` of a send; a value this planner does not know is
+    ``InvalidArgument``/``UNKNOWN_ON_BUSY`` (AIP-126: never guess)."""
+    found = ON_BUSY.get(value)
+    if found is None:
+        raise InvalidArgument(f"on_busy {value} is not known", reason="UNKNOWN_ON_BUSY")
+    return found
 
 
 def timestamp(value: datetime) -> timestamp_pb2.Timestamp:
@@ -139,6 +167,8 @@ def turn_to_proto(turn: Turn) -> resources_pb2.Turn:
         human_sequence=turn.human_sequence,
         start_time=timestamp(turn.start_time),
         request_id=turn.request_id,
+        behind_turn_id=turn.behind_turn_id,
+        queued_text=turn.queued_text,
     )
     if turn.end_reason is not None:
         result.end_reason = END_REASONS[turn.end_reason]
@@ -160,6 +190,12 @@ def event_to_proto(event: SessionEvent) -> chat_pb2.ChatResponse:
     kind, data, message = event.kind, event.data, event.message
     if kind == EventKind.MESSAGE_ACCEPTED:
         response.message_accepted.message.CopyFrom(message_to_proto(_need(message, event)))
+    elif kind == EventKind.MESSAGE_QUEUED:
+        queued = _data(data, MessageQueuedData, event)
+        response.message_queued.text = queued.text
+        response.message_queued.behind_turn_id = queued.behind_turn_id
+        response.message_queued.on_busy = ON_BUSY_TO_PROTO[queued.on_busy]
+        response.message_queued.human_id = queued.human_id
     elif kind == EventKind.TURN_STARTED:
         started = _data(data, TurnStartedData, event)
         response.turn_started.model = started.model

@@ -10,10 +10,16 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from ballet.planner.v1 import chat_pb2, planner_service_pb2, planner_service_pb2_grpc
+from ballet.planner.v1 import (
+    chat_pb2,
+    planner_service_pb2,
+    planner_service_pb2_grpc,
+    resources_pb2,
+)
 
 from service.core.chat import ChatService
 from service.core.errors import InvalidArgument
+from service.core.model import TurnState
 from service.core.sessions import SessionRules
 from service.transport import chat, convert
 from service.transport.auth import Authenticator
@@ -140,11 +146,19 @@ class PlannerServicer(planner_service_pb2_grpc.PlannerServiceServicer):
         ``GetTurn`` reads its outcome."""
         async with rpc_errors(context):
             turn, messages = await self._turns.send_message(
-                self._auth.caller(context), request.session_id, request.text, request.request_id
+                self._auth.caller(context),
+                request.session_id,
+                request.text,
+                request.request_id,
+                convert.on_busy_from_proto(request.on_busy),
             )
+            queued = turn.state is TurnState.QUEUED
             return planner_service_pb2.SendMessageResponse(
                 turn=convert.turn_to_proto(turn),
                 messages=[convert.message_to_proto(m) for m in messages],
+                disposition=resources_pb2.MESSAGE_DISPOSITION_QUEUED
+                if queued
+                else resources_pb2.MESSAGE_DISPOSITION_STARTED,
             )
 
     async def CancelTurn(

@@ -290,6 +290,14 @@ async def test_length_inside_arguments_does_not_complete_the_turn(planner: Plann
     assert turn.ended.error_info.reason == "MODEL_STREAM_TRUNCATED"
 
 
+async def test_every_model_request_carries_the_output_cap_as_max_tokens(planner: Planner) -> None:
+    # Decision 0291: the planner's cap reaches the server in the field it reads.
+    turn = await planner.turn([answer("Hello there, nice to meet.")], "Say hello in five words.")
+    assert turn.ended.reason == M.TURN_END_REASON_COMPLETED
+    bodies = [r.body for r in planner.double.received]
+    assert bodies and all(body.get("max_tokens") == 2048 for body in bodies)
+
+
 @pytest.mark.parametrize("finish", ["length", "content_filter"])
 async def test_length_and_content_filter_reach_the_client_as_a_cut_answer(
     planner: Planner, finish: str
@@ -298,9 +306,13 @@ async def test_length_and_content_filter_reach_the_client_as_a_cut_answer(
     turn = await planner.turn([cut])
     assistant = events(turn.received, "assistant_message")[-1].assistant_message.message
     assert assistant.text == "Partial answ" and assistant.cut
-    # Decision 0112: the turn completed; the answer says why it is cut.
+    # Decision 0112: the answer says why it is cut; at its output limit the turn says so
+    # too (decision 0291), a filtered one completes.
     assert assistant.finish_reason == finish
-    assert turn.ended.reason == M.TURN_END_REASON_COMPLETED
+    expected = (
+        M.TURN_END_REASON_OUTPUT_LIMIT if finish == "length" else M.TURN_END_REASON_COMPLETED
+    )
+    assert turn.ended.reason == expected
     stored = [m for m in await turn.transcript() if m.message_id == assistant.message_id]
     assert stored == [assistant]
 

@@ -18,6 +18,8 @@ from service.core.model import (
     KnowledgeWrittenData,
     Message,
     MessageKind,
+    MessageQueuedData,
+    OnBusy,
     SessionEvent,
     Turn,
     TurnEndedData,
@@ -27,7 +29,9 @@ from service.core.model import (
     Usage,
 )
 from service.core.ports import (
+    Enqueue,
     NewSession,
+    Promotion,
     RunningLimits,
     TurnCommit,
     TurnPatch,
@@ -136,6 +140,49 @@ def turn_start(
         limits=limits or RunningLimits(),
         now=now,
     )
+
+
+def queued_start(
+    session_id: str = "s1",
+    turn_id: str = "q1",
+    *,
+    on_busy: OnBusy = OnBusy.ENQUEUE,
+    max_queued: int = 10,
+    token: str = "alice-token",
+    text: str | None = None,
+    request_hash: str | None = None,
+    now: datetime = T0,
+) -> TurnStart:
+    """``turn_start`` that queues behind a running turn (decision 0300)."""
+    text = text if text is not None else f"and then {turn_id}?"
+    start = turn_start(
+        session_id,
+        turn_id,
+        text=text,
+        request_hash=request_hash or f"hash-{turn_id}",
+        now=now,
+    )
+    event = SessionEvent(
+        session_id,
+        turn_id,
+        EventKind.MESSAGE_QUEUED,
+        now,
+        data=MessageQueuedData(text, "", on_busy, "alice"),
+    )
+    return TurnStart(
+        turn=start.turn,
+        project_id=start.project_id,
+        message=start.message,
+        events=start.events,
+        limits=start.limits,
+        now=now,
+        enqueue=Enqueue(on_busy, max_queued, token, event),
+    )
+
+
+def promotion(owner: str = "replica-b", *, now: datetime = T0) -> Promotion:
+    """Start the next queued turn on ``owner`` under a lease from ``now``."""
+    return Promotion(owner, now + LEASE, "scripted", 8)
 
 
 def tool_round_events(

@@ -52,6 +52,7 @@ from tests.integration.store_support import (
     every_other_event,
     message,
     new_session,
+    queued_start,
     tool_round_events,
     turn_ended,
     turn_start,
@@ -551,6 +552,7 @@ async def test_events_after_round_trips_every_event_kind(store: SessionStore) ->
     await store.create_session(new_session("s1"))
     start = await store.start_turn(turn_start("s1", "t1"))
     stored = [*start.events]
+    stored += (await store.start_turn(queued_start("s1", "q1"))).events
     stored += await store.commit(
         TurnCommit("s1", "t1", T0, events=tool_round_events("s1", "t1"), owner=REPLICA)
     )

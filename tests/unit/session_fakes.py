@@ -1,35 +1,14 @@
-"""Small in-memory fakes for the session rules: a clock and a tracker (the store is the
-one in-memory store, tests/memory_store.py). The integration and service tiers run the
-same rules on the SQL store.
+"""Small in-memory fakes for the session rules: a tracker (the clock is
+``tests.unit.fakes.FakeClock``, the store the one in-memory store, tests/memory_store.py).
+The integration and service tiers run the same rules on the SQL store.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
 
 from service.core.errors import NotFound
 from service.core.ports import Acting, ProjectInfo
-
-START = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
-
-
-class ManualClock:
-    """A clock the test moves: ``now`` moves only by hand; ``monotonic`` is the machine's
-    monotonic seconds plus every move, so deadlines the core waits for still pass."""
-
-    def __init__(self) -> None:
-        self.current = self._start = START
-
-    def now(self) -> datetime:
-        return self.current
-
-    def monotonic(self) -> float:
-        return time.monotonic() + (self.current - self._start).total_seconds()
-
-    def advance(self, seconds: float) -> None:
-        self.current += timedelta(seconds=seconds)
 
 
 @dataclass

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from ballet_common.grpc.channels import ChannelTls, is_loopback, make_channel
+from ballet_common.addresses import is_loopback
+from ballet_common.grpc.channels import ChannelTls, make_channel
 
 
 @pytest.mark.parametrize(

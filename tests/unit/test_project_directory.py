@@ -13,7 +13,7 @@ from service.core.sessions import Caller, ProjectAccess
 from service.core.tools import declarations
 from service.core.turn.prompt import PromptSource
 from tests.unit.fakes import FakeBackends, FakeClock
-from tests.unit.session_fakes import FakeTracker, ManualClock
+from tests.unit.session_fakes import FakeTracker
 
 ALICE = Caller("alice", "acme", token="alice-token")
 SKILL = SkillDocument("planning", "1.2.0", "# Plan\nSmall steps.")
@@ -78,7 +78,7 @@ async def test_answers_are_kept_per_organization_and_human() -> None:
 
 async def test_refusals_are_not_kept() -> None:
     tracker = FakeTracker()
-    access = ProjectAccess(ProjectDirectory(tracker, ManualClock()))  # type: ignore[arg-type]
+    access = ProjectAccess(ProjectDirectory(tracker, FakeClock()))  # type: ignore[arg-type]
     with pytest.raises(NotFound):
         await access.check(ALICE, "demo")
     tracker.allow("alice", "demo")

@@ -21,7 +21,8 @@ from service.core.sessions import (
     SessionRules,
 )
 from tests.memory_store import MemoryStore
-from tests.unit.session_fakes import FakeTracker, ManualClock
+from tests.unit.fakes import FakeClock
+from tests.unit.session_fakes import FakeTracker
 
 ALICE = Caller("alice", "acme", token="alice-token")
 BOB = Caller("bob", "acme", token="bob-token")
@@ -35,7 +36,7 @@ class World:
     def __init__(self, *, page_max_bytes: int = 1024 * 1024) -> None:
         self.store = MemoryStore()
         self.tracker = FakeTracker()
-        self.clock = ManualClock()
+        self.clock = FakeClock()
         self.tracker.allow("alice", "demo")
         self.tracker.allow("bob", "demo")
         ids = (f"s{n:04d}" for n in itertools.count(1))

@@ -22,6 +22,7 @@ from service.core.model import (
     CompactedData,
     EventKind,
     MessageKind,
+    OnBusy,
     Session,
     SessionEvent,
     TurnEndReason,
@@ -37,6 +38,7 @@ from service.core.turn import (
     TurnService,
     TurnSettings,
 )
+from service.core.turn.service import Accepted
 from tests.memory_store import MemoryStore
 from tests.unit.fakes import (
     FakeBackends,
@@ -58,9 +60,16 @@ class Rig:
     session: Session
 
     async def send(self, text: str, request_id: str = "") -> str:
+        return (await self.accept(text, request_id)).turn.turn_id
+
+    async def accept(
+        self, text: str, request_id: str = "", on_busy: OnBusy = OnBusy.REJECT
+    ) -> Accepted:
+        """Send ``text`` as alice; what the service answered (decision 0300 for
+        ``on_busy``)."""
         session = await self.store.get_session(self.session.session_id)
         assert session is not None
-        accepted = await self.service.send_message(
+        return await self.service.send_message(
             SendRequest(
                 session=session,
                 human_id="alice",
@@ -68,9 +77,9 @@ class Rig:
                 token="token-alice",
                 text=text,
                 request_id=request_id or f"req-{len(self.store.turns)}-{text[:8]}",
+                on_busy=on_busy,
             )
         )
-        return accepted.turn.turn_id
 
     async def run(self, text: str) -> str:
         turn_id = await self.send(text)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from datetime import datetime
 from typing import Any, Protocol
 
 from service.core.model import (
@@ -22,6 +23,8 @@ from service.core.model import (
     KnowledgeWrittenData,
     Message,
     MessageKind,
+    MessageQueuedData,
+    OnBusy,
     Session,
     SessionEvent,
     Turn,
@@ -39,7 +42,9 @@ DATA_TYPES: dict[EventKind, type[EventData]] = {
     EventKind.CHANGESET_PROPOSED: ChangesetProposedData,
     EventKind.KNOWLEDGE_WRITTEN: KnowledgeWrittenData,
     EventKind.COMPACTED: CompactedData,
+    EventKind.MESSAGE_QUEUED: MessageQueuedData,
 }
+
 
 class Row(Protocol):
     """A row of the store by column name: SQLAlchemy's ``RowMapping`` or psycopg's
@@ -84,6 +89,13 @@ def encode_data(kind: EventKind, data: EventData | None) -> str | None:
             }
         case CompactedData():
             fields = {"up_to": data.up_to, "estimated_tokens": data.estimated_tokens}
+        case MessageQueuedData():
+            fields = {
+                "text": data.text,
+                "behind_turn_id": data.behind_turn_id,
+                "on_busy": data.on_busy.value,
+                "human_id": data.human_id,
+            }
     return json.dumps(fields, separators=(",", ":"), ensure_ascii=False)
 
 
@@ -116,6 +128,13 @@ def decode_data(kind: EventKind, raw: str | None) -> EventData | None:
         )
     if expected is CompactedData:
         return CompactedData(up_to=fields["up_to"], estimated_tokens=fields["estimated_tokens"])
+    if expected is MessageQueuedData:
+        return MessageQueuedData(
+            text=fields["text"],
+            behind_turn_id=fields["behind_turn_id"],
+            on_busy=OnBusy(fields["on_busy"]),
+            human_id=fields["human_id"],
+        )
     raise ValueError(f"a stored {kind.value} event has a payload: {raw!r}")
 
 
@@ -251,6 +270,14 @@ def turn_row(turn: Turn) -> dict[str, Any]:
         "owner": turn.owner,
         "lease_expires_at": turn.lease_expires_at,
         "cancel_requested": turn.cancel_requested,
+        "behind_turn_id": turn.behind_turn_id,
+        "cancel_reason": turn.cancel_reason,
+        # A queued turn's message, token and place are the store's to set (decision
+        # 0300); every row names every column (``planner_start_turn`` fills none in).
+        "queued_message": None,
+        "queued_token": None,
+        "queued_tokens": 0,
+        "queue_priority": 0,
     }
 
 
@@ -282,7 +309,31 @@ def turn_from_row(row: Row) -> Turn:
         lease_expires_at=row["lease_expires_at"],
         cancel_requested=bool(row["cancel_requested"]),
         end_time=row["end_time"],
+        behind_turn_id=row["behind_turn_id"],
+        cancel_reason=row["cancel_reason"],
+        queued_text=queued_text(row["queued_message"]),
     )
+
+
+def queued_message_json(message: Message) -> str:
+    """A queued turn's human message as ``turns.queued_message`` keeps it: the
+    ``messages`` row as JSON, without session and sequence (decision 0300)."""
+    row = message_row(message)
+    del row["session_id"], row["sequence"]
+    row["create_time"] = message.create_time.isoformat()
+    return json.dumps(row, separators=(",", ":"), ensure_ascii=False)
+
+
+def queued_message_from_json(raw: str, session_id: str, sequence: int) -> Message:
+    """The message ``queued_message_json`` kept, numbered ``sequence``."""
+    row = json.loads(raw)
+    row["create_time"] = datetime.fromisoformat(row["create_time"])
+    return message_from_row({**row, "session_id": session_id, "sequence": sequence})
+
+
+def queued_text(raw: str | None) -> str:
+    """The text of a queued turn's message; empty once the turn started."""
+    return "" if raw is None else str(json.loads(raw)["text"])
 
 
 # ------------------------------------------------------------------ sessions

@@ -51,11 +51,13 @@ from service.core.errors import (
     StoreConflict,
     StoreUnavailable,
 )
-from service.core.model import Session, SessionEvent, Turn
+from service.core.model import EventKind, Session, SessionEvent, Turn, TurnStartedData
 from service.core.ports import (
     ContextSnapshot,
     LeaseStatus,
     OpenStream,
+    Promoted,
+    Promotion,
     StartOutcomeKind,
     TurnCommit,
     TurnStart,
@@ -87,7 +89,7 @@ _FOLLOWED_ELSEWHERE = (
 _RENEW_LEASE = """
 UPDATE turns SET lease_expires_at = %s
 WHERE turn_id = %s AND owner = %s AND state = 'running'
-RETURNING cancel_requested
+RETURNING cancel_requested, cancel_reason
 """
 
 
@@ -264,11 +266,17 @@ class PgHotPath:
             assert row is not None
             return row[0], bool(row[1])
 
-    async def renew_lease(self, turn_id: str, owner: str, until: datetime) -> bool | None:
-        """Extend a lease; None when the turn is not ``owner``'s running turn, else
-        whether a cancel was requested."""
+    async def renew_lease(self, turn_id: str, owner: str, until: datetime) -> LeaseStatus:
+        """Extend a lease (``held`` false when the turn is not ``owner``'s running
+        turn) and say whether, and why, a cancel was requested."""
         row = await self.one(_RENEW_LEASE, (until, turn_id, owner))
-        return None if row is None else bool(row["cancel_requested"])
+        if row is None:
+            return LeaseStatus(held=False)
+        return LeaseStatus(
+            held=True,
+            cancel_requested=bool(row["cancel_requested"]),
+            cancel_reason=str(row["cancel_reason"]),
+        )
 
     async def notify(self, signals: Sequence[tuple[str, str]], lock_timeout_s: float) -> None:
         """Send ``(channel, payload)`` notifications in one autocommit statement, waiting
@@ -412,10 +420,7 @@ class PgSessionStore(SqlSessionStore):
 
     async def renew_lease(self, turn_id: str, owner: str, until: datetime) -> LeaseStatus:
         """See ``SqlSessionStore.renew_lease`` (one statement)."""
-        cancel_requested = await self._hot.renew_lease(turn_id, owner, units.utc(until))
-        if cancel_requested is None:
-            return LeaseStatus(held=False)
-        return LeaseStatus(held=True, cancel_requested=cancel_requested)
+        return await self._hot.renew_lease(turn_id, owner, units.utc(until))
 
     async def _start(self, start: TurnStart, human_index: int) -> tuple[TurnStartOutcome, bool]:
         turn = start.turn
@@ -459,35 +464,77 @@ class PgSessionStore(SqlSessionStore):
         raise RuntimeError(f"planner_start_turn answered {outcome!r}")
 
     async def _commit(self, commit: TurnCommit) -> tuple[int, list[SessionEvent], bool]:
-        context = commit.context
-        summary = commit.summary
         value, followed = await self._hot.call_followed(
-            "planner_commit",
+            "planner_commit", self._commit_argument(commit), commit.session_id, self._replica_id
+        )
+        last = int(value)
+        return last, units.numbered(commit.events, last), followed and bool(commit.events)
+
+    async def _end_turn(
+        self, commit: TurnCommit, promotion: Promotion
+    ) -> tuple[int, list[SessionEvent], Promoted | None, bool]:
+        """``planner_end_turn`` (migration 0008): the ending and the promotion of the
+        first queued turn, one statement, with whether another replica follows."""
+        result, followed = await self._hot.call_followed(
+            "planner_end_turn",
             {
-                "session_id": commit.session_id,
-                "turn_id": commit.turn_id,
-                "now": units.utc(commit.now),
-                "owner": commit.owner,
-                "lease_expired_before": None
-                if commit.lease_expired_before is None
-                else units.utc(commit.lease_expired_before),
-                "patch": units.patch_values(commit.turn_patch, units.utc(commit.now)),
-                "summary": None if summary is None else summary.summary,
-                "summary_up_to": None if summary is None else summary.up_to,
-                "context": None
-                if context is None
-                else {
-                    "base_tokens": context.base_tokens,
-                    "pending_tokens": context.pending_tokens,
+                **self._commit_argument(commit),
+                "promote": {
+                    "owner": promotion.owner,
+                    "lease_expires_at": units.utc(promotion.lease_expires_at),
+                    "model": promotion.model,
+                    "turn_started": codec.encode_data(
+                        EventKind.TURN_STARTED,
+                        TurnStartedData(promotion.model, promotion.max_rounds),
+                    ),
                 },
-                "added_tokens": units.message_tokens(commit.events),
-                **self._hot.units(commit.events),
             },
             commit.session_id,
             self._replica_id,
         )
-        last = int(value)
-        return last, units.numbered(commit.events, last), followed and bool(commit.events)
+        last = int(result["last"])
+        row = result.get("promoted")
+        if row is None:
+            return last, units.numbered(commit.events, last), None, followed
+        now = units.utc(commit.now)
+        queued = _turn(row)
+        events = units.numbered(
+            units.promotion_events(
+                queued.turn_id, commit.session_id, row["queued_message"], promotion, now
+            ),
+            last,
+        )
+        promoted = Promoted(
+            units.promoted_turn(queued, promotion, now, last - 1),
+            events,
+            row["queued_token"] or "",
+        )
+        return last, units.numbered(commit.events, last - 2), promoted, followed
+
+    def _commit_argument(self, commit: TurnCommit) -> dict[str, Any]:
+        """The argument of ``planner_commit`` for ``commit``."""
+        context = commit.context
+        summary = commit.summary
+        return {
+            "session_id": commit.session_id,
+            "turn_id": commit.turn_id,
+            "now": units.utc(commit.now),
+            "owner": commit.owner,
+            "lease_expired_before": None
+            if commit.lease_expired_before is None
+            else units.utc(commit.lease_expired_before),
+            "patch": units.patch_values(commit.turn_patch, units.utc(commit.now)),
+            "summary": None if summary is None else summary.summary,
+            "summary_up_to": None if summary is None else summary.up_to,
+            "context": None
+            if context is None
+            else {
+                "base_tokens": context.base_tokens,
+                "pending_tokens": context.pending_tokens,
+            },
+            "added_tokens": units.message_tokens(commit.events),
+            **self._hot.units(commit.events),
+        }
 
 
 @every_method_a_unit_of_work

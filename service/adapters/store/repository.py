@@ -50,19 +50,31 @@ from service.adapters.store.tables import (
     turns,
 )
 from service.adapters.store.work import UnitsOfWork, every_method_a_unit_of_work, read_unit
-from service.core.errors import InvalidArgument, StoreConflict, StoreUnavailable
+from service.core.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    StoreConflict,
+    StoreUnavailable,
+)
 from service.core.model import Message, Session, SessionEvent, Turn
 from service.core.ports import (
     ContextSnapshot,
     LeaseStatus,
     NewSession,
+    Promoted,
+    Promotion,
     SessionCursor,
     SessionQuery,
     StartOutcomeKind,
     TurnCommit,
+    TurnEnd,
     TurnStart,
     TurnStartOutcome,
 )
+
+#: Attempts to queue a message while the running turn ends between the start's refusal
+#: and the queue's unit of work (each lost attempt started no turn and stored nothing).
+_ENQUEUE_ATTEMPTS = 3
 
 __all__ = ["CANCEL_CHANNEL", "DELETED_SEQUENCE", "SqlSessionStore", "engine_signals"]
 
@@ -488,11 +500,11 @@ class SqlSessionStore:
         """
         human_index = units.checked_start(start)
         try:
-            outcome, followed = await self._start(start, human_index)
+            outcome, followed = await self._start_or_enqueue(start, human_index)
         except RequestIdTaken:
             # Lost a race for the request id (the session lock makes this unlikely): the
             # retry finds the winner and answers with a duplicate or REQUEST_ID_REUSED.
-            outcome, followed = await self._start(start, human_index)
+            outcome, followed = await self._start_or_enqueue(start, human_index)
         if outcome.kind is StartOutcomeKind.STARTED:
             if followed and self.signals is not None:
                 self.signals.events(start.turn.session_id, outcome.events[-1].sequence)
@@ -532,6 +544,43 @@ class SqlSessionStore:
         ).first()
         return row is not None
 
+    async def _start_or_enqueue(
+        self, start: TurnStart, human_index: int
+    ) -> tuple[TurnStartOutcome, bool]:
+        """``_start``; when a turn runs and ``start.enqueue`` is set, the message is
+        queued instead, in a unit of work of its own that signals what it stored
+        (decision 0300)."""
+        for _attempt in range(_ENQUEUE_ATTEMPTS):
+            try:
+                return await self._start(start, human_index)
+            except FailedPrecondition as busy:
+                if start.enqueue is None or busy.reason != "TURN_IN_PROGRESS":
+                    raise
+            queued = await self._enqueue(start)
+            if queued is not None:
+                return queued, False
+        raise units.turn_in_progress()
+
+    async def _enqueue(self, start: TurnStart) -> TurnStartOutcome | None:
+        """Store ``start`` as a queued turn (``SqlTurnUnits.enqueue``); None when the
+        running turn ended meanwhile (start again). Keeps the context cache current; an
+        INTERRUPT's cancel is signalled whoever follows the session (its owner may not)."""
+        async with self._write() as conn:
+            outcome = await self._units.enqueue(conn, start)
+            followed = outcome is not None and await self._followed_elsewhere(
+                conn, start.turn.session_id
+            )
+        if outcome is not None:
+            event = outcome.events[0]
+            if followed and self.signals is not None:
+                self.signals.events(event.session_id, event.sequence)
+            self._cache.advance(
+                outcome.events, session_id=event.session_id, last_sequence=event.sequence
+            )
+            if outcome.interrupted is not None and self.signals is not None:
+                self.signals.cancel(outcome.interrupted.turn_id)
+        return outcome
+
     async def commit(self, commit: TurnCommit) -> list[SessionEvent]:
         """Apply one ``TurnCommit`` in one transaction and return its events, numbered
         (docs/spec/turn-loop.md; T1: at most 4 per one-round turn).
@@ -559,6 +608,69 @@ class SqlSessionStore:
             summary=commit.summary,
             context=commit.context,
         )
+        return stored
+
+    async def end_turn(self, commit: TurnCommit, promotion: Promotion) -> TurnEnd:
+        """Apply the ending ``commit`` and start the session's first queued turn in the
+        same transaction (decision 0300; the port has the rules). Raises as
+        ``commit``."""
+        units.utc(commit.now)
+        units.utc(promotion.lease_expires_at)
+        units.check_events(commit.session_id, commit.turn_id, commit.events)
+        if commit.turn_patch is None or commit.turn_patch.end_reason is None:
+            raise ValueError("end_turn needs a turn_patch with an end_reason")
+        last, stored, promoted, followed = await self._end_turn(commit, promotion)
+        if followed and self.signals is not None:
+            self.signals.events(commit.session_id, last)
+        ended_at = last if promoted is None else promoted.events[0].sequence - 1
+        self._cache.advance(
+            stored,
+            session_id=commit.session_id,
+            last_sequence=ended_at,
+            turn_ended=True,
+            summary=commit.summary,
+            context=commit.context,
+        )
+        if promoted is not None:
+            self._cache.advance(
+                promoted.events,
+                session_id=commit.session_id,
+                last_sequence=last,
+                running_turn_id=promoted.turn.turn_id,
+            )
+        return TurnEnd(stored, promoted)
+
+    async def _end_turn(
+        self, commit: TurnCommit, promotion: Promotion
+    ) -> tuple[int, list[SessionEvent], Promoted | None, bool]:
+        """The unit of work of ``end_turn``: the session's new last sequence, the
+        ending's events numbered, the promoted turn, and whether another replica follows
+        the session (a subclass may do it another way)."""
+        async with self._write() as conn:
+            stored = await self._units.commit(conn, commit)
+            promoted = await self._units.promote(conn, commit.session_id, promotion, commit.now)
+            followed = await self._followed_elsewhere(conn, commit.session_id)
+            if promoted is not None:
+                return promoted.events[-1].sequence, stored, promoted, followed
+            last = await self._last_sequence(conn, commit.session_id, stored)
+        return last, stored, None, followed
+
+    async def cancel_queued(self, turn_id: str, event: SessionEvent) -> list[SessionEvent]:
+        """End a QUEUED turn CANCELLED without running it (decision 0300; the port has
+        the rules)."""
+        units.check_events(event.session_id, turn_id, [event])
+        try:
+            async with self._write() as conn:
+                stored = await self._units.cancel_queued(conn, turn_id, event)
+                followed = await self._followed_elsewhere(conn, event.session_id)
+        except units.Undone:
+            return []
+        if stored:
+            if followed and self.signals is not None:
+                self.signals.events(event.session_id, stored[-1].sequence)
+            self._cache.advance(
+                stored, session_id=event.session_id, last_sequence=stored[-1].sequence
+            )
         return stored
 
     async def _commit(self, commit: TurnCommit) -> tuple[int, list[SessionEvent], bool]:
@@ -597,12 +709,16 @@ class SqlSessionStore:
                     update(turns)
                     .where(turns.c.turn_id == turn_id, turns.c.owner == owner, IS_RUNNING)
                     .values(lease_expires_at=until)
-                    .returning(turns.c.cancel_requested)
+                    .returning(turns.c.cancel_requested, turns.c.cancel_reason)
                 )
             ).first()
         if row is None:
             return LeaseStatus(held=False)
-        return LeaseStatus(held=True, cancel_requested=bool(row.cancel_requested))
+        return LeaseStatus(
+            held=True,
+            cancel_requested=bool(row.cancel_requested),
+            cancel_reason=str(row.cancel_reason),
+        )
 
     async def request_cancel(self, turn_id: str) -> Turn | None:
         """Flag a running turn cancelled and, with ``notify``, once that committed, send

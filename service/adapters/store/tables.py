@@ -68,6 +68,7 @@ metadata = MetaData(naming_convention=NAMING_CONVENTION)
 #: ``turns.state`` values (``service.core.model.TurnState``).
 RUNNING = "running"
 ENDED = "ended"
+QUEUED = "queued"
 
 
 class UtcDateTime(TypeDecorator[datetime]):
@@ -259,7 +260,18 @@ turns = Table(
     _text("owner"),
     Column("lease_expires_at", UtcDateTime, nullable=True),
     _flag("cancel_requested"),
-    CheckConstraint(f"state IN ('{RUNNING}', '{ENDED}')", name="state"),
+    # A queued turn (decision 0300): the turn it waited behind; until it starts, its
+    # human message (the ``messages`` row as JSON, without session and sequence) and its
+    # estimated tokens, and the human's token (never kept longer); its place (INTERRUPT
+    # first, then acceptance order: human_sequence is its message_queued event's).
+    _text("behind_turn_id"),
+    # Why a cancel was requested: '' (CancelTurn) or 'interrupted_by_message' (decision 0301).
+    _text("cancel_reason"),
+    Column("queued_message", Text, nullable=True),
+    Column("queued_token", Text, nullable=True),
+    _count("queued_tokens"),
+    _count("queue_priority"),
+    CheckConstraint(f"state IN ('{RUNNING}', '{ENDED}', '{QUEUED}')", name="state"),
     # AIP-155 keys of SendMessage, per session, for the life of the session
     # (docs/spec/api-and-streams.md). Turns always have one (the request id is required), so the key
     # is not partial and also serves every lookup of a session's turns, e.g. the cascade of a
@@ -271,6 +283,8 @@ turns = Table(
 #: a partial index only when the query's condition implies the index's, which a bound
 #: parameter does not once the statement is prepared with a generic plan.
 IS_RUNNING = turns.c.state == literal_column(f"'{RUNNING}'")
+#: ``turns.state = 'queued'``, inlined for the partial index as ``IS_RUNNING`` is.
+IS_QUEUED = turns.c.state == literal_column(f"'{QUEUED}'")
 
 # One running turn per session, across replicas (docs/spec/api-and-streams.md and
 # docs/spec/turn-loop.md): the loser of a race between two replicas fails here even if both passed
@@ -281,6 +295,15 @@ Index(
     unique=True,
     postgresql_where=IS_RUNNING,
     sqlite_where=IS_RUNNING,
+)
+# A session's queue, in the order its turns run (decision 0300).
+Index(
+    "ix_turns_queued_session_id",
+    turns.c.session_id,
+    turns.c.queue_priority,
+    turns.c.human_sequence,
+    postgresql_where=IS_QUEUED,
+    sqlite_where=IS_QUEUED,
 )
 # The sweeper: running turns whose lease expired (docs/spec/turn-loop.md).
 Index("ix_turns_state_lease_expires_at", turns.c.state, turns.c.lease_expires_at)

@@ -46,7 +46,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from service.adapters.store import codec
 from service.adapters.store.tables import (
     ENDED,
+    IS_QUEUED,
     IS_RUNNING,
+    QUEUED,
     RUNNING,
     messages,
     session_events,
@@ -61,8 +63,22 @@ from service.core.errors import (
     StoreConflict,
 )
 from service.core.estimate import messages_tokens
-from service.core.model import MESSAGE_EVENTS, ContextEstimate, SessionEvent, TurnState
+from service.core.model import (
+    MESSAGE_EVENTS,
+    ContextEstimate,
+    EventKind,
+    MessageQueuedData,
+    OnBusy,
+    SessionEvent,
+    Turn,
+    TurnEndReason,
+    TurnStartedData,
+    TurnState,
+)
 from service.core.ports import (
+    Enqueue,
+    Promoted,
+    Promotion,
     RunningLimits,
     StartOutcomeKind,
     SummaryUpdate,
@@ -77,6 +93,10 @@ TOO_MANY_TURNS_RETRY_S = 1.0
 
 # Message columns of an event row carry this prefix (``codec.event_from_row``).
 MESSAGE_PREFIX = "m_"
+
+
+class Undone(Exception):
+    """Roll the unit of work back: it found nothing to do."""
 
 
 class Undo(Exception):
@@ -151,8 +171,87 @@ def too_many_turns(scope: str, limits: RunningLimits) -> ResourceExhausted:
         message = f"at most {limits.per_human} turns may run at once for one human"
     else:
         message = f"at most {limits.per_project} turns may run at once in one project"
+    return ResourceExhausted(message, reason="TOO_MANY_TURNS", retry_after_s=TOO_MANY_TURNS_RETRY_S)
+
+
+#: ``turns.cancel_reason`` of a turn an INTERRUPT stopped (decision 0301).
+INTERRUPTED_BY_MESSAGE = TurnEndReason.INTERRUPTED_BY_MESSAGE.value
+
+
+def queue_full(limit: int) -> ResourceExhausted:
+    """The refusal of a message over a session's queue bound (decision 0300)."""
     return ResourceExhausted(
-        message, reason="TOO_MANY_TURNS", retry_after_s=TOO_MANY_TURNS_RETRY_S
+        f"at most {limit} messages may wait in one session's queue; wait for a turn to end",
+        reason="QUEUE_FULL",
+        retry_after_s=TOO_MANY_TURNS_RETRY_S,
+    )
+
+
+def queue_place(
+    enqueue: Enqueue, running_turn_id: str, queued: Sequence[tuple[str, int, int]]
+) -> tuple[int, str]:
+    """A new queued turn's ``queue_priority`` and the turn it waits behind, given the
+    session's running turn and its queued turns as ``(turn_id, queue_priority,
+    human_sequence)``: an INTERRUPT goes before every ENQUEUE, after earlier INTERRUPTs
+    (decision 0300). Raises ``queue_full`` when the queue is at its bound."""
+    if len(queued) >= enqueue.max_queued:
+        raise queue_full(enqueue.max_queued)
+    priority = 1 if enqueue.on_busy is OnBusy.INTERRUPT else 0
+    ahead = sorted((q for q in queued if q[1] >= priority), key=lambda q: (-q[1], q[2]))
+    return priority, ahead[-1][0] if ahead else running_turn_id
+
+
+def queued_event(enqueue: Enqueue, behind_turn_id: str) -> SessionEvent:
+    """``enqueue.event`` naming the turn it waits behind."""
+    data = enqueue.event.data
+    assert isinstance(data, MessageQueuedData)
+    return dataclasses.replace(
+        enqueue.event, data=dataclasses.replace(data, behind_turn_id=behind_turn_id)
+    )
+
+
+def queued_turn(start: TurnStart, sequence: int, behind_turn_id: str) -> Turn:
+    """``start.turn`` as a QUEUED turn whose ``message_queued`` is numbered ``sequence``."""
+    return dataclasses.replace(
+        start.turn,
+        state=TurnState.QUEUED,
+        human_sequence=sequence,
+        owner="",
+        lease_expires_at=None,
+        behind_turn_id=behind_turn_id,
+        queued_text=start.message.text,
+    )
+
+
+def promotion_events(
+    turn_id: str, session_id: str, message_json: str, promotion: Promotion, now: datetime
+) -> list[SessionEvent]:
+    """The ``message_accepted`` (the queued message) and ``turn_started`` of a promoted
+    turn, unnumbered; ``planner_end_turn`` (migration 0008) stores the same rows."""
+    message = codec.queued_message_from_json(message_json, session_id, 0)
+    return [
+        SessionEvent(session_id, turn_id, EventKind.MESSAGE_ACCEPTED, now, message=message),
+        SessionEvent(
+            session_id,
+            turn_id,
+            EventKind.TURN_STARTED,
+            now,
+            data=TurnStartedData(promotion.model, promotion.max_rounds),
+        ),
+    ]
+
+
+def promoted_turn(queued: Turn, promotion: Promotion, now: datetime, sequence: int) -> Turn:
+    """A queued turn as it runs once promoted, its message numbered ``sequence``."""
+    return dataclasses.replace(
+        queued,
+        state=TurnState.RUNNING,
+        start_time=now,
+        human_sequence=sequence,
+        model=promotion.model,
+        owner=promotion.owner,
+        lease_expires_at=promotion.lease_expires_at,
+        queued_text="",
     )
 
 
@@ -244,6 +343,155 @@ class SqlTurnUnits:
             raise too_many_turns("human", start.limits)
         if counts.project >= start.limits.per_project:
             raise too_many_turns("project", start.limits)
+
+    async def enqueue(self, conn: AsyncConnection, start: TurnStart) -> TurnStartOutcome | None:
+        """Store ``start`` as a QUEUED turn behind the session's running turn (decision
+        0300); None when no turn runs under a lease that holds (the caller starts the
+        turn again). Raises ``queue_full``."""
+        enqueue = start.enqueue
+        assert enqueue is not None
+        turn = start.turn
+        last = await self.advance_session(
+            conn, turn.session_id, [enqueue.event], now=start.now, context=None, summary=None
+        )
+        if last is None:
+            raise session_not_found()
+        rows = (
+            (
+                await conn.execute(
+                    select(
+                        turns.c.turn_id,
+                        turns.c.state,
+                        turns.c.lease_expires_at,
+                        turns.c.queue_priority,
+                        turns.c.human_sequence,
+                    ).where(turns.c.session_id == turn.session_id, or_(IS_RUNNING, IS_QUEUED))
+                )
+            )
+            .mappings()
+            .all()
+        )
+        running = next((r for r in rows if r["state"] == RUNNING), None)
+        if running is None or running["lease_expires_at"] is None:
+            return None
+        if running["lease_expires_at"] <= start.now:
+            return None
+        priority, behind = queue_place(
+            enqueue,
+            running["turn_id"],
+            [
+                (r["turn_id"], r["queue_priority"], r["human_sequence"])
+                for r in rows
+                if r["state"] == QUEUED
+            ],
+        )
+        event = queued_event(enqueue, behind).with_sequence(last)
+        queued = queued_turn(start, last, behind)
+        await conn.execute(
+            insert(turns).values(
+                {
+                    **codec.turn_row(queued),
+                    "project_id": start.project_id,
+                    "queued_message": codec.queued_message_json(start.message),
+                    "queued_token": enqueue.token,
+                    "queued_tokens": message_tokens(start.events),
+                    "queue_priority": priority,
+                }
+            )
+        )
+        await insert_events(conn, [event])
+        interrupted = None
+        if enqueue.on_busy is OnBusy.INTERRUPT:
+            row = (
+                (
+                    await conn.execute(
+                        update(turns)
+                        .where(turns.c.turn_id == running["turn_id"])
+                        .values(cancel_requested=True, cancel_reason=INTERRUPTED_BY_MESSAGE)
+                        .returning(*turns.c)
+                    )
+                )
+                .mappings()
+                .one()
+            )
+            interrupted = codec.turn_from_row(row)
+        return TurnStartOutcome(StartOutcomeKind.QUEUED, queued, [event], interrupted)
+
+    async def promote(
+        self, conn: AsyncConnection, session_id: str, promotion: Promotion, now: datetime
+    ) -> Promoted | None:
+        """Start the session's first queued turn (decision 0300), in the transaction of
+        the ending just stored; None when none waits."""
+        row = (
+            (
+                await conn.execute(
+                    select(turns)
+                    .where(turns.c.session_id == session_id, IS_QUEUED)
+                    .order_by(turns.c.queue_priority.desc(), turns.c.human_sequence)
+                    .limit(1)
+                    .with_for_update()
+                )
+            )
+            .mappings()
+            .first()
+        )
+        if row is None:
+            return None
+        events = promotion_events(row["turn_id"], session_id, row["queued_message"], promotion, now)
+        last = await self.advance_session(
+            conn, session_id, events, now=now, context=None, summary=None
+        )
+        assert last is not None
+        stored = numbered(events, last)
+        await insert_events(conn, stored)
+        turn = promoted_turn(codec.turn_from_row(row), promotion, now, last - 1)
+        await conn.execute(
+            update(turns)
+            .where(turns.c.turn_id == turn.turn_id)
+            .values(
+                state=RUNNING,
+                start_time=turn.start_time,
+                human_sequence=turn.human_sequence,
+                model=turn.model,
+                owner=turn.owner,
+                lease_expires_at=turn.lease_expires_at,
+                queued_message=None,
+                queued_token=None,
+            )
+        )
+        return Promoted(turn, stored, row["queued_token"] or "")
+
+    async def cancel_queued(
+        self, conn: AsyncConnection, turn_id: str, event: SessionEvent
+    ) -> list[SessionEvent]:
+        """End a QUEUED turn CANCELLED, storing ``event`` (its ``turn_ended``); [] when
+        it is not queued. The session row is locked first, as everywhere."""
+        last = await self.advance_session(
+            conn, event.session_id, [event], now=event.create_time, context=None, summary=None
+        )
+        if last is None:
+            return []
+        ended = (
+            await conn.execute(
+                update(turns)
+                .where(
+                    turns.c.turn_id == turn_id, turns.c.session_id == event.session_id, IS_QUEUED
+                )
+                .values(
+                    state=ENDED,
+                    end_reason=TurnEndReason.CANCELLED.value,
+                    end_time=event.create_time,
+                    queued_message=None,
+                    queued_token=None,
+                )
+                .returning(turns.c.turn_id)
+            )
+        ).first()
+        if ended is None:
+            raise Undone()
+        stored = numbered([event], last)
+        await insert_events(conn, stored)
+        return stored
 
     async def commit(self, conn: AsyncConnection, commit: TurnCommit) -> list[SessionEvent]:
         """Apply one ``TurnCommit`` (``SqlSessionStore.commit`` has the rules); raises

@@ -86,6 +86,12 @@ class ModelRequest:
     request_id: str
     deadlines: ModelDeadlines
     system_context: str = ""
+    #: The most tokens the answer may generate (``GenerateRequest.max_output_tokens``);
+    #: 0 leaves it to the provider (decision 0291).
+    max_output_tokens: int = 0
+    #: The planner's estimate of the request's input tokens (not sent; counts against the
+    #: turn's token budget when the answer reports no usage).
+    input_estimate: int = 0
 
 
 class FinishReason(StrEnum):

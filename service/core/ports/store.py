@@ -12,6 +12,7 @@ from typing import Protocol
 from service.core.model import (
     ContextEstimate,
     Message,
+    OnBusy,
     Session,
     SessionEvent,
     Turn,
@@ -62,12 +63,29 @@ class RunningLimits:
 
 
 @dataclass(frozen=True)
+class Enqueue:
+    """What ``start_turn`` does when a turn of the session runs (decision 0300):
+    ``on_busy`` ENQUEUE, INTERRUPT or JOIN stores the message as a QUEUED turn (at most
+    ``max_queued`` per session, else ``ResourceExhausted``/``QUEUE_FULL``), with
+    ``token`` (the human's, kept until the turn starts) and ``event`` (its
+    ``message_queued``, whose ``behind_turn_id`` the store fills in). INTERRUPT also
+    flags the running turn cancelled, as ``request_cancel`` does, in the same
+    transaction; its queued turn runs before the ENQUEUE ones."""
+
+    on_busy: OnBusy
+    max_queued: int
+    token: str
+    event: SessionEvent
+
+
+@dataclass(frozen=True)
 class TurnStart:
     """Step 1 of the turn loop: the human message and the turn row, in one transaction.
 
     ``message`` is the human message (sequence 0: the store numbers it) and ``events``
     are ``message_accepted`` and ``turn_started`` (the first carries ``message``).
-    ``turn`` is the new running turn with its owner and lease.
+    ``turn`` is the new running turn with its owner and lease. ``enqueue``, when set,
+    says what to do when a turn runs (None: refuse, ``TURN_IN_PROGRESS``).
     """
 
     turn: Turn
@@ -76,6 +94,7 @@ class TurnStart:
     events: Sequence[SessionEvent]
     limits: RunningLimits
     now: datetime
+    enqueue: Enqueue | None = None
 
 
 class StartOutcomeKind(StrEnum):
@@ -86,6 +105,8 @@ class StartOutcomeKind(StrEnum):
     DUPLICATE = "duplicate"
     #: A running turn's lease has expired: close it INTERRUPTED, then try again.
     EXPIRED_TURN = "expired_turn"
+    #: A turn runs: the message was stored as a QUEUED turn (``TurnStart.enqueue``).
+    QUEUED = "queued"
 
 
 @dataclass(frozen=True)
@@ -94,12 +115,16 @@ class TurnStartOutcome:
 
     STARTED: ``turn`` is the new turn, ``events`` the stored events, numbered.
     DUPLICATE: ``turn`` is the original turn, ``events`` holds its stored
-    ``message_accepted`` event. EXPIRED_TURN: ``turn`` is the expired running turn.
+    ``message_accepted`` event (``message_queued`` while it is queued). EXPIRED_TURN:
+    ``turn`` is the expired running turn. QUEUED: ``turn`` is the queued turn,
+    ``events`` its stored ``message_queued``; ``interrupted`` the running turn an
+    INTERRUPT flagged cancelled.
     """
 
     kind: StartOutcomeKind
     turn: Turn
     events: Sequence[SessionEvent] = ()
+    interrupted: Turn | None = None
 
 
 @dataclass(frozen=True)
@@ -158,11 +183,44 @@ class TurnCommit:
 
 
 @dataclass(frozen=True)
+class Promotion:
+    """With a turn's ending, start the session's first queued turn (decision 0300):
+    RUNNING, owned by ``owner`` (the ending replica) until ``lease_expires_at``, its
+    ``turn_started`` event carrying ``model`` and ``max_rounds``."""
+
+    owner: str
+    lease_expires_at: datetime
+    model: str
+    max_rounds: int
+
+
+@dataclass(frozen=True)
+class Promoted:
+    """A queued turn the ending started: ``turn`` as it runs now, its stored
+    ``message_accepted`` and ``turn_started`` (``events``), and the human's ``token``."""
+
+    turn: Turn
+    events: list[SessionEvent]
+    token: str
+
+
+@dataclass(frozen=True)
+class TurnEnd:
+    """What ``end_turn`` stored: the ending's ``events``, numbered, and the queued turn
+    it started, if any."""
+
+    events: list[SessionEvent]
+    promoted: Promoted | None = None
+
+
+@dataclass(frozen=True)
 class LeaseStatus:
     """The result of a lease renewal: ``held`` false means another replica took over."""
 
     held: bool
     cancel_requested: bool = False
+    #: With ``cancel_requested``: "" (CancelTurn) or "interrupted_by_message".
+    cancel_reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -253,6 +311,19 @@ class SessionStore(Protocol):
 
     async def commit(self, commit: TurnCommit) -> list[SessionEvent]:
         """Apply one ``TurnCommit``; returns its events, numbered. See ``TurnCommit``."""
+        ...
+
+    async def end_turn(self, commit: TurnCommit, promotion: Promotion) -> TurnEnd:
+        """Apply ``commit`` (a ``turn_patch`` with an ``end_reason``), and in the same
+        transaction start the session's first queued turn with ``promotion``: INTERRUPT
+        ones first, then in acceptance order; its human message is stored now, numbered
+        after the ending (decision 0300). Raises as ``commit``."""
+        ...
+
+    async def cancel_queued(self, turn_id: str, event: SessionEvent) -> list[SessionEvent]:
+        """End a QUEUED turn CANCELLED without running it, storing ``event`` (its
+        ``turn_ended``); returns it numbered, or [] when the turn is not queued (it
+        started or ended meanwhile)."""
         ...
 
     async def renew_lease(self, turn_id: str, owner: str, until: datetime) -> LeaseStatus:

@@ -44,7 +44,8 @@ from service.core.estimate import messages_tokens, text_tokens
 from service.core.model import ContextEstimate, SessionEvent, Usage
 from service.core.ports import ModelMessage, Purpose, Role, SummaryUpdate, TurnPatch
 from service.core.summaries import Rejection, check_summary
-from service.core.turn.model_call import model_request, stream_answer
+from service.core.turn.ending import Ending
+from service.core.turn.model_call import model_request, output_cap, stream_answer
 from service.core.turn.pending import pending_changesets
 from service.core.turn.prompt import Prompt
 from service.core.turn.settings import TurnDependencies
@@ -127,6 +128,11 @@ class Compactor:
         await self._read_context()
         self._estimate(prompt)
 
+    def request_tokens(self, prompt: Prompt) -> int:
+        """The estimate of the next turn request (docs/spec/compaction.md), as the
+        compaction check made it."""
+        return self._estimate(prompt)
+
     def answered(self, usage: Usage | None) -> None:
         """An answer to the request last estimated came back with ``usage``: observe the
         estimate's error when it was made without reported usage."""
@@ -188,6 +194,13 @@ class Compactor:
         folded = _Folded(summary=plan.previous_summary)
         for chunk in chunks:
             system = compaction_system_prompt(instructions, folded.summary, chunk)
+            estimate = compaction_request_tokens(system)
+            cap = output_cap(deps, state, Purpose.COMPACTION, estimate)
+            if isinstance(cap, Ending):
+                # The turn's budget cannot pay for the compaction: proceed uncompacted; the
+                # turn's own call is checked next (decision 0291).
+                folded.rejection = Rejection("budget", cap.message)
+                return folded
             request = model_request(
                 deps,
                 state,
@@ -196,6 +209,8 @@ class Compactor:
                 system=system,
                 messages=[ModelMessage(Role.USER, COMPACTION_REQUEST)],
                 tools=(),
+                max_output_tokens=cap,
+                input_estimate=estimate,
             )
             started = deps.clock.monotonic()
             streamed = await stream_answer(deps, state, request, relay=False)

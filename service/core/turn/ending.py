@@ -15,19 +15,23 @@ this process holds is closed from what is stored (``close_stored_turn``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from service.core.errors import StoreConflict
 from service.core.fanout import Hub
-from service.core.model import ContextEstimate, Message, MessageKind, SessionEvent, Turn
+from service.core.model import ContextEstimate, Message, MessageKind, Session, SessionEvent, Turn
 from service.core.model import TurnEndReason as Reason
-from service.core.ports import Clock, SessionStore, TurnCommit, TurnPatch
+from service.core.ports import Clock, Promoted, Promotion, SessionStore, TurnCommit, TurnPatch
 from service.core.tools import WRITE_TOOLS, ToolOutcome, error_result
 from service.core.turn.events import EventBuilder, Totals
-from service.core.turn.settings import TurnObserver
+from service.core.turn.settings import TurnDependencies, TurnObserver
 from service.core.turn.telling import StoreThenTell
+
+#: Told of a queued turn an ending started (decision 0300), with the session when the
+#: ending knew it: the turn service launches it on this replica.
+OnPromoted = Callable[[Promoted, Session | None], None]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +49,8 @@ class Ending:
 COMPLETED = Ending(Reason.COMPLETED)
 MAX_ROUNDS = Ending(Reason.MAX_ROUNDS)
 CANCELLED = Ending(Reason.CANCELLED)
+#: A message sent with ``on_busy`` INTERRUPT stopped the turn (decision 0301).
+INTERRUPTED_BY_MESSAGE = Ending(Reason.INTERRUPTED_BY_MESSAGE)
 #: A replica stopped (crash, shutdown past its grace): what start-up recovery finds of
 #: its own turns.
 INTERRUPTED = Ending(Reason.INTERRUPTED, "INTERRUPTED", "the replica running the turn stopped")
@@ -70,6 +76,40 @@ DATABASE_UNAVAILABLE = Ending(
 )
 
 
+def cancel_ending(cancel_reason: str) -> Ending:
+    """The ending of a turn whose cancel was requested with ``Turn.cancel_reason``."""
+    if cancel_reason == Reason.INTERRUPTED_BY_MESSAGE.value:
+        return INTERRUPTED_BY_MESSAGE
+    return CANCELLED
+
+
+def promotion(deps: TurnDependencies) -> Promotion:
+    """How an ending on this replica starts the session's next queued turn: owned here,
+    under a fresh lease (decision 0300; TEAM decision 2: it runs where the turn before it
+    ended)."""
+    settings = deps.settings
+    return Promotion(
+        owner=deps.replica_id,
+        lease_expires_at=deps.clock.now() + timedelta(seconds=settings.lease_s),
+        model=settings.model,
+        max_rounds=settings.max_rounds,
+    )
+#: An answer stopped at its output cap: a text answer cut there (decision 0291).
+OUTPUT_LIMIT = Ending(Reason.OUTPUT_LIMIT, "OUTPUT_LIMIT", "the answer stopped at its output limit")
+#: A second answer of the turn cut at its output limit inside a tool call (decision 0292).
+CUT_TWICE = Ending(
+    Reason.OUTPUT_LIMIT,
+    "OUTPUT_LIMIT_CUT_CALLS",
+    "two answers of the turn were cut at the output limit inside a tool call",
+)
+
+
+def budget_exhausted(budget: str, message: str) -> Ending:
+    """The turn ends before a call that would not fit its ``budget`` (``model_requests``,
+    ``tool_calls`` or ``tokens``; decision 0291); the ErrorInfo-style reason names it."""
+    return Ending(Reason.BUDGET_EXHAUSTED, f"TURN_BUDGET_{budget.upper()}", message)
+
+
 def failed(error_reason: str, message: str) -> Ending:
     """A FAILED ending with an ErrorInfo reason."""
     return Ending(Reason.FAILED, error_reason, message)
@@ -81,7 +121,7 @@ def synthetic_outcome(reason: Reason, tool_name: str) -> ToolOutcome:
     is_write = tool_name in WRITE_TOOLS
     if reason is Reason.INTERRUPTED:
         return error_result("INTERRUPTED", "interrupted; the outcome is unknown")
-    if reason is Reason.CANCELLED:
+    if reason in (Reason.CANCELLED, Reason.INTERRUPTED_BY_MESSAGE):
         text = "cancelled; the outcome is unknown" if is_write else "cancelled"
         return error_result("CANCELLED", text)
     # FAILED (turn timeout, lost database, ...): the call may or may not have run.
@@ -162,6 +202,8 @@ async def close_stored_turn(
     owner: str | None = None,
     lease_expired_before: datetime | None = None,
     pending: Sequence[SessionEvent] = (),
+    promote: Promotion | None = None,
+    on_promoted: OnPromoted | None = None,
 ) -> bool:
     """Close a turn no run of this process holds, from its stored messages (a dead
     replica's, this replica's own after a restart or a lost database, or a shutdown's
@@ -169,6 +211,9 @@ async def close_stored_turn(
     events its run held and had not stored (a round of reads, decision 0114): they are
     stored with the end unless they turn out to be stored already (a commit that landed
     before its connection broke).
+
+    With ``promote``, the same transaction starts the session's next queued turn, which
+    is published after the ending and handed to ``on_promoted`` (decision 0300).
 
     Returns False when the turn ended meanwhile or a condition failed (another replica
     won the race); raises ``StoreUnavailable``.
@@ -188,8 +233,13 @@ async def close_stored_turn(
         owner=owner,
         lease_expired_before=lease_expired_before,
     )
+    promoted: Promoted | None = None
+    telling = StoreThenTell(store, hub, observer)
     try:
-        await StoreThenTell(store, hub, observer).commit(commit, turn)
+        if promote is None:
+            await telling.commit(commit, turn)
+        else:
+            promoted = (await telling.end(commit, turn, promote)).promoted
     except StoreConflict:
         return False
     log.info(
@@ -197,4 +247,6 @@ async def close_stored_turn(
         ending.reason.value,
         extra={"session": turn.session_id, "turn": turn.turn_id},
     )
+    if promoted is not None and on_promoted is not None:
+        on_promoted(promoted, None)
     return True

@@ -22,6 +22,8 @@ from service.core.model import (
     KnowledgeWrittenData,
     Message,
     MessageKind,
+    MessageQueuedData,
+    OnBusy,
     SessionEvent,
     TurnEndedData,
     TurnEndReason,
@@ -57,6 +59,14 @@ class EventBuilder:
         """``message_accepted`` storing the human message that starts the turn; live, it
         carries the sender's ``request_id`` (``SessionEvent.request_id``, not stored)."""
         event = self._stored(EventKind.MESSAGE_ACCEPTED, MessageKind.HUMAN, text=text)
+        return replace(event, request_id=request_id) if request_id else event
+
+    def message_queued(self, text: str, on_busy: OnBusy, request_id: str = "") -> SessionEvent:
+        """``message_queued``: the human message waits as this (queued) turn; the store
+        fills in the turn it waits behind (decision 0300). Live, it carries the sender's
+        ``request_id``, as ``message_accepted`` does."""
+        data = MessageQueuedData(text, "", on_busy, self.human_id)
+        event = self._event(EventKind.MESSAGE_QUEUED, data=data)
         return replace(event, request_id=request_id) if request_id else event
 
     def turn_started(self, model: str, max_rounds: int) -> SessionEvent:

@@ -17,7 +17,7 @@ from datetime import timedelta
 
 from service.core.errors import StoreUnavailable
 from service.core.turn import ending as endings
-from service.core.turn.ending import close_stored_turn
+from service.core.turn.ending import OnPromoted, close_stored_turn
 from service.core.turn.settings import TurnDependencies
 from service.core.turn.state import TurnHandle
 
@@ -28,9 +28,15 @@ class Leases:
     """Renews the leases of this replica's turns (``handles``, by turn id) and sweeps
     every replica's expired ones."""
 
-    def __init__(self, deps: TurnDependencies, handles: Mapping[str, TurnHandle]) -> None:
+    def __init__(
+        self,
+        deps: TurnDependencies,
+        handles: Mapping[str, TurnHandle],
+        on_promoted: OnPromoted | None = None,
+    ) -> None:
         self._deps = deps
         self._handles = handles
+        self._on_promoted = on_promoted
         self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
@@ -64,6 +70,8 @@ class Leases:
                 turn,
                 endings.LEASE_EXPIRED,
                 lease_expired_before=now,
+                promote=endings.promotion(deps),
+                on_promoted=self._on_promoted,
             ):
                 closed += 1
         return closed
@@ -84,7 +92,7 @@ class Leases:
                 # nothing more.
                 handle.request_stop(endings.TAKEN_OVER)
             elif status.cancel_requested:
-                handle.request_stop(endings.CANCELLED)
+                handle.request_stop(endings.cancel_ending(status.cancel_reason))
 
     async def _renew_loop(self) -> None:
         interval = self._deps.settings.lease_s / 3

@@ -48,9 +48,9 @@ from service.core.tools.cut import cut_text, utf8_size
 from service.core.tracing import NULL_SPAN, Span, SpanRef
 from service.core.turn import ending as endings
 from service.core.turn.compact import Compactor
-from service.core.turn.ending import Ending, close_stored_turn, closing_commit
+from service.core.turn.ending import Ending, OnPromoted, close_stored_turn, closing_commit
 from service.core.turn.events import EventBuilder
-from service.core.turn.model_call import model_request, stream_answer
+from service.core.turn.model_call import model_request, output_cap, stream_answer
 from service.core.turn.prompt import Prompt, PromptSource
 from service.core.turn.settings import TurnDependencies
 from service.core.turn.state import Answer, PendingCall, TurnHandle, TurnState
@@ -121,8 +121,10 @@ class TurnLoop:
         *,
         conversations: Conversations | None = None,
         on_step: Callable[[Step], None] | None = None,
+        on_promoted: OnPromoted | None = None,
     ) -> None:
         self._deps = deps
+        self._on_promoted = on_promoted
         self._prompts = prompts
         # Not ``or``: an empty Conversations is still the service's, to be filled.
         self._conversations = (
@@ -250,6 +252,14 @@ class TurnLoop:
                 return End(endings.CREDENTIAL_EXPIRED)
             if self._state.rounds >= self._deps.settings.max_rounds:
                 return End(endings.MAX_ROUNDS)
+            if self._state.tool_budget_refused:
+                return End(
+                    endings.budget_exhausted(
+                        "tool_calls",
+                        f"the turn ran {self._state.tool_calls} tool calls, its budget "
+                        "(planner.turn_max_tool_calls)",
+                    )
+                )
         return step
 
     # ------------------------------------------------------------------ the steps
@@ -277,6 +287,10 @@ class TurnLoop:
     async def _call_model(self) -> Step:
         state, prompt = self._state, self._prompt
         assert prompt is not None
+        estimate = self._compactor.request_tokens(prompt)
+        cap = output_cap(self._deps, state, Purpose.TURN, estimate)
+        if isinstance(cap, Ending):
+            return End(cap)
         request = model_request(
             self._deps,
             state,
@@ -286,6 +300,8 @@ class TurnLoop:
             system_context=with_context(prompt.context, state.context_block),
             messages=self._conversations.model_messages(self._handle.session_id, state.messages),
             tools=self._deps.declarations,
+            max_output_tokens=cap,
+            input_estimate=estimate,
         )
         streamed = await stream_answer(self._deps, state, request, relay=True)
         answer = streamed.answer
@@ -314,6 +330,10 @@ class TurnLoop:
             event = state.events.assistant_message(
                 answer.message_id, answer.text, usage=answer.usage, cut=cut, finish_reason=finish
             )
+            if answer.finish is FinishReason.LENGTH:
+                # A runaway answer stopped at its cap: shown cut, and the turn says why
+                # (decision 0291).
+                return End(endings.OUTPUT_LIMIT, (event,))
             return End(endings.COMPLETED, (event,))
         return await self._store_round(answer, calls)
 
@@ -348,6 +368,13 @@ class TurnLoop:
                 refusal = error_result(
                     "TOO_MANY_CALLS", f"at most {limit} tool calls per answer; this one was not run"
                 )
+            elif state.tool_calls + len(allowed) >= settings.turn_max_tool_calls:
+                refusal = error_result(
+                    "TURN_BUDGET_TOOL_CALLS",
+                    f"the turn ran its {settings.turn_max_tool_calls} tool calls "
+                    "(planner.turn_max_tool_calls); this one was not run",
+                )
+                state.tool_budget_refused = True
             elif call.problem:
                 refusal = error_result("MALFORMED_TOOL_CALL", f"{call.problem}; it was not run")
             elif oversize is not None:
@@ -374,6 +401,7 @@ class TurnLoop:
         for call, outcome in refusals:
             events.extend(state.events.tool_result(call.call_id, call.name, outcome))
         state.rounds += 1
+        state.tool_calls += len(allowed)
         # The answer's usage covers everything up to and including it (docs/spec/compaction.md).
         context = (
             ContextEstimate(base_tokens=answer.usage.total, pending_tokens=0)
@@ -400,7 +428,15 @@ class TurnLoop:
 
     async def _finish(self, end: End, commit: TurnCommit | None = None) -> None:
         commit = commit or self._ending_commit(end)
-        await self._store(commit)
+        # The ending starts the session's next queued turn in its own transaction
+        # (decision 0300); it is told after this turn's end and launched here.
+        end_of_turn = await self._guard(
+            self._told.end(commit, self._handle.turn, endings.promotion(self._deps))
+        )
+        self._remember(commit, end_of_turn.events)
+        promoted = end_of_turn.promoted
+        if promoted is not None and self._on_promoted is not None:
+            self._on_promoted(promoted, self._state.session)
         self._trace_end(end.ending)
 
     async def _finish_when_the_database_answers(self, end: End) -> None:
@@ -471,6 +507,8 @@ class TurnLoop:
                     endings.DATABASE_UNAVAILABLE,
                     owner=deps.replica_id,
                     pending=self._tools.unstored_events(),
+                    promote=endings.promotion(deps),
+                    on_promoted=self._on_promoted,
                 )
                 self._trace_end(endings.DATABASE_UNAVAILABLE)
                 return
@@ -530,7 +568,10 @@ class TurnLoop:
     async def _store(self, commit: TurnCommit) -> None:
         """Apply ``commit`` and tell what it stored (``StoreThenTell``), then remember it;
         raises ``Abandon``."""
-        stored = await self._guard(self._told.commit(commit, self._handle.turn))
+        self._remember(commit, await self._guard(self._told.commit(commit, self._handle.turn)))
+
+    def _remember(self, commit: TurnCommit, stored: list[SessionEvent]) -> None:
+        """Keep what ``commit`` stored (``stored``, already told) in the turn's state."""
         state = self._state
         for event in stored:
             if event.message is not None and event.kind is not EventKind.COMPACTED:

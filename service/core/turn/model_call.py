@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from service.core import tracing
 from service.core.errors import ModelFailure
+from service.core.estimate import text_tokens
 from service.core.ids import new_call_id, new_message_id, new_model_request_id
 from service.core.model import TextDelta, ToolCallProgress
 from service.core.ports.model import (
@@ -34,6 +35,8 @@ from service.core.ports.model import (
     ToolCallStartChunk,
     ToolDeclaration,
 )
+from service.core.turn import ending as endings
+from service.core.turn.ending import Ending
 from service.core.turn.settings import TurnDependencies
 from service.core.turn.state import Answer, PendingCall, TurnState
 
@@ -61,6 +64,48 @@ def time_left(deps: TurnDependencies, state: TurnState) -> float:
     return deps.settings.turn_timeout_s - elapsed
 
 
+#: The smallest output cap a model call is made with: a call whose turn has fewer tokens
+#: of its budget left is not made (decision 0291).
+MIN_OUTPUT_TOKENS = 16
+
+
+def output_cap(
+    deps: TurnDependencies, state: TurnState, purpose: Purpose, input_tokens: int
+) -> int | Ending:
+    """The output cap of the next model call of ``purpose`` whose request is estimated at
+    ``input_tokens``, or the ending that stops the turn before it (decision 0291).
+
+    The cap is the smallest of the configured cap (``max_output_tokens``, or
+    ``compaction_max_output_tokens``), what the model's window has left after the request
+    (never below ``MIN_OUTPUT_TOKENS``: the estimate may be high), and what
+    ``turn_max_tokens`` has left after the request. The turn's budgets are checked first:
+    ``turn_max_model_requests`` made, or fewer than ``MIN_OUTPUT_TOKENS`` of the token
+    budget left after the request, end it ``BUDGET_EXHAUSTED``.
+    """
+    settings = deps.settings
+    if state.model_requests >= settings.turn_max_model_requests:
+        return endings.budget_exhausted(
+            "model_requests",
+            f"the turn made {state.model_requests} model calls, its budget "
+            "(planner.turn_max_model_requests)",
+        )
+    budget_left = settings.turn_max_tokens - state.tokens_spent - input_tokens
+    if budget_left < MIN_OUTPUT_TOKENS:
+        return endings.budget_exhausted(
+            "tokens",
+            f"the next model call (about {input_tokens} input tokens) would not fit what is "
+            f"left of the turn's {settings.turn_max_tokens} tokens (planner.turn_max_tokens; "
+            f"{state.tokens_spent} spent)",
+        )
+    configured = (
+        settings.compaction_max_output_tokens
+        if purpose is Purpose.COMPACTION
+        else settings.max_output_tokens
+    )
+    window_left = max(MIN_OUTPUT_TOKENS, settings.model_context_tokens - input_tokens)
+    return min(configured, window_left, budget_left)
+
+
 def model_request(
     deps: TurnDependencies,
     state: TurnState,
@@ -71,11 +116,13 @@ def model_request(
     messages: Sequence[ModelMessage],
     tools: Sequence[ToolDeclaration],
     system_context: str = "",
+    max_output_tokens: int = 0,
+    input_estimate: int = 0,
 ) -> ModelRequest:
     """A request metered to the session's project with its model credential reference;
     each model deadline is capped by what is left of the turn (docs/spec/turn-loop.md,
     Deadlines). ``system`` goes before the tools, ``system_context`` after them
-    (``ModelRequest``)."""
+    (``ModelRequest``). ``max_output_tokens`` is the answer's cap (``output_cap``)."""
     settings = deps.settings
     left = max(0.1, time_left(deps, state))
     return ModelRequest(
@@ -88,6 +135,8 @@ def model_request(
         messages=messages,
         tools=tools,
         request_id=new_model_request_id(),
+        max_output_tokens=max_output_tokens,
+        input_estimate=input_estimate,
         deadlines=ModelDeadlines(
             first_delta_s=min(settings.model_first_delta_s, left),
             idle_s=min(settings.model_idle_s, left),
@@ -141,6 +190,7 @@ async def _stream_answer(
         return Streamed(answer, stopped=True)
     started = deps.clock.monotonic()
     first_output: list[float] = []
+    state.model_requests += 1
 
     async def consume() -> None:
         async for chunk in deps.gateway.stream(request):
@@ -224,6 +274,7 @@ async def _stream_answer(
     )
     if request.purpose is Purpose.TURN and answer.usage is not None:
         state.usage = state.usage + answer.usage
+    state.tokens_spent += _spent(request, answer)
     return Streamed(answer, failure, stopped)
 
 
@@ -254,3 +305,16 @@ def _call_at(answer: Answer, index: int, name: str, *, completing: bool = False)
 
 def _short_name(name: str) -> str:
     return name if len(name) <= MAX_TOOL_NAME_CHARS else name[:MAX_TOOL_NAME_CHARS]
+
+
+def _spent(request: ModelRequest, answer: Answer) -> int:
+    """The tokens a call spent of its turn's budget: as reported, else the request's
+    estimate (the caller's, ``request.input_estimate``) plus the answer's estimated text
+    and arguments (decision 0291)."""
+    usage = answer.usage
+    if usage is not None and usage.total > 0:
+        return usage.total
+    output = text_tokens(answer.text) + sum(
+        text_tokens(call.arguments) for call in answer.calls.values()
+    )
+    return request.input_estimate + output

@@ -28,13 +28,13 @@ from service.core.errors import (
     Unavailable,
 )
 from service.core.ids import new_turn_id, request_hash
-from service.core.model import Session, SessionEvent, Turn, TurnState
-from service.core.ports import Acting, StartOutcomeKind, TurnStart
+from service.core.model import EventKind, OnBusy, Session, SessionEvent, Turn, TurnState
+from service.core.ports import Acting, Enqueue, Promoted, StartOutcomeKind, TurnStart
 from service.core.projects import ProjectDirectory
 from service.core.sessions import check_request_id
 from service.core.turn import ending as endings
 from service.core.turn.ending import Ending, close_stored_turn
-from service.core.turn.events import EventBuilder
+from service.core.turn.events import EventBuilder, Totals
 from service.core.turn.leases import Leases
 from service.core.turn.loop import Step, TurnLoop
 from service.core.turn.prompt import PromptSource
@@ -65,16 +65,24 @@ class SendRequest:
     token: str
     text: str
     request_id: str
+    #: What to do when a turn of the session runs (decision 0300).
+    on_busy: OnBusy = OnBusy.REJECT
 
 
 @dataclass(frozen=True)
 class Accepted:
     """A message accepted (or a duplicate of one): the turn and its stored
-    ``message_accepted`` event."""
+    ``message_accepted`` event, or ``message_queued`` when the message waits as a
+    queued turn (``queued``)."""
 
     turn: Turn
     message_accepted: SessionEvent
     duplicate: bool
+
+    @property
+    def queued(self) -> bool:
+        """Whether the message was stored as a queued turn (decision 0300)."""
+        return self.message_accepted.kind is EventKind.MESSAGE_QUEUED
 
 
 class TurnService:
@@ -101,7 +109,8 @@ class TurnService:
         self._handles: dict[str, TurnHandle] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._accepting_tasks: set[asyncio.Task[Accepted]] = set()
-        self._leases = Leases(deps, self._handles)
+        self._leases = Leases(deps, self._handles, self._promoted)
+        self._promoting: set[asyncio.Task[None]] = set()
         self._on_step = on_step
         self._accepting = True
         #: Set by ``stop``: every turn launched from then on stops at once.
@@ -227,6 +236,14 @@ class TurnService:
             events = EventBuilder(session.session_id, turn_id, request.human_id, self._deps.clock)
             accepted = events.message_accepted(request.text, request.request_id)
             assert accepted.message is not None
+            enqueue = None
+            if request.on_busy is not OnBusy.REJECT:
+                enqueue = Enqueue(
+                    on_busy=request.on_busy,
+                    max_queued=settings.max_queued,
+                    token=request.token,
+                    event=events.message_queued(request.text, request.on_busy, request.request_id),
+                )
             turn = Turn(
                 turn_id=turn_id,
                 session_id=session.session_id,
@@ -247,6 +264,7 @@ class TurnService:
                     events=[accepted, events.turn_started(settings.model, settings.max_rounds)],
                     limits=settings.running_limits,
                     now=now,
+                    enqueue=enqueue,
                 )
             )
             if outcome.kind is StartOutcomeKind.EXPIRED_TURN:
@@ -254,6 +272,13 @@ class TurnService:
                 continue
             if outcome.kind is StartOutcomeKind.DUPLICATE:
                 return Accepted(outcome.turn, outcome.events[0], duplicate=True)
+            if outcome.kind is StartOutcomeKind.QUEUED:
+                StoreThenTell.of(self._deps).tell(outcome.events, outcome.turn)
+                if outcome.interrupted is not None:
+                    handle = self._handles.get(outcome.interrupted.turn_id)
+                    if handle is not None:
+                        handle.request_stop(endings.INTERRUPTED_BY_MESSAGE)
+                return Accepted(outcome.turn, outcome.events[0], duplicate=False)
             stored = list(outcome.events)
             acting = Acting(
                 human_id=request.human_id,
@@ -300,6 +325,17 @@ class TurnService:
         turn = await store.get_turn(turn_id)
         if turn is None or turn.session_id != session.session_id:
             raise NotFound("the turn does not exist", reason="TURN_NOT_FOUND")
+        if turn.state is TurnState.QUEUED:
+            # Ended without running: nothing is sent to the model (decision 0300).
+            events = EventBuilder(turn.session_id, turn.turn_id, turn.human_id, self._deps.clock)
+            ended = await store.cancel_queued(
+                turn_id, events.turn_ended(endings.CANCELLED.reason, Totals())
+            )
+            StoreThenTell.of(self._deps).tell(ended, turn)
+            # Else it started (or ended) meanwhile: cancelled as a running turn below.
+            turn = await store.get_turn(turn_id)
+            if turn is None:
+                raise NotFound("the turn does not exist", reason="TURN_NOT_FOUND")
         if turn.state is TurnState.ENDED:
             return turn
         handle = self._handles.get(turn_id)
@@ -327,11 +363,17 @@ class TurnService:
             raise NotFound("the turn does not exist", reason="TURN_NOT_FOUND")
         return final
 
-    def on_remote_cancel(self, turn_id: str) -> None:
-        """A cancel requested on another replica (via the notifier)."""
+    async def on_remote_cancel(self, turn_id: str) -> None:
+        """A cancel requested on another replica (via the notifier): ``CancelTurn``, or
+        an INTERRUPT (the turn's ``cancel_reason`` says which; decision 0301)."""
         handle = self._handles.get(turn_id)
-        if handle is not None:
-            handle.request_stop(endings.CANCELLED)
+        if handle is None:
+            return
+        reason = ""
+        with contextlib.suppress(StoreUnavailable):
+            turn = await self._deps.store.get_turn(turn_id)
+            reason = "" if turn is None else turn.cancel_reason
+        handle.request_stop(endings.cancel_ending(reason))
 
     def on_session_deleted(self, session_id: str) -> None:
         """``DeleteSession`` removed a session: stop its turn here at once
@@ -358,6 +400,7 @@ class TurnService:
             handle,
             conversations=self._conversations,
             on_step=(lambda step: on_step(turn_id, step)) if on_step is not None else None,
+            on_promoted=self._promoted,
         )
         task = asyncio.get_running_loop().create_task(loop.run(), name=f"turn {turn_id}")
         self._tasks[turn_id] = task
@@ -372,6 +415,36 @@ class TurnService:
         task.add_done_callback(ended)
         if self._stopping is not None:
             handle.request_stop(self._stopping)
+
+    def _promoted(self, promoted: Promoted, session: Session | None) -> None:
+        """Launch a queued turn that an ending on this replica started (decision 0300).
+        Without the session at hand it is read first; if that fails the turn's lease
+        lapses and a sweeper closes it, starting the next."""
+        if session is not None:
+            self._launch_promoted(promoted, session)
+            return
+        task = asyncio.get_running_loop().create_task(self._read_and_launch(promoted))
+        self._promoting.add(task)
+        task.add_done_callback(self._promoting.discard)
+
+    async def _read_and_launch(self, promoted: Promoted) -> None:
+        try:
+            session = await self._deps.store.get_session(promoted.turn.session_id)
+        except StoreUnavailable:
+            log.warning("a queued turn could not start: the database is unavailable")
+            return
+        if session is not None:
+            self._launch_promoted(promoted, session)
+
+    def _launch_promoted(self, promoted: Promoted, session: Session) -> None:
+        turn = promoted.turn
+        acting = Acting(
+            human_id=turn.human_id,
+            organization_id=session.organization_id,
+            token=promoted.token,
+            session_id=session.session_id,
+        )
+        self._launch(TurnHandle(turn, session, acting, turn.human_sequence))
 
     async def _close(
         self,
@@ -391,4 +464,6 @@ class TurnService:
             ending,
             owner=owner,
             lease_expired_before=lease_expired_before,
+            promote=endings.promotion(deps),
+            on_promoted=self._promoted,
         )

@@ -43,6 +43,13 @@ class TurnSettings:
     cancel_grace_s: float = 5.0
     max_writes_per_turn: int = 5
     max_tool_calls_per_answer: int = 16
+    #: The model's window, and the output caps and turn budgets (decision 0291).
+    model_context_tokens: int = 128_000
+    max_output_tokens: int = 2048
+    compaction_max_output_tokens: int = 1024
+    turn_max_model_requests: int = 32
+    turn_max_tool_calls: int = 64
+    turn_max_tokens: int = 1_000_000
     tool_concurrency: int = 4
     #: Arguments over this many UTF-8 bytes are not run, and stored cut to
     #: ``tool_arguments_cut_bytes`` (decision 0221).
@@ -56,6 +63,8 @@ class TurnSettings:
     sweep_interval_s: float = 5.0
     prompt_cache_s: float = 60.0
     message_max_bytes: int = 32 * 1024
+    #: Queued turns per session (decision 0300).
+    max_queued: int = 10
     running_limits: RunningLimits = field(default_factory=RunningLimits)
 
 

@@ -159,6 +159,17 @@ class TurnState:
     versions: TurnPatch = field(default_factory=TurnPatch)
     #: Whether the turn's streams were sent a delta yet (its time to first delta).
     delta_sent: bool = False
+    #: What the turn spent of its budgets (decision 0291): model calls made (compaction
+    #: included), tool calls run, and input plus output tokens of its model calls (as
+    #: reported, else as estimated).
+    model_requests: int = 0
+    tool_calls: int = 0
+    tokens_spent: int = 0
+    #: A call of this turn was refused for ``turn_max_tool_calls``: the turn ends
+    #: ``BUDGET_EXHAUSTED`` before its next model call.
+    tool_budget_refused: bool = False
+    #: Answers of the turn cut at the output limit inside a tool call (decision 0292).
+    cut_answers: int = 0
 
     @property
     def totals(self) -> Totals:

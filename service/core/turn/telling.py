@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from service.core.fanout import Hub
 from service.core.model import EventKind, SessionEvent, Turn, TurnEndedData
-from service.core.ports import SessionStore, TurnCommit
+from service.core.ports import Promotion, SessionStore, TurnCommit, TurnEnd
 from service.core.turn.settings import TurnDependencies, TurnObserver
 
 
@@ -42,6 +42,17 @@ class StoreThenTell:
         stored = await self.store.commit(commit)
         self.tell(stored, turn)
         return stored
+
+    async def end(self, commit: TurnCommit, turn: Turn, promotion: Promotion) -> TurnEnd:
+        """Apply the ending ``commit`` of ``turn`` with ``promotion``
+        (``SessionStore.end_turn``: the session's next queued turn starts in the same
+        transaction; decision 0300), then tell the ending and, after it, the promoted
+        turn's start. Raises as ``commit``."""
+        end = await self.store.end_turn(commit, promotion)
+        self.tell(end.events, turn)
+        if end.promoted is not None:
+            self.tell(end.promoted.events, end.promoted.turn)
+        return end
 
     def tell(self, stored: Sequence[SessionEvent], turn: Turn) -> None:
         """Tell what a commit of ``turn`` stored: a ``turn_ended`` among ``stored`` is

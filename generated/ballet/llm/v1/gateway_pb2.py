@@ -24,43 +24,43 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x62\x61llet/llm/v1/gateway.proto\x12\rballet.llm.v1\"\x97\x01\n\x07Message\x12!\n\x04role\x18\x01 \x01(\x0e\x32\x13.ballet.llm.v1.Role\x12\x0c\n\x04text\x18\x02 \x01(\t\x12+\n\ntool_calls\x18\x03 \x03(\x0b\x32\x17.ballet.llm.v1.ToolCall\x12.\n\x0btool_result\x18\x04 \x01(\x0b\x32\x19.ballet.llm.v1.ToolResult\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"S\n\nToolResult\x12\x14\n\x0ctool_call_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x03 \x01(\t\x12\x10\n\x08is_error\x18\x04 \x01(\x08\"T\n\x0fToolDeclaration\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x1e\n\x16parameters_json_schema\x18\x03 \x01(\t\"4\n\x05Usage\x12\x14\n\x0cinput_tokens\x18\x01 \x01(\x03\x12\x15\n\routput_tokens\x18\x02 \x01(\x03\"\xcc\x02\n\x0fGenerateRequest\x12\x12\n\nproject_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63redential_ref\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\'\n\x07purpose\x18\x04 \x01(\x0e\x32\x16.ballet.llm.v1.Purpose\x12\x15\n\rsystem_prompt\x18\x05 \x01(\t\x12(\n\x08messages\x18\x06 \x03(\x0b\x32\x16.ballet.llm.v1.Message\x12-\n\x05tools\x18\x07 \x03(\x0b\x32\x1e.ballet.llm.v1.ToolDeclaration\x12\x19\n\x11max_output_tokens\x18\x08 \x01(\x05\x12\x12\n\nrequest_id\x18\t \x01(\t\x12\x1e\n\x16include_reasoning_text\x18\n \x01(\x08\x12\x16\n\x0esystem_context\x18( \x01(\t\"\xcb\x02\n\x10GenerateResponse\x12.\n\ntext_delta\x18\x01 \x01(\x0b\x32\x18.ballet.llm.v1.TextDeltaH\x00\x12,\n\ttool_call\x18\x02 \x01(\x0b\x32\x17.ballet.llm.v1.ToolCallH\x00\x12\'\n\x06\x66inish\x18\x03 \x01(\x0b\x32\x15.ballet.llm.v1.FinishH\x00\x12\x37\n\x0ftool_call_start\x18\x04 \x01(\x0b\x32\x1c.ballet.llm.v1.ToolCallStartH\x00\x12\x37\n\x0ftool_call_delta\x18\x05 \x01(\x0b\x32\x1c.ballet.llm.v1.ToolCallDeltaH\x00\x12\x35\n\treasoning\x18\x06 \x01(\x0b\x32 .ballet.llm.v1.ReasoningActivityH\x00\x42\x07\n\x05\x63hunk\"8\n\rToolCallStart\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"1\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x11\n\targuments\x18\x02 \x01(\t\"5\n\x11ReasoningActivity\x12\x12\n\ncharacters\x18\x01 \x01(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\"\x19\n\tTextDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\"s\n\x06\x46inish\x12+\n\x06reason\x18\x01 \x01(\x0e\x32\x1b.ballet.llm.v1.FinishReason\x12#\n\x05usage\x18\x02 \x01(\x0b\x32\x14.ballet.llm.v1.Usage\x12\x17\n\x0fprovider_reason\x18\x03 \x01(\t*L\n\x07Purpose\x12\x17\n\x13PURPOSE_UNSPECIFIED\x10\x00\x12\x10\n\x0cPURPOSE_TURN\x10\x01\x12\x16\n\x12PURPOSE_COMPACTION\x10\x02*N\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\r\n\tROLE_USER\x10\x01\x12\x12\n\x0eROLE_ASSISTANT\x10\x02\x12\r\n\tROLE_TOOL\x10\x03*\xd7\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x02\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x03\x12 \n\x1c\x46INISH_REASON_CONTENT_FILTER\x10\x04\x12\x19\n\x15\x46INISH_REASON_REFUSAL\x10\x05\x12\x1b\n\x17\x46INISH_REASON_TRUNCATED\x10\x06\x32_\n\x0eGatewayService\x12M\n\x08Generate\x12\x1e.ballet.llm.v1.GenerateRequest\x1a\x1f.ballet.llm.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x62\x61llet/llm/v1/gateway.proto\x12\rballet.llm.v1\"\x97\x01\n\x07Message\x12!\n\x04role\x18\x01 \x01(\x0e\x32\x13.ballet.llm.v1.Role\x12\x0c\n\x04text\x18\x02 \x01(\t\x12+\n\ntool_calls\x18\x03 \x03(\x0b\x32\x17.ballet.llm.v1.ToolCall\x12.\n\x0btool_result\x18\x04 \x01(\x0b\x32\x19.ballet.llm.v1.ToolResult\"D\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\x12\x0b\n\x03\x63ut\x18) \x01(\x08\"S\n\nToolResult\x12\x14\n\x0ctool_call_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x03 \x01(\t\x12\x10\n\x08is_error\x18\x04 \x01(\x08\"T\n\x0fToolDeclaration\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x1e\n\x16parameters_json_schema\x18\x03 \x01(\t\"4\n\x05Usage\x12\x14\n\x0cinput_tokens\x18\x01 \x01(\x03\x12\x15\n\routput_tokens\x18\x02 \x01(\x03\"\xcc\x02\n\x0fGenerateRequest\x12\x12\n\nproject_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63redential_ref\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\'\n\x07purpose\x18\x04 \x01(\x0e\x32\x16.ballet.llm.v1.Purpose\x12\x15\n\rsystem_prompt\x18\x05 \x01(\t\x12(\n\x08messages\x18\x06 \x03(\x0b\x32\x16.ballet.llm.v1.Message\x12-\n\x05tools\x18\x07 \x03(\x0b\x32\x1e.ballet.llm.v1.ToolDeclaration\x12\x19\n\x11max_output_tokens\x18\x08 \x01(\x05\x12\x12\n\nrequest_id\x18\t \x01(\t\x12\x1e\n\x16include_reasoning_text\x18\n \x01(\x08\x12\x16\n\x0esystem_context\x18( \x01(\t\"\xcb\x02\n\x10GenerateResponse\x12.\n\ntext_delta\x18\x01 \x01(\x0b\x32\x18.ballet.llm.v1.TextDeltaH\x00\x12,\n\ttool_call\x18\x02 \x01(\x0b\x32\x17.ballet.llm.v1.ToolCallH\x00\x12\'\n\x06\x66inish\x18\x03 \x01(\x0b\x32\x15.ballet.llm.v1.FinishH\x00\x12\x37\n\x0ftool_call_start\x18\x04 \x01(\x0b\x32\x1c.ballet.llm.v1.ToolCallStartH\x00\x12\x37\n\x0ftool_call_delta\x18\x05 \x01(\x0b\x32\x1c.ballet.llm.v1.ToolCallDeltaH\x00\x12\x35\n\treasoning\x18\x06 \x01(\x0b\x32 .ballet.llm.v1.ReasoningActivityH\x00\x42\x07\n\x05\x63hunk\"8\n\rToolCallStart\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"1\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x11\n\targuments\x18\x02 \x01(\t\"5\n\x11ReasoningActivity\x12\x12\n\ncharacters\x18\x01 \x01(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\"\x19\n\tTextDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x82\x01\n\x06\x46inish\x12+\n\x06reason\x18\x01 \x01(\x0e\x32\x1b.ballet.llm.v1.FinishReason\x12#\n\x05usage\x18\x02 \x01(\x0b\x32\x14.ballet.llm.v1.Usage\x12\x17\n\x0fprovider_reason\x18\x03 \x01(\t\x12\r\n\x05model\x18( \x01(\t*L\n\x07Purpose\x12\x17\n\x13PURPOSE_UNSPECIFIED\x10\x00\x12\x10\n\x0cPURPOSE_TURN\x10\x01\x12\x16\n\x12PURPOSE_COMPACTION\x10\x02*N\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\r\n\tROLE_USER\x10\x01\x12\x12\n\x0eROLE_ASSISTANT\x10\x02\x12\r\n\tROLE_TOOL\x10\x03*\xd7\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x02\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x03\x12 \n\x1c\x46INISH_REASON_CONTENT_FILTER\x10\x04\x12\x19\n\x15\x46INISH_REASON_REFUSAL\x10\x05\x12\x1b\n\x17\x46INISH_REASON_TRUNCATED\x10\x06\x32_\n\x0eGatewayService\x12M\n\x08Generate\x12\x1e.ballet.llm.v1.GenerateRequest\x1a\x1f.ballet.llm.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ballet.llm.v1.gateway_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PURPOSE']._serialized_start=1459
-  _globals['_PURPOSE']._serialized_end=1535
-  _globals['_ROLE']._serialized_start=1537
-  _globals['_ROLE']._serialized_end=1615
-  _globals['_FINISHREASON']._serialized_start=1618
-  _globals['_FINISHREASON']._serialized_end=1833
+  _globals['_PURPOSE']._serialized_start=1488
+  _globals['_PURPOSE']._serialized_end=1564
+  _globals['_ROLE']._serialized_start=1566
+  _globals['_ROLE']._serialized_end=1644
+  _globals['_FINISHREASON']._serialized_start=1647
+  _globals['_FINISHREASON']._serialized_end=1862
   _globals['_MESSAGE']._serialized_start=47
   _globals['_MESSAGE']._serialized_end=198
   _globals['_TOOLCALL']._serialized_start=200
-  _globals['_TOOLCALL']._serialized_end=255
-  _globals['_TOOLRESULT']._serialized_start=257
-  _globals['_TOOLRESULT']._serialized_end=340
-  _globals['_TOOLDECLARATION']._serialized_start=342
-  _globals['_TOOLDECLARATION']._serialized_end=426
-  _globals['_USAGE']._serialized_start=428
-  _globals['_USAGE']._serialized_end=480
-  _globals['_GENERATEREQUEST']._serialized_start=483
-  _globals['_GENERATEREQUEST']._serialized_end=815
-  _globals['_GENERATERESPONSE']._serialized_start=818
-  _globals['_GENERATERESPONSE']._serialized_end=1149
-  _globals['_TOOLCALLSTART']._serialized_start=1151
-  _globals['_TOOLCALLSTART']._serialized_end=1207
-  _globals['_TOOLCALLDELTA']._serialized_start=1209
-  _globals['_TOOLCALLDELTA']._serialized_end=1258
-  _globals['_REASONINGACTIVITY']._serialized_start=1260
-  _globals['_REASONINGACTIVITY']._serialized_end=1313
-  _globals['_TEXTDELTA']._serialized_start=1315
-  _globals['_TEXTDELTA']._serialized_end=1340
-  _globals['_FINISH']._serialized_start=1342
-  _globals['_FINISH']._serialized_end=1457
-  _globals['_GATEWAYSERVICE']._serialized_start=1835
-  _globals['_GATEWAYSERVICE']._serialized_end=1930
+  _globals['_TOOLCALL']._serialized_end=268
+  _globals['_TOOLRESULT']._serialized_start=270
+  _globals['_TOOLRESULT']._serialized_end=353
+  _globals['_TOOLDECLARATION']._serialized_start=355
+  _globals['_TOOLDECLARATION']._serialized_end=439
+  _globals['_USAGE']._serialized_start=441
+  _globals['_USAGE']._serialized_end=493
+  _globals['_GENERATEREQUEST']._serialized_start=496
+  _globals['_GENERATEREQUEST']._serialized_end=828
+  _globals['_GENERATERESPONSE']._serialized_start=831
+  _globals['_GENERATERESPONSE']._serialized_end=1162
+  _globals['_TOOLCALLSTART']._serialized_start=1164
+  _globals['_TOOLCALLSTART']._serialized_end=1220
+  _globals['_TOOLCALLDELTA']._serialized_start=1222
+  _globals['_TOOLCALLDELTA']._serialized_end=1271
+  _globals['_REASONINGACTIVITY']._serialized_start=1273
+  _globals['_REASONINGACTIVITY']._serialized_end=1326
+  _globals['_TEXTDELTA']._serialized_start=1328
+  _globals['_TEXTDELTA']._serialized_end=1353
+  _globals['_FINISH']._serialized_start=1356
+  _globals['_FINISH']._serialized_end=1486
+  _globals['_GATEWAYSERVICE']._serialized_start=1864
+  _globals['_GATEWAYSERVICE']._serialized_end=1959
 # @@protoc_insertion_point(module_scope)

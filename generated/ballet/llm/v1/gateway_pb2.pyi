@@ -162,6 +162,7 @@ class ToolCall(_message.Message):
     ID_FIELD_NUMBER: _builtins.int
     NAME_FIELD_NUMBER: _builtins.int
     ARGUMENTS_FIELD_NUMBER: _builtins.int
+    CUT_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """The call's identifier. In a response it is the provider's id, which may repeat an
     id of an earlier answer; in a request, the id the provider gave the call in the
@@ -173,16 +174,22 @@ class ToolCall(_message.Message):
     """
     arguments: _builtins.str
     """The arguments as the model produced them: JSON text, possibly invalid."""
+    cut: _builtins.bool
+    """In a response: true when the answer stopped at its output limit (or its stream was
+    cut) inside this call, so its arguments are only their start; such a call must not
+    run.
+    """
     def __init__(
         self,
         *,
         id: _builtins.str = ...,
         name: _builtins.str = ...,
         arguments: _builtins.str = ...,
+        cut: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments", b"arguments", "id", b"id", "name", b"name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments", b"arguments", "cut", b"cut", "id", b"id", "name", b"name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -362,9 +369,10 @@ class GenerateResponse(_message.Message):
     Order: a call's ToolCallStart comes before its ToolCallDeltas, starts come in index
     order (0, 1, ...), and a call's deltas come in the order of its argument text; text
     deltas, reasoning activity and the deltas of different calls may interleave. After the
-    last delta come the complete tool calls, in index order, and only when the answer ended
-    whole (finish STOP or TOOL_CALLS): a cut answer's calls are never sent complete, so
-    they cannot be run. The Finish is always last; a stream that ends without one is
+    last delta come the tool calls, in index order. When the answer stopped at its output
+    limit (finish LENGTH), the calls it completed are sent as in a whole answer and a call
+    the limit cut is sent with ToolCall.cut set (its arguments are only their start); the
+    client never runs a cut call. A stream cut otherwise sends no call. The Finish is always last; a stream that ends without one is
     truncated. Every piece is progress: a client's first-output and idle deadlines count
     each of them.
     """
@@ -540,11 +548,16 @@ class Finish(_message.Message):
     REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     PROVIDER_REASON_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
     reason: Global___FinishReason.ValueType
     """Why the model stopped."""
     provider_reason: _builtins.str
     """The provider's own finish reason, verbatim (e.g. "stop", "length", "eos"); empty
     when it gave none.
+    """
+    model: _builtins.str
+    """The model that answered as the provider reported it (e.g. the file a local server
+    loaded); empty when it reported none.
     """
     @_builtins.property
     def usage(self) -> Global___Usage:
@@ -556,10 +569,11 @@ class Finish(_message.Message):
         reason: Global___FinishReason.ValueType = ...,
         usage: Global___Usage | None = ...,
         provider_reason: _builtins.str = ...,
+        model: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["provider_reason", b"provider_reason", "reason", b"reason", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "provider_reason", b"provider_reason", "reason", b"reason", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -27,7 +27,7 @@ from google.rpc import error_details_pb2 as google_dot_rpc_dot_error__details__p
 from google.rpc import status_pb2 as google_dot_rpc_dot_status__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x62\x61llet/planner/v1/chat.proto\x12\x11\x62\x61llet.planner.v1\x1a!ballet/planner/v1/resources.proto\x1a\x1egoogle/rpc/error_details.proto\x1a\x17google/rpc/status.proto\"\xd4\x01\n\x0b\x43hatRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x04open\x18\x02 \x01(\x0b\x32\x1d.ballet.planner.v1.OpenActionH\x00\x12<\n\x0csend_message\x18\x03 \x01(\x0b\x32$.ballet.planner.v1.SendMessageActionH\x00\x12:\n\x0b\x63\x61ncel_turn\x18\x04 \x01(\x0b\x32#.ballet.planner.v1.CancelTurnActionH\x00\x42\x08\n\x06\x61\x63tion\"[\n\nOpenAction\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nproject_id\x18\x02 \x01(\t\x12\r\n\x05title\x18\x03 \x01(\t\x12\x16\n\x0e\x61\x66ter_sequence\x18\x04 \x01(\x03\"!\n\x11SendMessageAction\x12\x0c\n\x04text\x18\x01 \x01(\t\"#\n\x10\x43\x61ncelTurnAction\x12\x0f\n\x07turn_id\x18\x01 \x01(\t\"\x98\x07\n\x0c\x43hatResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07turn_id\x18\x02 \x01(\t\x12\x10\n\x08sequence\x18\x03 \x01(\x03\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12:\n\x0esession_opened\x18\x05 \x01(\x0b\x32 .ballet.planner.v1.SessionOpenedH\x00\x12>\n\x10message_accepted\x18\x06 \x01(\x0b\x32\".ballet.planner.v1.MessageAcceptedH\x00\x12\x36\n\x0cturn_started\x18\x07 \x01(\x0b\x32\x1e.ballet.planner.v1.TurnStartedH\x00\x12\x32\n\ntext_delta\x18\x08 \x01(\x0b\x32\x1c.ballet.planner.v1.TextDeltaH\x00\x12@\n\x11\x61ssistant_message\x18\t \x01(\x0b\x32#.ballet.planner.v1.AssistantMessageH\x00\x12?\n\x11tool_call_started\x18\n \x01(\x0b\x32\".ballet.planner.v1.ToolCallStartedH\x00\x12\x41\n\x12tool_call_finished\x18\x0b \x01(\x0b\x32#.ballet.planner.v1.ToolCallFinishedH\x00\x12\x42\n\x12\x63hangeset_proposed\x18\x0c \x01(\x0b\x32$.ballet.planner.v1.ChangesetProposedH\x00\x12@\n\x11knowledge_written\x18\r \x01(\x0b\x32#.ballet.planner.v1.KnowledgeWrittenH\x00\x12\x31\n\tcompacted\x18\x0e \x01(\x0b\x32\x1c.ballet.planner.v1.CompactedH\x00\x12\x32\n\nturn_ended\x18\x0f \x01(\x0b\x32\x1c.ballet.planner.v1.TurnEndedH\x00\x12#\n\x05\x65rror\x18\x10 \x01(\x0b\x32\x12.google.rpc.StatusH\x00\x12\x41\n\x12tool_call_progress\x18\x11 \x01(\x0b\x32#.ballet.planner.v1.ToolCallProgressH\x00\x12\x31\n\theartbeat\x18\x12 \x01(\x0b\x32\x1c.ballet.planner.v1.HeartbeatH\x00\x42\x07\n\x05\x65vent\"\x0b\n\tHeartbeat\"<\n\rSessionOpened\x12+\n\x07session\x18\x01 \x01(\x0b\x32\x1a.ballet.planner.v1.Session\">\n\x0fMessageAccepted\x12+\n\x07message\x18\x01 \x01(\x0b\x32\x1a.ballet.planner.v1.Message\"0\n\x0bTurnStarted\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nmax_rounds\x18\x02 \x01(\x05\"=\n\tTextDelta\x12\x12\n\nmessage_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\"J\n\x10ToolCallProgress\x12\x14\n\x0ctool_call_id\x18\x01 \x01(\t\x12\x11\n\ttool_name\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\x05\"?\n\x10\x41ssistantMessage\x12+\n\x07message\x18\x01 \x01(\x0b\x32\x1a.ballet.planner.v1.Message\">\n\x0fToolCallStarted\x12+\n\x07message\x18\x01 \x01(\x0b\x32\x1a.ballet.planner.v1.Message\"?\n\x10ToolCallFinished\x12+\n\x07message\x18\x01 \x01(\x0b\x32\x1a.ballet.planner.v1.Message\"?\n\x11\x43hangesetProposed\x12\x14\n\x0c\x63hangeset_id\x18\x01 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x02 \x01(\t\"K\n\x10KnowledgeWritten\x12\x10\n\x08\x65ntry_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x14\n\x0ctool_call_id\x18\x03 \x01(\t\"a\n\tCompacted\x12\r\n\x05up_to\x18\x01 \x01(\x03\x12\x18\n\x10\x65stimated_tokens\x18\x02 \x01(\x03\x12+\n\x07message\x18\x03 \x01(\x0b\x32\x1a.ballet.planner.v1.Message\"\xec\x01\n\tTurnEnded\x12\x30\n\x06reason\x18\x01 \x01(\x0e\x32 .ballet.planner.v1.TurnEndReason\x12\'\n\x05usage\x18\x02 \x01(\x0b\x32\x18.ballet.planner.v1.Usage\x12\x32\n\x10\x63ompaction_usage\x18\x03 \x01(\x0b\x32\x18.ballet.planner.v1.Usage\x12\x0e\n\x06rounds\x18\x04 \x01(\x05\x12)\n\nerror_info\x18\x05 \x01(\x0b\x32\x15.google.rpc.ErrorInfo\x12\x15\n\rerror_message\x18\x06 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x62\x61llet/planner/v1/chat.proto\x12\x11\x62\x61llet.planner.v1\x1a!ballet/planner/v1/resources.proto\x1a\x1egoogle/rpc/error_details.proto\x1a\x17google/rpc/status.proto\"\xd4\x01\n\x0b\x43hatRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x04open\x18\x02 \x01(\x0b\x32\x1d.ballet.planner.v1.OpenActionH\x00\x12<\n\x0csend_message\x18\x03 \x01(\x0b\x32$.ballet.planner.v1.SendMessageActionH\x00\x12:\n\x0b\x63\x61ncel_turn\x18\x04 \x01(\x0b\x32#.ballet.planner.v1.CancelTurnActionH\x00\x42\x08\n\x06\x61\x63tion\"[\n\nOpenAction\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nproject_id\x18\x02 \x01(\t\x12\r\n\x05title\x18\x03 \x01(\t\x12\x16\n\x0e\x61\x66ter_sequence\x18\x04 \x01(\x03\"M\n\x11SendMessageAction\x12*\n\x07on_busy\x18\x32 \x01(\x0e\x32\x19.ballet.planner.v1.OnBusy\x12\x0c\n\x04text\x18\x01 \x01(\t\"#\n\x10\x43\x61ncelTurnAction\x12\x0f\n\x07turn_id\x18\x01 \x01(\t\"\xd4\x07\n\x0c\x43hatResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07turn_id\x18\x02 \x01(\t\x12\x10\n\x08sequence\x18\x03 \x01(\x03\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12:\n\x0esession_opened\x18\x05 \x01(\x0b\x32 .ballet.planner.v1.SessionOpenedH\x00\x12>\n\x10message_accepted\x18\x06 \x01(\x0b\x32\".ballet.planner.v1.MessageAcceptedH\x00\x12\x36\n\x0cturn_started\x18\x07 \x01(\x0b\x32\x1e.ballet.planner.v1.TurnStartedH\x00\x12\x32\n\ntext_delta\x18\x08 \x01(\x0b\x32\x1c.ballet.planner.v1.TextDeltaH\x00\x12@\n\x11\x61ssistant_message\x18\t \x01(\x0b\x32#.ballet.planner.v1.AssistantMessageH\x00\x12?\n\x11tool_call_started\x18\n \x01(\x0b\x32\".ballet.planner.v1.ToolCallStartedH\x00\x12\x41\n\x12tool_call_finished\x18\x0b \x01(\x0b\x32#.ballet.planner.v1.ToolCallFinishedH\x00\x12\x42\n\x12\x63hangeset_proposed\x18\x0c \x01(\x0b\x32$.ballet.planner.v1.ChangesetProposedH\x00\x12@\n\x11knowledge_written\x18\r \x01(\x0b\x32#.ballet.planner.v1.KnowledgeWrittenH\x00\x12\x31\n\tcompacted\x18\x0e \x01(\x0b\x32\x1c.ballet.planner.v1.CompactedH\x00\x12\x32\n\nturn_ended\x18\x0f \x01(\x0b\x32\x1c.ballet.planner.v1.TurnEndedH\x00\x12#\n\x05\x65rror\x18\x10 \x01(\x0b\x32\x12.google.rpc.StatusH\x00\x12\x41\n\x12tool_call_progress\x18\x11 \x01(\x0b\x32#.ballet.planner.v1.ToolCallProgressH\x00\x12\x31\n\theartbeat\x18\x12 \x01(\x0b\x32\x1c.ballet.planner.v1.HeartbeatH\x00\x12:\n\x0emessage_queued\x18\x1e \x01(\x0b\x32 .ballet.planner.v1.MessageQueuedH\x00\x42\x07\n\x05\x65vent\"\x0b\n\tHeartbeat\"<\n\rSessionOpened\x12+\n\x07session\x18\x01 \x01(\x0b\x32\x1a.ballet.planner.v1.Session\"s\n\rMessageQueued\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x16\n\x0e\x62\x65hind_turn_id\x18\x02 \x01(\t\x12*\n\x07on_busy\x18\x03 \x01(\x0e\x32\x19.ballet.planner.v1.OnBusy\x12\x10\n\x08human_id\x18\x04 \x01(\t\">\n\x0fMessageAccepted\x12+\n\x07message\x18\x01 \x01(\x0b\x32\x1a.ballet.planner.v1.Message\"0\n\x0bTurnStarted\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nmax_rounds\x18\x02 \x01(\x05\"=\n\tTextDelta\x12\x12\n\nmessage_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\"J\n\x10ToolCallProgress\x12\x14\n\x0ctool_call_id\x18\x01 \x01(\t\x12\x11\n\ttool_name\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\x05\"?\n\x10\x41ssistantMessage\x12+\n\x07message\x18\x01 \x01(\x0b\x32\x1a.ballet.planner.v1.Message\">\n\x0fToolCallStarted\x12+\n\x07message\x18\x01 \x01(\x0b\x32\x1a.ballet.planner.v1.Message\"?\n\x10ToolCallFinished\x12+\n\x07message\x18\x01 \x01(\x0b\x32\x1a.ballet.planner.v1.Message\"?\n\x11\x43hangesetProposed\x12\x14\n\x0c\x63hangeset_id\x18\x01 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x02 \x01(\t\"K\n\x10KnowledgeWritten\x12\x10\n\x08\x65ntry_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x14\n\x0ctool_call_id\x18\x03 \x01(\t\"a\n\tCompacted\x12\r\n\x05up_to\x18\x01 \x01(\x03\x12\x18\n\x10\x65stimated_tokens\x18\x02 \x01(\x03\x12+\n\x07message\x18\x03 \x01(\x0b\x32\x1a.ballet.planner.v1.Message\"\xec\x01\n\tTurnEnded\x12\x30\n\x06reason\x18\x01 \x01(\x0e\x32 .ballet.planner.v1.TurnEndReason\x12\'\n\x05usage\x18\x02 \x01(\x0b\x32\x18.ballet.planner.v1.Usage\x12\x32\n\x10\x63ompaction_usage\x18\x03 \x01(\x0b\x32\x18.ballet.planner.v1.Usage\x12\x0e\n\x06rounds\x18\x04 \x01(\x05\x12)\n\nerror_info\x18\x05 \x01(\x0b\x32\x15.google.rpc.ErrorInfo\x12\x15\n\rerror_message\x18\x06 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,35 +39,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_OPENACTION']._serialized_start=358
   _globals['_OPENACTION']._serialized_end=449
   _globals['_SENDMESSAGEACTION']._serialized_start=451
-  _globals['_SENDMESSAGEACTION']._serialized_end=484
-  _globals['_CANCELTURNACTION']._serialized_start=486
-  _globals['_CANCELTURNACTION']._serialized_end=521
-  _globals['_CHATRESPONSE']._serialized_start=524
-  _globals['_CHATRESPONSE']._serialized_end=1444
-  _globals['_HEARTBEAT']._serialized_start=1446
-  _globals['_HEARTBEAT']._serialized_end=1457
-  _globals['_SESSIONOPENED']._serialized_start=1459
-  _globals['_SESSIONOPENED']._serialized_end=1519
-  _globals['_MESSAGEACCEPTED']._serialized_start=1521
-  _globals['_MESSAGEACCEPTED']._serialized_end=1583
-  _globals['_TURNSTARTED']._serialized_start=1585
-  _globals['_TURNSTARTED']._serialized_end=1633
-  _globals['_TEXTDELTA']._serialized_start=1635
-  _globals['_TEXTDELTA']._serialized_end=1696
-  _globals['_TOOLCALLPROGRESS']._serialized_start=1698
-  _globals['_TOOLCALLPROGRESS']._serialized_end=1772
-  _globals['_ASSISTANTMESSAGE']._serialized_start=1774
-  _globals['_ASSISTANTMESSAGE']._serialized_end=1837
-  _globals['_TOOLCALLSTARTED']._serialized_start=1839
-  _globals['_TOOLCALLSTARTED']._serialized_end=1901
-  _globals['_TOOLCALLFINISHED']._serialized_start=1903
-  _globals['_TOOLCALLFINISHED']._serialized_end=1966
-  _globals['_CHANGESETPROPOSED']._serialized_start=1968
-  _globals['_CHANGESETPROPOSED']._serialized_end=2031
-  _globals['_KNOWLEDGEWRITTEN']._serialized_start=2033
-  _globals['_KNOWLEDGEWRITTEN']._serialized_end=2108
-  _globals['_COMPACTED']._serialized_start=2110
-  _globals['_COMPACTED']._serialized_end=2207
-  _globals['_TURNENDED']._serialized_start=2210
-  _globals['_TURNENDED']._serialized_end=2446
+  _globals['_SENDMESSAGEACTION']._serialized_end=528
+  _globals['_CANCELTURNACTION']._serialized_start=530
+  _globals['_CANCELTURNACTION']._serialized_end=565
+  _globals['_CHATRESPONSE']._serialized_start=568
+  _globals['_CHATRESPONSE']._serialized_end=1548
+  _globals['_HEARTBEAT']._serialized_start=1550
+  _globals['_HEARTBEAT']._serialized_end=1561
+  _globals['_SESSIONOPENED']._serialized_start=1563
+  _globals['_SESSIONOPENED']._serialized_end=1623
+  _globals['_MESSAGEQUEUED']._serialized_start=1625
+  _globals['_MESSAGEQUEUED']._serialized_end=1740
+  _globals['_MESSAGEACCEPTED']._serialized_start=1742
+  _globals['_MESSAGEACCEPTED']._serialized_end=1804
+  _globals['_TURNSTARTED']._serialized_start=1806
+  _globals['_TURNSTARTED']._serialized_end=1854
+  _globals['_TEXTDELTA']._serialized_start=1856
+  _globals['_TEXTDELTA']._serialized_end=1917
+  _globals['_TOOLCALLPROGRESS']._serialized_start=1919
+  _globals['_TOOLCALLPROGRESS']._serialized_end=1993
+  _globals['_ASSISTANTMESSAGE']._serialized_start=1995
+  _globals['_ASSISTANTMESSAGE']._serialized_end=2058
+  _globals['_TOOLCALLSTARTED']._serialized_start=2060
+  _globals['_TOOLCALLSTARTED']._serialized_end=2122
+  _globals['_TOOLCALLFINISHED']._serialized_start=2124
+  _globals['_TOOLCALLFINISHED']._serialized_end=2187
+  _globals['_CHANGESETPROPOSED']._serialized_start=2189
+  _globals['_CHANGESETPROPOSED']._serialized_end=2252
+  _globals['_KNOWLEDGEWRITTEN']._serialized_start=2254
+  _globals['_KNOWLEDGEWRITTEN']._serialized_end=2329
+  _globals['_COMPACTED']._serialized_start=2331
+  _globals['_COMPACTED']._serialized_end=2428
+  _globals['_TURNENDED']._serialized_start=2431
+  _globals['_TURNENDED']._serialized_end=2667
 # @@protoc_insertion_point(module_scope)

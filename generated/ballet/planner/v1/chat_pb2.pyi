@@ -101,17 +101,21 @@ class SendMessageAction(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    ON_BUSY_FIELD_NUMBER: _builtins.int
     TEXT_FIELD_NUMBER: _builtins.int
+    on_busy: _resources_pb2.OnBusy.ValueType
+    """What to do when a turn of the session runs; unspecified means ON_BUSY_REJECT."""
     text: _builtins.str
     """The human's message, at most 32 KiB of UTF-8."""
     def __init__(
         self,
         *,
+        on_busy: _resources_pb2.OnBusy.ValueType = ...,
         text: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["text", b"text"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["on_busy", b"on_busy", "text", b"text"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -163,6 +167,7 @@ class ChatResponse(_message.Message):
     ERROR_FIELD_NUMBER: _builtins.int
     TOOL_CALL_PROGRESS_FIELD_NUMBER: _builtins.int
     HEARTBEAT_FIELD_NUMBER: _builtins.int
+    MESSAGE_QUEUED_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The session the event belongs to."""
     turn_id: _builtins.str
@@ -232,6 +237,10 @@ class ChatResponse(_message.Message):
         an idle stream, so that proxies with an idle timeout keep it open.
         """
 
+    @_builtins.property
+    def message_queued(self) -> Global___MessageQueued:
+        """A human message was stored as a queued turn (turn_id) that runs later."""
+
     def __init__(
         self,
         *,
@@ -253,12 +262,13 @@ class ChatResponse(_message.Message):
         error: _status_pb2.Status | None = ...,
         tool_call_progress: Global___ToolCallProgress | None = ...,
         heartbeat: Global___Heartbeat | None = ...,
+        message_queued: Global___MessageQueued | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["assistant_message", b"assistant_message", "changeset_proposed", b"changeset_proposed", "compacted", b"compacted", "error", b"error", "event", b"event", "heartbeat", b"heartbeat", "knowledge_written", b"knowledge_written", "message_accepted", b"message_accepted", "session_opened", b"session_opened", "text_delta", b"text_delta", "tool_call_finished", b"tool_call_finished", "tool_call_progress", b"tool_call_progress", "tool_call_started", b"tool_call_started", "turn_ended", b"turn_ended", "turn_started", b"turn_started"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["assistant_message", b"assistant_message", "changeset_proposed", b"changeset_proposed", "compacted", b"compacted", "error", b"error", "event", b"event", "heartbeat", b"heartbeat", "knowledge_written", b"knowledge_written", "message_accepted", b"message_accepted", "message_queued", b"message_queued", "session_opened", b"session_opened", "text_delta", b"text_delta", "tool_call_finished", b"tool_call_finished", "tool_call_progress", b"tool_call_progress", "tool_call_started", b"tool_call_started", "turn_ended", b"turn_ended", "turn_started", b"turn_started"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["assistant_message", b"assistant_message", "changeset_proposed", b"changeset_proposed", "compacted", b"compacted", "error", b"error", "event", b"event", "heartbeat", b"heartbeat", "knowledge_written", b"knowledge_written", "message_accepted", b"message_accepted", "request_id", b"request_id", "sequence", b"sequence", "session_id", b"session_id", "session_opened", b"session_opened", "text_delta", b"text_delta", "tool_call_finished", b"tool_call_finished", "tool_call_progress", b"tool_call_progress", "tool_call_started", b"tool_call_started", "turn_ended", b"turn_ended", "turn_id", b"turn_id", "turn_started", b"turn_started"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assistant_message", b"assistant_message", "changeset_proposed", b"changeset_proposed", "compacted", b"compacted", "error", b"error", "event", b"event", "heartbeat", b"heartbeat", "knowledge_written", b"knowledge_written", "message_accepted", b"message_accepted", "message_queued", b"message_queued", "request_id", b"request_id", "sequence", b"sequence", "session_id", b"session_id", "session_opened", b"session_opened", "text_delta", b"text_delta", "tool_call_finished", b"tool_call_finished", "tool_call_progress", b"tool_call_progress", "tool_call_started", b"tool_call_started", "turn_ended", b"turn_ended", "turn_id", b"turn_id", "turn_started", b"turn_started"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["session_opened", "message_accepted", "turn_started", "text_delta", "assistant_message", "tool_call_started", "tool_call_finished", "changeset_proposed", "knowledge_written", "compacted", "turn_ended", "error", "tool_call_progress", "heartbeat"]  # noqa: Y015
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["session_opened", "message_accepted", "turn_started", "text_delta", "assistant_message", "tool_call_started", "tool_call_finished", "changeset_proposed", "knowledge_written", "compacted", "turn_ended", "error", "tool_call_progress", "heartbeat", "message_queued"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 
@@ -304,6 +314,42 @@ class SessionOpened(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SessionOpened: _TypeAlias = SessionOpened  # noqa: Y015
+
+@_typing.final
+class MessageQueued(_message.Message):
+    """A human message was stored as a queued turn: on_busy ENQUEUE or INTERRUPT while a
+    turn ran. Its transcript message is stored (message_accepted) when its turn starts.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEXT_FIELD_NUMBER: _builtins.int
+    BEHIND_TURN_ID_FIELD_NUMBER: _builtins.int
+    ON_BUSY_FIELD_NUMBER: _builtins.int
+    HUMAN_ID_FIELD_NUMBER: _builtins.int
+    text: _builtins.str
+    """The text of the queued message."""
+    behind_turn_id: _builtins.str
+    """The turn the queued turn waits behind: the running turn or the last queued one."""
+    on_busy: _resources_pb2.OnBusy.ValueType
+    """The strategy the message was sent with."""
+    human_id: _builtins.str
+    """The human who sent the message."""
+    def __init__(
+        self,
+        *,
+        text: _builtins.str = ...,
+        behind_turn_id: _builtins.str = ...,
+        on_busy: _resources_pb2.OnBusy.ValueType = ...,
+        human_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["behind_turn_id", b"behind_turn_id", "human_id", b"human_id", "on_busy", b"on_busy", "text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MessageQueued: _TypeAlias = MessageQueued  # noqa: Y015
 
 @_typing.final
 class MessageAccepted(_message.Message):

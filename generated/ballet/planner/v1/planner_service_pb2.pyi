@@ -448,22 +448,28 @@ class SendMessageRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
     TEXT_FIELD_NUMBER: _builtins.int
+    ON_BUSY_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """An idempotency key of at most 64 characters (AIP-155); required."""
     session_id: _builtins.str
     """The session to send the message in."""
     text: _builtins.str
     """The human's message, at most 32 KiB of UTF-8."""
+    on_busy: _resources_pb2.OnBusy.ValueType
+    """What to do when a turn of the session runs; unspecified means ON_BUSY_REJECT.
+    A queued message is answered at once (disposition QUEUED, the turn QUEUED).
+    """
     def __init__(
         self,
         *,
         request_id: _builtins.str = ...,
         session_id: _builtins.str = ...,
         text: _builtins.str = ...,
+        on_busy: _resources_pb2.OnBusy.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id", "session_id", b"session_id", "text", b"text"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["on_busy", b"on_busy", "request_id", b"request_id", "session_id", b"session_id", "text", b"text"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -477,23 +483,29 @@ class SendMessageResponse(_message.Message):
 
     TURN_FIELD_NUMBER: _builtins.int
     MESSAGES_FIELD_NUMBER: _builtins.int
+    DISPOSITION_FIELD_NUMBER: _builtins.int
+    disposition: _resources_pb2.MessageDisposition.ValueType
+    """What became of the message: started (the turn ran and ended) or queued."""
     @_builtins.property
     def turn(self) -> _resources_pb2.Turn:
         """The turn the message started, ended."""
 
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[_resources_pb2.Message]:
-        """The turn's messages, the human message first, in sequence order."""
+        """The turn's messages, the human message first, in sequence order; empty for a
+        queued message.
+        """
 
     def __init__(
         self,
         *,
         turn: _resources_pb2.Turn | None = ...,
         messages: _abc.Iterable[_resources_pb2.Message] | None = ...,
+        disposition: _resources_pb2.MessageDisposition.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["turn", b"turn"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages", "turn", b"turn"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["disposition", b"disposition", "messages", b"messages", "turn", b"turn"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -67,6 +67,10 @@ class _TurnStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TurnState.V
     """The turn is running."""
     TURN_STATE_ENDED: _TurnState.ValueType  # 2
     """The turn has ended; its end reason says how."""
+    TURN_STATE_QUEUED: _TurnState.ValueType  # 3
+    """The turn waits for the running turn of its session to end (on_busy ENQUEUE,
+    INTERRUPT, or a JOIN that came too late); it runs next, in acceptance order.
+    """
 
 class TurnState(_TurnState, metaclass=_TurnStateEnumTypeWrapper):
     """The state of a turn."""
@@ -77,6 +81,10 @@ TURN_STATE_RUNNING: TurnState.ValueType  # 1
 """The turn is running."""
 TURN_STATE_ENDED: TurnState.ValueType  # 2
 """The turn has ended; its end reason says how."""
+TURN_STATE_QUEUED: TurnState.ValueType  # 3
+"""The turn waits for the running turn of its session to end (on_busy ENQUEUE,
+INTERRUPT, or a JOIN that came too late); it runs next, in acceptance order.
+"""
 Global___TurnState: _TypeAlias = TurnState  # noqa: Y015
 
 class _TurnEndReason:
@@ -97,6 +105,20 @@ class _TurnEndReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TurnEnd
     """A failure that retries could not fix ended the turn."""
     TURN_END_REASON_INTERRUPTED: _TurnEndReason.ValueType  # 5
     """The replica running the turn stopped or lost its lease."""
+    TURN_END_REASON_OUTPUT_LIMIT: _TurnEndReason.ValueType  # 6
+    """An answer stopped at its output cap (planner.max_output_tokens, or what was left of
+    the window or of the turn's token budget): a text answer cut there, or a second
+    answer of the turn cut inside a tool call. The cut answer is stored and shown.
+    """
+    TURN_END_REASON_BUDGET_EXHAUSTED: _TurnEndReason.ValueType  # 7
+    """The next model request or tool call would not fit one of the turn's budgets
+    (planner.turn_max_model_requests, turn_max_tool_calls, turn_max_tokens); the turn
+    ended before it was made.
+    """
+    TURN_END_REASON_INTERRUPTED_BY_MESSAGE: _TurnEndReason.ValueType  # 10
+    """A message sent with on_busy INTERRUPT stopped the turn (as CancelTurn stops one);
+    that message's turn runs next, seeing this turn's transcript.
+    """
 
 class TurnEndReason(_TurnEndReason, metaclass=_TurnEndReasonEnumTypeWrapper):
     """Why a turn ended (docs/spec/turn-loop.md)."""
@@ -113,7 +135,97 @@ TURN_END_REASON_FAILED: TurnEndReason.ValueType  # 4
 """A failure that retries could not fix ended the turn."""
 TURN_END_REASON_INTERRUPTED: TurnEndReason.ValueType  # 5
 """The replica running the turn stopped or lost its lease."""
+TURN_END_REASON_OUTPUT_LIMIT: TurnEndReason.ValueType  # 6
+"""An answer stopped at its output cap (planner.max_output_tokens, or what was left of
+the window or of the turn's token budget): a text answer cut there, or a second
+answer of the turn cut inside a tool call. The cut answer is stored and shown.
+"""
+TURN_END_REASON_BUDGET_EXHAUSTED: TurnEndReason.ValueType  # 7
+"""The next model request or tool call would not fit one of the turn's budgets
+(planner.turn_max_model_requests, turn_max_tool_calls, turn_max_tokens); the turn
+ended before it was made.
+"""
+TURN_END_REASON_INTERRUPTED_BY_MESSAGE: TurnEndReason.ValueType  # 10
+"""A message sent with on_busy INTERRUPT stopped the turn (as CancelTurn stops one);
+that message's turn runs next, seeing this turn's transcript.
+"""
 Global___TurnEndReason: _TypeAlias = TurnEndReason  # noqa: Y015
+
+class _OnBusy:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _OnBusyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_OnBusy.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ON_BUSY_UNSPECIFIED: _OnBusy.ValueType  # 0
+    """Treated as ON_BUSY_REJECT."""
+    ON_BUSY_REJECT: _OnBusy.ValueType  # 1
+    """Refuse the message: FAILED_PRECONDITION with reason TURN_IN_PROGRESS."""
+    ON_BUSY_ENQUEUE: _OnBusy.ValueType  # 2
+    """Store the message at once as a queued turn that runs when the turns before it end,
+    however they end.
+    """
+    ON_BUSY_INTERRUPT: _OnBusy.ValueType  # 3
+    """Stop the running turn as CancelTurn does (it ends
+    TURN_END_REASON_INTERRUPTED_BY_MESSAGE), then run this message's turn next.
+    """
+    ON_BUSY_JOIN: _OnBusy.ValueType  # 4
+    """Add the message to the running turn's next model request, after the current
+    round's tool results; if the turn makes no further model request, the message runs
+    next as if enqueued.
+    """
+
+class OnBusy(_OnBusy, metaclass=_OnBusyEnumTypeWrapper):
+    """What the planner does with a human message that arrives while a turn of its session
+    runs (docs/clients.md). There is no rollback: the transcript stays complete.
+    """
+
+ON_BUSY_UNSPECIFIED: OnBusy.ValueType  # 0
+"""Treated as ON_BUSY_REJECT."""
+ON_BUSY_REJECT: OnBusy.ValueType  # 1
+"""Refuse the message: FAILED_PRECONDITION with reason TURN_IN_PROGRESS."""
+ON_BUSY_ENQUEUE: OnBusy.ValueType  # 2
+"""Store the message at once as a queued turn that runs when the turns before it end,
+however they end.
+"""
+ON_BUSY_INTERRUPT: OnBusy.ValueType  # 3
+"""Stop the running turn as CancelTurn does (it ends
+TURN_END_REASON_INTERRUPTED_BY_MESSAGE), then run this message's turn next.
+"""
+ON_BUSY_JOIN: OnBusy.ValueType  # 4
+"""Add the message to the running turn's next model request, after the current
+round's tool results; if the turn makes no further model request, the message runs
+next as if enqueued.
+"""
+Global___OnBusy: _TypeAlias = OnBusy  # noqa: Y015
+
+class _MessageDisposition:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _MessageDispositionEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_MessageDisposition.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    MESSAGE_DISPOSITION_UNSPECIFIED: _MessageDisposition.ValueType  # 0
+    """Never sent."""
+    MESSAGE_DISPOSITION_STARTED: _MessageDisposition.ValueType  # 1
+    """The message started a turn at once."""
+    MESSAGE_DISPOSITION_QUEUED: _MessageDisposition.ValueType  # 2
+    """The message waits as a queued turn (state TURN_STATE_QUEUED)."""
+    MESSAGE_DISPOSITION_JOINED: _MessageDisposition.ValueType  # 3
+    """The message joined the running turn."""
+
+class MessageDisposition(_MessageDisposition, metaclass=_MessageDispositionEnumTypeWrapper):
+    """What became of a sent message."""
+
+MESSAGE_DISPOSITION_UNSPECIFIED: MessageDisposition.ValueType  # 0
+"""Never sent."""
+MESSAGE_DISPOSITION_STARTED: MessageDisposition.ValueType  # 1
+"""The message started a turn at once."""
+MESSAGE_DISPOSITION_QUEUED: MessageDisposition.ValueType  # 2
+"""The message waits as a queued turn (state TURN_STATE_QUEUED)."""
+MESSAGE_DISPOSITION_JOINED: MessageDisposition.ValueType  # 3
+"""The message joined the running turn."""
+Global___MessageDisposition: _TypeAlias = MessageDisposition  # noqa: Y015
 
 @_typing.final
 class Session(_message.Message):
@@ -234,6 +346,7 @@ class Message(_message.Message):
     PROVIDER_TOOL_CALL_ID_FIELD_NUMBER: _builtins.int
     TRUNCATED_FIELD_NUMBER: _builtins.int
     ORIGINAL_BYTES_FIELD_NUMBER: _builtins.int
+    SERVED_MODEL_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The session the message belongs to."""
     sequence: _builtins.int
@@ -290,6 +403,10 @@ class Message(_message.Message):
     """For a truncated copy, the size in UTF-8 bytes of its longest field in the stored
     message; 0 otherwise.
     """
+    served_model: _builtins.str
+    """For an assistant answer, the model that made it as the model server reported it
+    (e.g. a local server's loaded file); empty when the server reported none.
+    """
     @_builtins.property
     def usage(self) -> Global___Usage:
         """The usage reported for an assistant answer."""
@@ -322,10 +439,11 @@ class Message(_message.Message):
         provider_tool_call_id: _builtins.str = ...,
         truncated: _builtins.bool = ...,
         original_bytes: _builtins.int = ...,
+        served_model: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "cut", b"cut", "estimated_tokens", b"estimated_tokens", "finish_reason", b"finish_reason", "human_id", b"human_id", "kind", b"kind", "message_id", b"message_id", "original_bytes", b"original_bytes", "provider_tool_call_id", b"provider_tool_call_id", "sequence", b"sequence", "session_id", b"session_id", "text", b"text", "tool_arguments", b"tool_arguments", "tool_call_id", b"tool_call_id", "tool_error", b"tool_error", "tool_name", b"tool_name", "tool_result", b"tool_result", "truncated", b"truncated", "turn_id", b"turn_id", "up_to", b"up_to", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "cut", b"cut", "estimated_tokens", b"estimated_tokens", "finish_reason", b"finish_reason", "human_id", b"human_id", "kind", b"kind", "message_id", b"message_id", "original_bytes", b"original_bytes", "provider_tool_call_id", b"provider_tool_call_id", "sequence", b"sequence", "served_model", b"served_model", "session_id", b"session_id", "text", b"text", "tool_arguments", b"tool_arguments", "tool_call_id", b"tool_call_id", "tool_error", b"tool_error", "tool_name", b"tool_name", "tool_result", b"tool_result", "truncated", b"truncated", "turn_id", b"turn_id", "up_to", b"up_to", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -354,6 +472,8 @@ class Turn(_message.Message):
     START_TIME_FIELD_NUMBER: _builtins.int
     END_TIME_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    BEHIND_TURN_ID_FIELD_NUMBER: _builtins.int
+    QUEUED_TEXT_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The session the turn belongs to."""
     turn_id: _builtins.str
@@ -378,6 +498,14 @@ class Turn(_message.Message):
     """The sequence of the human message that started the turn."""
     request_id: _builtins.str
     """The request id of the message that started the turn."""
+    behind_turn_id: _builtins.str
+    """For a turn that was queued, the turn it waited behind when its message was
+    accepted (the running turn, or the last queued one); empty otherwise.
+    """
+    queued_text: _builtins.str
+    """For a queued turn, the text of the message it will answer; empty once it runs
+    (the transcript then holds the message at human_sequence).
+    """
     @_builtins.property
     def error_info(self) -> _error_details_pb2.ErrorInfo:
         """For a failed turn, the reason with domain planner.ballet."""
@@ -418,10 +546,12 @@ class Turn(_message.Message):
         start_time: _timestamp_pb2.Timestamp | None = ...,
         end_time: _timestamp_pb2.Timestamp | None = ...,
         request_id: _builtins.str = ...,
+        behind_turn_id: _builtins.str = ...,
+        queued_text: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["compaction_usage", b"compaction_usage", "end_time", b"end_time", "error_info", b"error_info", "start_time", b"start_time", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compaction_usage", b"compaction_usage", "end_reason", b"end_reason", "end_time", b"end_time", "error_info", b"error_info", "human_sequence", b"human_sequence", "instructions_version", b"instructions_version", "model", b"model", "request_id", b"request_id", "rounds", b"rounds", "session_id", b"session_id", "skill_name", b"skill_name", "skill_version", b"skill_version", "start_time", b"start_time", "state", b"state", "tool_schema_version", b"tool_schema_version", "turn_id", b"turn_id", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["behind_turn_id", b"behind_turn_id", "compaction_usage", b"compaction_usage", "end_reason", b"end_reason", "end_time", b"end_time", "error_info", b"error_info", "human_sequence", b"human_sequence", "instructions_version", b"instructions_version", "model", b"model", "queued_text", b"queued_text", "request_id", b"request_id", "rounds", b"rounds", "session_id", b"session_id", "skill_name", b"skill_name", "skill_version", b"skill_version", "start_time", b"start_time", "state", b"state", "tool_schema_version", b"tool_schema_version", "turn_id", b"turn_id", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
