@@ -1,5 +1,5 @@
-"""A database black hole, for real (decision 0315; Done-when 1 of issue 31 with bounds
-shortened by configuration).
+"""A database black hole, for real (decisions 0310 and 0315; bounds shortened by
+configuration).
 
 PostgreSQL runs in a network namespace of its own; iptables DROP rules inside it make it
 silent: no reset, no answer, as a failed host or a partition. The store is opened as the
