@@ -21,9 +21,10 @@ import signal
 import sys
 from pathlib import Path
 
+from bench.context import log
 from bench.procs import REPO_ROOT
 from bench.report import markdown, write
-from bench.runner import Options, log, run
+from bench.runner import Options, run
 
 
 def parse_args(argv: list[str] | None = None) -> Options:

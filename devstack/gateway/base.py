@@ -122,6 +122,8 @@ class FinishChunk:
     reason: FinishReason
     usage: Usage | None = None
     provider_reason: str = ""
+    #: The model that answered as the server reported it (a chunk's `model`); "" if none.
+    model: str = ""
 
 
 ProviderChunk = (

@@ -267,6 +267,7 @@ class ChunkReader:
         self.done = False
         self.refused = False
         self.usage: Usage | None = None
+        self.model = ""
         self.state = StreamState()
 
     def event(self, event: _Event) -> list[ProviderChunk]:
@@ -285,6 +286,9 @@ class ChunkReader:
             raise _malformed(f"a chunk that is not a JSON object ({data[:80]!r})")
         if event.event == "error" or chunk.get("error") is not None:
             raise _stream_error(chunk.get("error", chunk))
+        model = chunk.get("model")
+        if isinstance(model, str) and model and not self.model:
+            self.model = model[:200]
         usage = chunk.get("usage")
         if isinstance(usage, dict):
             self.usage = Usage(
@@ -327,7 +331,7 @@ class ChunkReader:
         """The finish of a body that ended (see the module docstring)."""
         provider_reason = self.finish_reason or ""
         if self.finish_reason is None and not self.done:
-            return FinishChunk(FinishReason.TRUNCATED, self.usage, provider_reason)
+            return FinishChunk(FinishReason.TRUNCATED, self.usage, provider_reason, self.model)
         if self.finish_reason == "error":
             raise ProviderError(
                 grpc.StatusCode.UNAVAILABLE,
@@ -340,7 +344,7 @@ class ChunkReader:
         if reason is FinishReason.STOP and self.calls.calls:
             # Some local servers finish tool calls with "stop".
             reason = FinishReason.TOOL_CALLS
-        return FinishChunk(reason, self.usage, provider_reason)
+        return FinishChunk(reason, self.usage, provider_reason, self.model)
 
 
 async def read_stream(

@@ -679,6 +679,13 @@ def readable_result(content: str) -> str:
                 lines.append(f"(no {key})")
         elif isinstance(field_value, dict):
             lines.append(f"{key.replace('_', ' ')}: {_one_line(field_value)}")
+            # Its own lists (a changeset's operations), one element a line below it.
+            lines.extend(
+                f"  - {_one_line(element)}"
+                for inner in field_value.values()
+                if isinstance(inner, list)
+                for element in inner
+            )
         elif field_value not in (None, ""):
             lines.append(f"{key.replace('_', ' ')}: {field_value}")
     if len(lines) > RESULT_LINES:
@@ -691,6 +698,11 @@ def _one_line(element: object) -> str:
     an id and a title or name; its fields ``key value`` otherwise."""
     if not isinstance(element, dict):
         return json.dumps(element, ensure_ascii=False)
+    if len(element) == 1:
+        # {"create_item": {...}}: what it does, then what it is.
+        ((key, inner),) = element.items()
+        if isinstance(inner, dict):
+            return f"{key.replace('_', ' ')}: {_one_line(inner)}"
     rest = dict(element)
     ident = next((rest.pop(k) for k in list(rest) if k == "id" or k.endswith("_id")), None)
     title = next((rest.pop(k) for k in ("title", "name", "summary") if k in rest), None)

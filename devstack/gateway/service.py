@@ -9,7 +9,9 @@ refuses a request without `project_id` or `credential_ref`, with purpose
 unspecified, or with a message whose role is unspecified (INVALID_ARGUMENT); otherwise it
 streams the provider's answer as `GenerateResponse` chunks as they come (text deltas,
 reasoning activity, tool-call starts and argument deltas), then, when the answer ended
-whole (finish STOP or TOOL_CALLS), the complete calls in index order, then the finish.
+whole (finish STOP or TOOL_CALLS) or at the output limit (LENGTH), the calls in index
+order (at the limit, one whose arguments are not a complete JSON object marked `cut`),
+then the finish with the model the server reported.
 It meters finished calls in the `UsageLedger` (a truncated answer too: the provider
 charged for it), and turns a `ProviderError` into a `google.rpc.Status` with exactly one
 `ErrorInfo` (domain `llm.ballet`, AIP-193) plus a `RetryInfo` when the provider said
@@ -23,6 +25,7 @@ in arrival order, so tests can assert on exactly what the model saw.
 
 from __future__ import annotations
 
+import json
 import logging
 import traceback
 from collections.abc import AsyncIterator
@@ -238,15 +241,25 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             finish.reason.value,
             finish.usage,
         )
-        if finish.reason.whole:
+        if finish.reason.whole or finish.reason is FinishReason.LENGTH:
+            # At the output limit the complete calls are sent too, and a call whose
+            # arguments are not a complete JSON object is marked cut: the limit stopped
+            # inside it (servers such as llama.cpp emit a call only once parsed).
+            cut_answer = finish.reason is FinishReason.LENGTH
             for call in answer.calls:
+                arguments = "".join(call.arguments)
                 yield gateway_pb2.GenerateResponse(
                     tool_call=gateway_pb2.ToolCall(
-                        id=call.id, name=call.name, arguments="".join(call.arguments)
+                        id=call.id,
+                        name=call.name,
+                        arguments=arguments,
+                        cut=cut_answer and not _json_object(arguments),
                     )
                 )
         response_finish = gateway_pb2.Finish(
-            reason=_FINISH_REASONS[finish.reason], provider_reason=finish.provider_reason
+            reason=_FINISH_REASONS[finish.reason],
+            provider_reason=finish.provider_reason,
+            model=finish.model,
         )
         if finish.usage is not None:
             response_finish.usage.CopyFrom(
@@ -369,3 +382,11 @@ def add_gateway_service(
     servicer = GatewayServicer(provider, trust=trust, ledger=ledger)
     gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
     return servicer
+
+
+def _json_object(arguments: str) -> bool:
+    """Whether ``arguments`` is a complete JSON object."""
+    try:
+        return isinstance(json.loads(arguments), dict)
+    except ValueError:
+        return False

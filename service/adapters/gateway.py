@@ -127,6 +127,8 @@ class _Attempt:
     positions: dict[int, int] = field(default_factory=dict)
     started: list[tuple[str, str]] = field(default_factory=list)
     calls: list[ToolCall] = field(default_factory=list)
+    #: Positions of the calls the gateway marked cut (``ToolCall.cut``, decision 0292).
+    cut: set[int] = field(default_factory=set)
 
 
 class GrpcModelGateway:
@@ -357,6 +359,8 @@ class GrpcModelGateway:
             state.calls.append(
                 ToolCall(_storable(tc.id), _storable(tc.name), _storable(tc.arguments))
             )
+            if tc.cut:
+                state.cut.add(position)
             if position < len(state.started):
                 return []
             # An older gateway sends no starts: the complete call is its start.
@@ -393,7 +397,18 @@ def _finish(finish: gateway_pb2.Finish, state: _Attempt) -> list[ModelChunk]:
     )
     reason = _FINISH.get(finish.reason, FinishReason.UNSPECIFIED)
     chunks: list[ModelChunk] = []
-    if reason in _WHOLE:
+    if reason is FinishReason.LENGTH:
+        # Stopped at the output limit (decision 0292): the calls the gateway sent are
+        # passed on, those it marked cut marked so; a call started but never sent is
+        # the one the limit cut.
+        chunks = [
+            ToolCallChunk(call, index, cut=index in state.cut)
+            for index, call in enumerate(state.calls)
+        ]
+        for position in range(len(state.calls), len(state.started)):
+            call_id, name = state.started[position]
+            chunks.append(ToolCallChunk(ToolCall(call_id, name, ""), position, cut=True))
+    elif reason in _WHOLE:
         chunks = [ToolCallChunk(call, index) for index, call in enumerate(state.calls)]
         # A call the gateway started but never sent whole, in an answer that ended whole:
         # the model made it, so it gets an error result rather than vanishing.
@@ -402,9 +417,12 @@ def _finish(finish: gateway_pb2.Finish, state: _Attempt) -> list[ModelChunk]:
             chunks.append(
                 ToolCallChunk(ToolCall(call_id, name, ""), position, problem=_NEVER_SENT_WHOLE)
             )
-    chunks.append(FinishChunk(reason, usage))
+    chunks.append(FinishChunk(reason, usage, model=_storable(finish.model)[:MAX_MODEL_CHARS]))
     return chunks
 
+
+#: The longest served-model name kept (a server's model names are far shorter).
+MAX_MODEL_CHARS = 200
 
 _NEVER_SENT_WHOLE = (
     "the gateway sent the start of this tool call but never the call with its arguments"

@@ -35,6 +35,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import assert_never
 
 from service.core.errors import (
     FailedPrecondition,
@@ -364,9 +365,11 @@ class ChatStream:
             task = asyncio.get_running_loop().create_task(self._cancel(command))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-        else:
+        elif isinstance(command, Refused):
             log.info("chat: refused a client message: %s", command.error.reason)
             self._reply_error(command.error, command.request_id)
+        else:
+            assert_never(command)
 
     def _reply_error(self, error: Exception, request_id: str) -> None:
         session_id = self.session.session_id if self.session else ""

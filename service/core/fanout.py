@@ -98,8 +98,10 @@ HEARTBEAT = Heartbeat()
 
 #: What goes only to the stream whose client message it answers (``sequence`` 0).
 Reply = SessionOpened | ErrorReply | AcceptedAgain
+#: What a stream sends its client, one ``ChatResponse`` each.
+Response = SessionEvent | TextDelta | ToolCallProgress | Reply | Heartbeat
 #: Everything a stream's queue hands out, in the order the stream sends it.
-Outbound = SessionEvent | TextDelta | ToolCallProgress | Reply | Heartbeat | StreamEnd
+Outbound = Response | StreamEnd
 
 
 @dataclass(eq=False, slots=True)

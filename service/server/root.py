@@ -1,7 +1,9 @@
 """The composition root: settings in, a running planner out (docs/contributing.md).
 
-``start_planner(settings)`` wires everything and starts serving; ``service.server.serving.serve``
-does that, then waits for SIGTERM or SIGINT and shuts down gracefully. Nothing else in
+``start_planner(settings)`` is ``build_planner`` (a plain function: everything wired and
+the address bound, nothing started) and then ``PlannerApp.start()``, whose undoing is
+``PlannerApp.stop()`` beside it (decision 0333); ``service.server.serving.serve`` does
+that, then waits for SIGTERM or SIGINT and shuts down gracefully. Nothing else in
 the service builds engines, channels or servers, and nothing does I/O at import time.
 
 Start-up order: tracing, when the ``OTEL_*`` variables ask for it (``planner_tracing``;
@@ -30,7 +32,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -129,38 +131,51 @@ class StartupError(RuntimeError):
 # --------------------------------------------------------------------------- the app
 
 
-@dataclass
-class PlannerApp:
-    """A running planner. ``address`` and ``metrics_address`` are ``host:port`` as bound
-    (``metrics_address`` is empty when metrics are off)."""
+@dataclass(frozen=True)
+class PlannerParts:
+    """A planner built and bound but not started (``build_planner``): what ``PlannerApp``
+    starts and stops. ``address`` is ``host:port`` as bound."""
 
     settings: Settings
     address: str
-    metrics_address: str
-    metrics: Metrics
+    server: Any
     health: HealthServicer
-    store: SessionStore
+    metrics: Metrics
     database: Database
-    _server: Any
-    _engine: Any
-    _channels: Sequence[Any]
-    _metrics_server: MetricsServer | None
-    _turns: PlannerTurns
-    _tracing: Tracing | None = None
-    _retention: RetentionJob | None = None
-    _stopping: asyncio.Event = field(default_factory=asyncio.Event)
-    _monitor: asyncio.Task[None] | None = None
-    _stopped: asyncio.Future[None] | None = None
-    _deadline: float | None = None
-    _flushing: bool = False
-    #: After ``stop``: turns of this replica still running in the store (left for the
-    #: sweeper); None when the store could not tell, or a ``stop(0)`` did not ask.
-    turns_left_running: int | None = 0
+    channels: Sequence[Any]
+    turns: PlannerTurns
+    tracing: Tracing | None = None
+    retention: RetentionJob | None = None
+
+
+class PlannerApp:
+    """A planner: ``start()`` serves, ``stop()`` shuts down, in the reverse order.
+    ``address`` and ``metrics_address`` are ``host:port`` as bound (``metrics_address``
+    is empty when metrics are off, or before ``start``)."""
+
+    def __init__(self, parts: PlannerParts) -> None:
+        self.parts = parts
+        self.settings = parts.settings
+        self.address = parts.address
+        self.metrics_address = ""
+        self.metrics = parts.metrics
+        self.health = parts.health
+        self.database = parts.database
+        self.store: SessionStore = parts.database.sessions
+        #: After ``stop``: turns of this replica still running in the store (left for the
+        #: sweeper); None when the store could not tell, or a ``stop(0)`` did not ask.
+        self.turns_left_running: int | None = 0
+        self._metrics_server: MetricsServer | None = None
+        self._stopping = asyncio.Event()
+        self._monitor: asyncio.Task[None] | None = None
+        self._stopped: asyncio.Future[None] | None = None
+        self._deadline: float | None = None
+        self._flushing = False
 
     @property
     def running_turns(self) -> int:
         """Turns running in this process now."""
-        return self._turns.turns.running
+        return self.parts.turns.turns.running
 
     @property
     def turns_end_within_s(self) -> float:
@@ -170,6 +185,32 @@ class PlannerApp:
         settings = self.settings
         grace, cancel_grace = settings.server.grace_s, settings.planner.cancel_grace
         return max(0.0, grace - cancel_grace - SHUTDOWN_OVERHEAD_S)
+
+    async def start(self) -> None:
+        """Serve, in this order: the turns (start-up recovery, leases, the sweeper), the
+        gRPC server, health SERVING (and liveness), the database monitor, the metrics
+        endpoint, the retention job; ``stop`` undoes them in the reverse order. A failure
+        stops what started (``stop(0)``) and raises: ``StartupError`` when the metrics
+        address cannot be bound."""
+        parts, settings = self.parts, self.settings
+        try:
+            await parts.turns.start()
+            await parts.server.start()
+            await self._set_health(True)
+            await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+            self.metrics.database_up.set(1)
+            self._monitor = asyncio.get_running_loop().create_task(
+                self._watch_database(settings.server.health_check_interval_s),
+                name="health-monitor",
+            )
+            if settings.server.metrics_address:
+                self._metrics_server = _serve_metrics(self.metrics, settings)
+                self.metrics_address = self._metrics_server.address
+            if parts.retention is not None:
+                parts.retention.start()
+        except BaseException:
+            await self.stop(0)
+            raise
 
     async def stop(self, grace: float | None = None) -> None:
         """Shut down within ``grace`` seconds (default ``server.grace_s``): health
@@ -199,6 +240,7 @@ class PlannerApp:
         return max(0.0, self._deadline - time.monotonic())
 
     async def _shutdown(self) -> None:
+        parts = self.parts
         grace = self._remaining()
         await self.health.enter_graceful_shutdown()
         self.metrics.ready.set(0)
@@ -207,27 +249,27 @@ class PlannerApp:
         if self._monitor is not None:
             self._monitor.cancel()
             await asyncio.wait({self._monitor})
-        if self._retention is not None:  # its batch in progress ends, then the pass
-            await self._retention.stop()
+        if parts.retention is not None:  # its batch in progress ends, then the pass
+            await parts.retention.stop()
         # The server stops accepting calls now and cancels those still running at the
         # end of the budget; the turns, and then the streams, end before that; the rest
         # of the grace period closes channels and pools (decision 0181).
         reserve = min(CLOSE_RESERVE_S, grace / 4)
         budget = max(0.0, self._remaining() - reserve)
-        server_stopped = asyncio.ensure_future(self._server.stop(budget))
-        await self._turns.stop(max(0.0, budget - min(STREAMS_END_S, budget / 4)))
+        server_stopped = asyncio.ensure_future(parts.server.stop(budget))
+        await parts.turns.stop(max(0.0, budget - min(STREAMS_END_S, budget / 4)))
         if self._metrics_server is not None:
             await self._metrics_server.stop()
         await server_stopped
         await self._check_turns_left()
-        for channel in self._channels:
+        for channel in parts.channels:
             await channel.close()
         await self.database.close(self._remaining())
-        if self._tracing is not None:
+        if parts.tracing is not None:
             # Exiting within the grace period comes first: what the collector has not
             # taken by then is dropped (decision 0190).
             self._flushing = True
-            await self._tracing.shutdown(self._remaining() - EXIT_RESERVE_S)
+            await parts.tracing.shutdown(self._remaining() - EXIT_RESERVE_S)
         log.info("stopped")
 
     async def _hurry(self, grace: float) -> None:
@@ -237,11 +279,12 @@ class PlannerApp:
         log.warning("shutting down at once: running turns are interrupted now")
         reserve = min(CLOSE_RESERVE_S, grace / 4)
         budget = max(0.0, grace - reserve)
-        server_stopped = asyncio.ensure_future(self._server.stop(budget))
-        await self._turns.hurry(max(0.0, budget - min(STREAMS_END_S, budget / 4)))
+        server_stopped = asyncio.ensure_future(self.parts.server.stop(budget))
+        await self.parts.turns.hurry(max(0.0, budget - min(STREAMS_END_S, budget / 4)))
         await server_stopped
-        if self._flushing and self._tracing is not None:
-            await self._tracing.shutdown(self._remaining() - EXIT_RESERVE_S)
+        tracing = self.parts.tracing
+        if self._flushing and tracing is not None:
+            await tracing.shutdown(self._remaining() - EXIT_RESERVE_S)
 
     async def _check_turns_left(self) -> None:
         # The turns' stop closes every turn it ran unless the store failed it; what is
@@ -265,7 +308,7 @@ class PlannerApp:
 
     async def wait_for_termination(self) -> None:
         """Wait until the gRPC server has stopped."""
-        await self._server.wait_for_termination()
+        await self.parts.server.wait_for_termination()
 
     async def _watch_database(self, interval_s: float) -> None:
         serving = True
@@ -301,7 +344,7 @@ class PlannerApp:
                 await asyncio.wait_for(self._stopping.wait(), wait_s)
 
     def _let_clients_go(self, silent_s: float) -> None:
-        ended = self._turns.hub.let_go(
+        ended = self.parts.turns.hub.let_go(
             "this replica cannot reach its database; reopen the stream on another replica "
             "with after_sequence"
         )
@@ -511,20 +554,33 @@ async def start_planner(
     address in use).
     """
     try:
-        return await _start_planner(settings, backends, clock, turn_machinery, tracing)
+        app = await build_planner(
+            settings,
+            backends=backends,
+            clock=clock,
+            turn_machinery=turn_machinery,
+            tracing=tracing,
+        )
+        await app.start()
+        return app
     except BaseException:
         if tracing is not None:
             await tracing.shutdown(CLOSE_RESERVE_S)
         raise
 
 
-async def _start_planner(
+async def build_planner(
     settings: Settings,
-    backends: ToolBackends | None,
-    clock: Clock | None,
-    turn_machinery: Callable[[Wiring], PlannerTurns],
-    tracing: Tracing | None,
+    *,
+    backends: ToolBackends | None = None,
+    clock: Clock | None = None,
+    turn_machinery: Callable[[Wiring], PlannerTurns] = build_turns,
+    tracing: Tracing | None = None,
 ) -> PlannerApp:
+    """Build a planner from ``settings`` and bind its address, without starting
+    anything (``start_planner``'s arguments and errors); the database is open, so
+    ``start()`` and then ``stop()`` the app it returns. Raises ``ConfigError`` and
+    ``StartupError``, having closed what it opened."""
     # A client that gave up is not an error of the planner (decision 0313).
     quiet_clients_gone()
     # The context budget with the fixed prompt as rendered (decision 0293).
@@ -628,45 +684,32 @@ async def _start_planner(
         await database.close()
         raise
     shown_host = f"[{host}]" if ":" in host else host
-    app = PlannerApp(
-        settings=settings,
-        address=f"{shown_host}:{port}",
-        metrics_address="",
-        metrics=metrics,
-        health=health,
-        store=store,
-        _server=server,
-        _engine=database.engine,
-        database=database,
-        _channels=list(outbound.values()),
-        _metrics_server=None,
-        _turns=turns,
-        _tracing=tracing,
-    )
-    app._retention = retention_job(settings, database, turns, clock, metrics)
-    try:
-        await turns.start()
-        await server.start()
-        await app._set_health(True)
-        await health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
-        metrics.database_up.set(1)
-        app._monitor = asyncio.get_running_loop().create_task(
-            app._watch_database(settings.server.health_check_interval_s), name="health-monitor"
+    return PlannerApp(
+        PlannerParts(
+            settings=settings,
+            address=f"{shown_host}:{port}",
+            server=server,
+            health=health,
+            metrics=metrics,
+            database=database,
+            channels=list(outbound.values()),
+            turns=turns,
+            tracing=tracing,
+            retention=retention_job(settings, database, turns, clock, metrics),
         )
-        if settings.server.metrics_address:
-            try:
-                app._metrics_server = start_metrics_server(metrics, settings.server.metrics_address)
-            except OSError as error:
-                raise StartupError(
-                    f"server.metrics_address: cannot bind {settings.server.metrics_address} "
-                    f"({(error.strerror or str(error)).lower()}): choose a free address "
-                    "(server.metrics_address, BALLET_PLANNER__SERVER__METRICS_ADDRESS)",
-                    setting="server.metrics_address",
-                ) from error
-            app.metrics_address = app._metrics_server.address
-        if app._retention is not None:
-            app._retention.start()
-    except BaseException:
-        await app.stop(0)
-        raise
-    return app
+    )
+
+
+def _serve_metrics(metrics: Metrics, settings: Settings) -> MetricsServer:
+    """The ``/metrics`` endpoint on ``server.metrics_address``; ``StartupError`` when the
+    address cannot be bound."""
+    address = settings.server.metrics_address
+    try:
+        return start_metrics_server(metrics, address)
+    except OSError as error:
+        raise StartupError(
+            f"server.metrics_address: cannot bind {address} "
+            f"({(error.strerror or str(error)).lower()}): choose a free address "
+            "(server.metrics_address, BALLET_PLANNER__SERVER__METRICS_ADDRESS)",
+            setting="server.metrics_address",
+        ) from error

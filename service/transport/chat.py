@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from typing import NoReturn
+from typing import NoReturn, assert_never
 
 from ballet.planner.v1 import chat_pb2
 
@@ -29,7 +29,7 @@ from service.core.fanout import (
     AcceptedAgain,
     ErrorReply,
     Heartbeat,
-    Outbound,
+    Response,
     SessionOpened,
     StreamEnd,
 )
@@ -114,8 +114,8 @@ async def commands(requests: Requests) -> AsyncIterator[Command]:
             )
 
 
-def response_of(stream: ChatStream, item: Outbound) -> chat_pb2.ChatResponse:
-    """The ``ChatResponse`` of one queued item (not ``StreamEnd``)."""
+def response_of(stream: ChatStream, item: Response) -> chat_pb2.ChatResponse:
+    """The ``ChatResponse`` of one queued item (``StreamEnd`` ends the call instead)."""
     if isinstance(item, SessionEvent):
         response = convert.event_to_proto(item)
         response.request_id = stream.echo(item)
@@ -136,7 +136,7 @@ def response_of(stream: ChatStream, item: Outbound) -> chat_pb2.ChatResponse:
         response = convert.event_to_proto(item.event)
         response.request_id = item.request_id
         return response
-    raise TypeError(f"not a Chat response: {type(item).__name__}")
+    assert_never(item)
 
 
 async def _refuse(requests: Requests, context: Context, error: Exception) -> NoReturn:

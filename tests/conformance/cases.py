@@ -51,6 +51,9 @@ class Whole:
     finish: str = "stop"
     usage: tuple[int, int] | None = (11, 7)
     ids: tuple[str, ...] | None = None
+    #: Which calls are marked cut (an answer stopped at its output limit inside them,
+    #: decision 0292); None: none is.
+    cut: tuple[bool, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -322,6 +325,8 @@ CASES: list[Case] = [
         Whole("A long answ", finish="length"),
     ),
     Case(
+        # The call the limit cut is passed on marked cut: the planner answers it with an
+        # error result instead of failing the turn (decision 0292).
         "length-inside-arguments",
         [
             ok(
@@ -331,8 +336,41 @@ CASES: list[Case] = [
                 "[DONE]",
             )
         ],
-        Whole(finish="length"),
-        Whole(finish="length"),
+        Whole(calls=(("get_item", '{"item_id": "de'),), finish="length", cut=(True,)),
+        Whole(calls=(("get_item", '{"item_id": "de'),), finish="length", cut=(True,)),
+    ),
+    Case(
+        # llama.cpp with a small model: complete calls repeated until the limit, then a
+        # cut one. The complete calls are passed on whole, the cut one marked.
+        "length-after-complete-calls",
+        [
+            ok(
+                chunk(calls_delta(call_fragment(0, "call_0", "list_items", '{"kind":"epic"}'))),
+                chunk(calls_delta(call_fragment(1, "call_1", "list_items", '{"kind":"epic"}'))),
+                chunk(calls_delta(call_fragment(2, "call_2", "list_items", '{"kind":'))),
+                chunk({}, "length"),
+                usage_chunk(),
+                "[DONE]",
+            )
+        ],
+        Whole(
+            calls=(
+                ("list_items", '{"kind":"epic"}'),
+                ("list_items", '{"kind":"epic"}'),
+                ("list_items", '{"kind":'),
+            ),
+            finish="length",
+            cut=(False, False, True),
+        ),
+        Whole(
+            calls=(
+                ("list_items", '{"kind":"epic"}'),
+                ("list_items", '{"kind":"epic"}'),
+                ("list_items", '{"kind":'),
+            ),
+            finish="length",
+            cut=(False, False, True),
+        ),
     ),
     Case(
         "content-filter",

@@ -13,6 +13,7 @@ A cut answer's reason is stored on the assistant message (``finish_reason``; dec
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -274,11 +275,19 @@ async def test_partial_arguments_are_never_executed(planner: Planner, finish: st
     turn = await planner.turn([ok(*events_), answer("unused")])
     assert turn.ended.reason != M.TURN_END_REASON_COMPLETED or finish == "length"
     messages = await turn.transcript()
-    assert not any(m.kind == M.MESSAGE_KIND_TOOL_CALL for m in messages)
+    calls = [m for m in messages if m.kind == M.MESSAGE_KIND_TOOL_CALL]
+    if finish == "length":
+        # Decision 0292: the cut call is kept (cut) and answered with an error result.
+        (call,) = calls
+        assert call.cut
+        (result,) = [m for m in messages if m.kind == M.MESSAGE_KIND_TOOL_RESULT]
+        assert result.tool_error and "CUT_AT_OUTPUT_LIMIT" in result.tool_result
+    else:
+        assert calls == []
     assert planner.stack.call_log.for_method("GetItem") == []
 
 
-async def test_length_inside_arguments_does_not_complete_the_turn(planner: Planner) -> None:
+async def test_two_answers_cut_inside_a_call_end_the_turn_output_limit(planner: Planner) -> None:
     cut = ok(
         chunk(calls_delta(call_fragment(0, "call_x", "get_item", '{"item_id": "de'))),
         chunk({}, "length"),
@@ -286,8 +295,46 @@ async def test_length_inside_arguments_does_not_complete_the_turn(planner: Plann
         "[DONE]",
     )
     turn = await planner.turn([cut])
-    assert turn.ended.reason != M.TURN_END_REASON_COMPLETED
-    assert turn.ended.error_info.reason == "MODEL_STREAM_TRUNCATED"
+    assert turn.ended.reason == M.TURN_END_REASON_OUTPUT_LIMIT
+    assert turn.ended.error_info.reason == "OUTPUT_LIMIT_CUT_CALLS"
+    assert len(planner.double.received) == 2
+    assert planner.stack.call_log.for_method("GetItem") == []
+
+
+async def test_complete_repeated_calls_at_length_run_once_and_the_turn_goes_on(
+    planner: Planner,
+) -> None:
+    """An answer of complete repeated calls ending at length runs each distinct call once,
+    the cut call gets an error result, and the turn goes on (decision 0292)."""
+    epic, runnable = '{"kind":"epic"}', "{}"
+    reply = ok(
+        chunk(calls_delta(call_fragment(0, "call_0", "list_items", epic))),
+        chunk(calls_delta(call_fragment(1, "call_1", "list_runnable", runnable))),
+        chunk(calls_delta(call_fragment(2, "call_2", "list_items", epic))),
+        chunk(calls_delta(call_fragment(3, "call_3", "list_items", epic))),
+        chunk(calls_delta(call_fragment(4, "call_4", "list_items", '{"kind": "ep'))),
+        chunk({}, "length"),
+        usage_chunk(),
+        "[DONE]",
+    )
+    turn = await planner.turn([reply, answer("Here are the epics.")])
+    assert turn.ended.reason == M.TURN_END_REASON_COMPLETED, turn.ended.error_message
+    assert len(planner.stack.call_log.for_method("ListItems")) == 1
+    assert len(planner.stack.call_log.for_method("ListRunnableTickets")) == 1
+    messages = await turn.transcript()
+    calls = [m for m in messages if m.kind == M.MESSAGE_KIND_TOOL_CALL]
+    results = {m.tool_call_id: m for m in messages if m.kind == M.MESSAGE_KIND_TOOL_RESULT}
+    assert len(calls) == 5 and len(results) == 5
+    shared = {results[calls[i].tool_call_id].tool_result for i in (0, 2, 3)}
+    assert len(shared) == 1 and not results[calls[0].tool_call_id].tool_error
+    cut = results[calls[4].tool_call_id]
+    assert cut.tool_error and "output limit" in cut.tool_result
+    # The follow-up request pairs all five calls with results, the cut one's arguments
+    # sent as valid JSON.
+    follow_up = planner.double.received[1].body["messages"]
+    sent = next(m for m in follow_up if m.get("tool_calls"))["tool_calls"]
+    assert all(json.loads(c["function"]["arguments"]) is not None for c in sent)
+    assert len([m for m in follow_up if m["role"] == "tool"]) == 5
 
 
 async def test_every_model_request_carries_the_output_cap_as_max_tokens(planner: Planner) -> None:
@@ -309,9 +356,7 @@ async def test_length_and_content_filter_reach_the_client_as_a_cut_answer(
     # Decision 0112: the answer says why it is cut; at its output limit the turn says so
     # too (decision 0291), a filtered one completes.
     assert assistant.finish_reason == finish
-    expected = (
-        M.TURN_END_REASON_OUTPUT_LIMIT if finish == "length" else M.TURN_END_REASON_COMPLETED
-    )
+    expected = M.TURN_END_REASON_OUTPUT_LIMIT if finish == "length" else M.TURN_END_REASON_COMPLETED
     assert turn.ended.reason == expected
     stored = [m for m in await turn.transcript() if m.message_id == assistant.message_id]
     assert stored == [assistant]
@@ -349,9 +394,9 @@ async def test_a_nameless_call_among_fourteen_keeps_the_answer_and_gets_an_error
     planner: Planner,
 ) -> None:
     """What an OpenAI-compatible server sent in the trial: fourteen calls and one without
-    a name. The fourteen run, the nameless one gets an error result the model reads, and
-    the turn completes; before, the gateway refused the whole answer, three times
-    (decision 0223)."""
+    a name. The fourteen are answered (the first runs, its exact repeats share its result,
+    decision 0292), the nameless one gets an error result the model reads, and the turn
+    completes; before, the gateway refused the whole answer, three times (decision 0223)."""
     fragments = [call_fragment(i, f"call_{i}", "list_items", '{"kind":"epic"}') for i in range(14)]
     fragments.append(call_fragment(14, "call_14", None, '{"kind":"epic"}'))
     reply = ok(chunk(calls_delta(*fragments)), chunk({}, "tool_calls"), usage_chunk(), "[DONE]")
@@ -363,9 +408,10 @@ async def test_a_nameless_call_among_fourteen_keeps_the_answer_and_gets_an_error
     results = {m.tool_call_id: m for m in messages if m.kind == M.MESSAGE_KIND_TOOL_RESULT}
     assert [c.tool_name for c in calls] == ["list_items"] * 14 + [""]
     assert all(not results[c.tool_call_id].tool_error for c in calls[:14])
+    assert len({results[c.tool_call_id].tool_result for c in calls[:14]}) == 1
     nameless = results[calls[14].tool_call_id]
     assert nameless.tool_error and '"UNKNOWN_TOOL"' in nameless.tool_result
-    assert len(planner.stack.call_log.for_method("ListItems")) == 14
+    assert len(planner.stack.call_log.for_method("ListItems")) == 1
     # The follow-up answers all fifteen calls, each under its own id.
     follow_up = planner.double.received[1].body["messages"]
     sent_calls = next(m for m in follow_up if m.get("tool_calls"))["tool_calls"]

@@ -150,9 +150,7 @@ async def test_through_the_gateway(
     responses: list[gateway_pb2.GenerateResponse] = []
     failure: grpc.aio.AioRpcError | None = None
     try:
-        async for response in stack.stub.Generate(
-            request, timeout=20, metadata=PLANNER_METADATA
-        ):
+        async for response in stack.stub.Generate(request, timeout=20, metadata=PLANNER_METADATA):
             responses.append(response)
     except grpc.aio.AioRpcError as error:
         failure = error
@@ -180,11 +178,16 @@ async def test_through_the_gateway(
     assert text == expected.text
     complete = [r.tool_call for r in responses if r.HasField("tool_call")]
     assert [(c.name, c.arguments) for c in complete] == list(expected.calls)
+    assert tuple(c.cut for c in complete) == (expected.cut or (False,) * len(complete))
+    # The served model as the server reported it (the double's chunks name it).
+    if b'"model": "double-1"' in b"".join(p.data for r in case.replies for p in r.pieces):
+        assert finish.model == "double-1"
     if expected.ids is not None:
         assert tuple(c.id for c in complete) == expected.ids
     else:
         assert len({c.id for c in complete}) == len(complete) and all(c.id for c in complete)
-    # Complete calls come after every delta and only for a whole answer; each call
+    # Complete calls come after every delta and only for a whole answer or one stopped at
+    # its output limit; each call
     # streamed a start first, with the same id and name.
     starts = [r.tool_call_start for r in responses if r.HasField("tool_call_start")]
     if complete:
@@ -239,6 +242,7 @@ async def test_through_the_planners_client(
     assert [(s.index, s.name) for s in starts] == [(c.index, c.call.name) for c in calls] or (
         not calls and expected.finish != "tool_calls"
     )
+    assert tuple(c.cut for c in calls) == (expected.cut or (False,) * len(calls))
     if expected.ids is not None:
         assert tuple(c.call.call_id for c in calls) == expected.ids
     finish = chunks[-1]

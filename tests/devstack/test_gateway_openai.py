@@ -359,7 +359,7 @@ async def test_request_fields_system_prompt_limit_and_default_model(replay: Repl
     req.max_output_tokens = 256
     chunks = await collect(provider, req)
     await provider.aclose()
-    assert chunks == [TextChunk("ok"), FinishChunk(FinishReason.STOP, None, "stop")]
+    assert chunks == [TextChunk("ok"), FinishChunk(FinishReason.STOP, None, "stop", "m")]
     sent = replay.received[0]
     assert sent["model"] == "default-model"
     assert sent["messages"] == [
@@ -442,7 +442,7 @@ async def test_tool_calls_are_assembled_by_index_in_the_order_they_start(replay:
     ]
     # No id from the server: one is made up, so results can still be paired.
     assert calls[2][1] == "list_runnable" and calls[2][0].startswith("call_")
-    assert chunks[-1] == FinishChunk(FinishReason.TOOL_CALLS, Usage(10, 4), "stop")
+    assert chunks[-1] == FinishChunk(FinishReason.TOOL_CALLS, Usage(10, 4), "stop", "m")
 
 
 @pytest.mark.parametrize(
@@ -454,7 +454,7 @@ async def test_finish_reasons(replay: Replay, reason: str, expected: FinishReaso
     provider = provider_for(replay, model="m")
     chunks = await collect(provider, request(human("hi")))
     await provider.aclose()
-    assert chunks[-1] == FinishChunk(expected, None, reason)
+    assert chunks[-1] == FinishChunk(expected, None, reason, "m")
 
 
 async def test_no_model_anywhere_is_invalid_argument(replay: Replay) -> None:

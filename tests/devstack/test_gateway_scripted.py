@@ -611,9 +611,10 @@ async def test_reasoning_then_streamed_arguments_on_the_wire(start_gateway: Star
     [
         ({"refusal": "I can't help with that."}, gateway_pb2.FINISH_REASON_REFUSAL, 0),
         (
+            # At the output limit the calls are sent (decision 0292); this one is whole.
             {"text": "cut", "tool_calls": [{"name": "t"}], "finish_reason": "length"},
             gateway_pb2.FINISH_REASON_LENGTH,
-            0,
+            1,
         ),
         (
             {"text": "hidden", "finish_reason": "content_filter"},
@@ -634,8 +635,9 @@ async def test_finish_reason_and_refusal(
     gw = await scripted(start_gateway, [{"reply": reply}])
     answer = await gw.generate(request(human("hi")))
     assert answer.finish.reason == reason
-    # A cut answer's calls are never sent complete (proto GenerateResponse).
+    # A filtered or refused answer's calls are never sent (proto GenerateResponse).
     assert len(answer.tool_calls) == calls
+    assert not any(call.cut for call in answer.tool_calls)
     if "refusal" in reply:
         assert answer.text == reply["refusal"]
 
@@ -701,6 +703,20 @@ def test_tool_result_lines_read_as_lines_not_json() -> None:
     lines = readable_result(many).splitlines()
     assert len(lines) == 12 and lines[-1] == "(and 19 more)"
     assert readable_result("not json") == "not json"
+    proposed = json.dumps(
+        {
+            "changeset": {
+                "changeset_id": "cs-1",
+                "status": "proposed",
+                "title": "New ticket: add retries",
+                "operations": [{"create_item": {"kind": "ticket", "title": "add retries"}}],
+            }
+        }
+    )
+    assert readable_result(proposed) == (
+        "changeset: cs-1: New ticket: add retries (status proposed)\n"
+        "  - create item: add retries (kind ticket)"
+    )
 
 
 def test_the_demo_scenario_shows_no_raw_tool_json() -> None:

@@ -47,6 +47,7 @@ Metadata = tuple[tuple[str, str], ...]
 SESSION_EVENTS = frozenset(
     {
         "message_accepted",
+        "message_queued",
         "turn_started",
         "assistant_message",
         "tool_call_started",
@@ -233,12 +234,19 @@ class Planner:
                 return out
 
     async def send_message(
-        self, meta: Metadata, session_id: str, text: str, request_id: str, timeout_s: float = 30
+        self,
+        meta: Metadata,
+        session_id: str,
+        text: str,
+        request_id: str,
+        timeout_s: float = 30,
+        on_busy: res.OnBusy.ValueType = 0,
     ) -> planner_service_pb2.SendMessageResponse:
-        """Unary ``SendMessage``: the whole turn (raises ``grpc.aio.AioRpcError``)."""
+        """Unary ``SendMessage``: the whole turn, or at once for a queued message
+        (raises ``grpc.aio.AioRpcError``)."""
         response: planner_service_pb2.SendMessageResponse = await self.stub.SendMessage(
             planner_service_pb2.SendMessageRequest(
-                session_id=session_id, text=text, request_id=request_id
+                session_id=session_id, text=text, request_id=request_id, on_busy=on_busy
             ),
             metadata=meta,
             timeout=timeout_s,
@@ -493,10 +501,12 @@ class ChatStream:
             )
         )
 
-    def say(self, text: str, request_id: str) -> None:
+    def say(self, text: str, request_id: str, on_busy: res.OnBusy.ValueType = 0) -> None:
+        """Send ``text``; ``on_busy`` says what to do while a turn runs (decision 0300)."""
         self.send(
             chat_pb2.ChatRequest(
-                request_id=request_id, send_message=chat_pb2.SendMessageAction(text=text)
+                request_id=request_id,
+                send_message=chat_pb2.SendMessageAction(text=text, on_busy=on_busy),
             )
         )
 

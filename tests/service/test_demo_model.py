@@ -83,7 +83,7 @@ async def test_every_readme_question_finds_something_in_the_demo_project(
 
 async def test_a_proposal_becomes_a_changeset_that_waits_for_a_human(demo: ChatClient) -> None:
     shown = await ask(demo, "Please propose a ticket to add retries")
-    assert "-> propose_changeset" in shown and '"title":"add retries"' in shown, shown
+    assert "-> propose_changeset" in shown and "- create item: add retries (" in shown, shown
     assert re.search(r"\*\* changeset \S+ proposed: a human applies or rejects it", shown)
     assert "Nothing changes until a human applies it" in shown
 

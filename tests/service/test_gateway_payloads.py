@@ -165,8 +165,13 @@ async def test_a_call_started_but_never_sent_whole_is_yielded_with_its_problem(
     (_, _, _, whole), (index, name, call_id, problem) = calls_of(chunks)
     assert whole == "" and (index, name, call_id) == (1, "get_item", "b")
     assert "never the call with its arguments" in problem
-    # A cut answer never yields calls, malformed or not.
+    # At the output limit, a call started but never sent is the one the limit cut: it is
+    # yielded marked cut, never as runnable (decision 0292); a filtered answer yields none.
     hostile.answers = [[start(0, "get_item"), finish(gateway_pb2.FINISH_REASON_LENGTH)]]
+    chunks = await collect(GrpcModelGateway(channel), request())
+    assert calls_of(chunks) == [(0, "get_item", "", "")]
+    assert [c.cut for c in chunks if isinstance(c, ToolCallChunk)] == [True]
+    hostile.answers = [[start(0, "get_item"), finish(gateway_pb2.FINISH_REASON_CONTENT_FILTER)]]
     assert calls_of(await collect(GrpcModelGateway(channel), request())) == []
 
 

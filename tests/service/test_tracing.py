@@ -286,7 +286,7 @@ async def test_background_units_of_work_send_no_trace_of_their_own(
 ) -> None:
     """Lease renewal, the sweeper and heartbeats run outside any traced operation: they
     make no span, so upkeep does not flood the collector with one-span traces."""
-    await wait_for(rig.app._turns.turns.sweep())
+    await wait_for(rig.app.parts.turns.turns.sweep())
     await rig.app.store.ping()
     spans = exporter.get_finished_spans()
     # (A span of an earlier test's stream may end meanwhile; it has its parent.)
@@ -307,7 +307,7 @@ async def test_tracing_off_traces_nothing(tmp_path: Path, caplog: pytest.LogCapt
         received = await chat_turn(rig, HUMAN_TEXT)
         (ended,) = events(received, "turn_ended")
         assert ended.turn_ended.reason == 1  # COMPLETED
-        assert rig.app._tracing is None
+        assert rig.app.parts.tracing is None
         assert not trace.get_current_span().get_span_context().is_valid
         assert type(trace.get_tracer_provider()).__name__ in {
             "ProxyTracerProvider",

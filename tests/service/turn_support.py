@@ -315,7 +315,7 @@ class Rig:
     @property
     def engine(self) -> Any:
         """The planner's SQLAlchemy engine (the one ``app.store`` uses)."""
-        return self.app._engine
+        return self.app.database.engine
 
     def listen(self, name: str, listener: Callable[..., None]) -> None:
         """Add a SQLAlchemy engine event listener, removed when the rig stops."""

@@ -266,7 +266,8 @@ async def test_unknown_tool_and_backend_failure_are_error_results() -> None:
 
 
 async def test_calls_beyond_the_per_answer_cap_are_refused_but_still_answered() -> None:
-    calls = [("list_runnable", "{}")] * 5
+    # Five different calls (an exact repeat would share its first call's result).
+    calls = [("get_item", json.dumps({"item_id": f"PAN-{i}"})) for i in range(5)]
     rig = make_rig(
         lambda r: {"tool_calls": calls} if last_role(r) is Role.USER else {"text": "ok"},
         max_tool_calls_per_answer=2,
@@ -279,12 +280,15 @@ async def test_calls_beyond_the_per_answer_cap_are_refused_but_still_answered() 
 
 
 async def test_write_cap_gives_an_error_result() -> None:
-    proposal = json.dumps(
-        {"title": "t", "operations": [{"create_item": {"kind": "ticket", "title": "x"}}]}
-    )
+    proposals = [
+        json.dumps(
+            {"title": f"t{i}", "operations": [{"create_item": {"kind": "ticket", "title": "x"}}]}
+        )
+        for i in range(3)
+    ]
     rig = make_rig(
         lambda r: (
-            {"tool_calls": [("propose_changeset", proposal)] * 3}
+            {"tool_calls": [("propose_changeset", proposal) for proposal in proposals]}
             if last_role(r) is Role.USER
             else {"text": "ok"}
         ),

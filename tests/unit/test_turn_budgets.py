@@ -72,7 +72,7 @@ async def test_the_model_request_budget_counts_every_call() -> None:
 async def test_tool_calls_past_the_budget_get_an_error_result_and_end_the_turn() -> None:
     def three_reads(request: ModelRequest) -> dict[str, Any]:
         if last_role(request) is Role.USER:
-            return {"tool_calls": [("list_runnable", "{}")] * 3}
+            return {"tool_calls": [("get_item", f'{{"item_id": "PAN-{i}"}}') for i in range(3)]}
         return {"text": "done"}
 
     rig = make(three_reads, max_rounds=10, turn_max_tool_calls=2)

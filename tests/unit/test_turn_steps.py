@@ -176,22 +176,6 @@ async def test_an_answer_cut_by_the_provider_is_stored_cut_with_its_reason(
     assert answer.text == "Half an answer"
 
 
-async def test_calls_in_an_answer_cut_by_the_length_limit_never_run() -> None:
-    rig = make(
-        lambda r: {
-            "text": "Let me look",
-            "tool_calls": [("get_item", '{"item_id": "PA')],
-            "finish": FinishReason.LENGTH,
-        }
-    )
-    turn_id = await rig.run("go")
-    end = rig.end(turn_id)
-    assert end.ending.error_reason == "MODEL_STREAM_TRUNCATED"
-    assert rig.backends.calls == []
-    kinds = [m.kind for m in rig.store.messages["s1"]]
-    assert MessageKind.TOOL_CALL not in kinds
-
-
 @pytest.mark.parametrize("ids", [["call_0", "call_0"], ["0", "0"], ["", ""]])
 async def test_each_call_gets_the_planners_own_id_whatever_the_provider_gave(
     ids: list[str],

@@ -142,14 +142,19 @@ class ToolCallChunk:
     call: ToolCall
     index: int = 0
     problem: str = ""
+    #: The answer stopped at its output limit inside this call: its arguments are only
+    #: their start, and it never runs (decision 0292).
+    cut: bool = False
 
 
 @dataclass(frozen=True)
 class FinishChunk:
-    """The end of the answer; ``usage`` None when the provider reported none."""
+    """The end of the answer; ``usage`` None when the provider reported none;
+    ``model`` the model that answered as the server reported it, "" when it did not."""
 
     reason: FinishReason
     usage: Usage | None
+    model: str = ""
 
 
 ModelChunk = TextChunk | ToolCallStartChunk | ToolCallChunk | FinishChunk

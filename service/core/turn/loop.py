@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
+from typing import TypeVar, assert_never
 
 from service.core import tracing
 from service.core.context import with_context
@@ -88,6 +89,9 @@ class RunTools:
 
     calls: tuple[PendingCall, ...]
     unstored: RoundCommit | None = None
+    #: Reads that repeat a call of ``calls`` exactly, by that call's id: they share its
+    #: result (decision 0292).
+    shared: Mapping[str, tuple[PendingCall, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -222,15 +226,17 @@ class TurnLoop:
                 elif isinstance(step, CallModel):
                     step = await self._call_model()
                     self._name_round(step)
-                else:
+                elif isinstance(step, RunTools):
                     step = await self._run_tools(step)
+                else:
+                    assert_never(step)
 
     def _round_span(self) -> AbstractContextManager[Span]:
         """The span of the next model call and what follows it, linked to the RPC that
         started the turn (decision 0190)."""
         return self._deps.tracer.span(tracing.ROUND_SPAN, links=self._started_by)
 
-    def _name_round(self, step: Step) -> None:
+    def _name_round(self, step: RunTools | End) -> None:
         if isinstance(step, RunTools):
             # The calls run (refused ones, beyond the per-answer cap, are not counted).
             calls = {tracing.ROUND: self._state.rounds, tracing.TOOL_CALLS: len(step.calls)}
@@ -250,6 +256,8 @@ class TurnLoop:
         if isinstance(step, Compact) and self._state.rounds:
             if self._state.credential_expired:
                 return End(endings.CREDENTIAL_EXPIRED)
+            if self._state.cut_answers >= 2:
+                return End(endings.CUT_TWICE)
             if self._state.rounds >= self._deps.settings.max_rounds:
                 return End(endings.MAX_ROUNDS)
             if self._state.tool_budget_refused:
@@ -264,7 +272,7 @@ class TurnLoop:
 
     # ------------------------------------------------------------------ the steps
 
-    async def _prepare(self) -> Step:
+    async def _prepare(self) -> Compact | End:
         state = self._state
         snapshot = await self._guard(self._deps.store.load_context(state.session.session_id))
         if snapshot is None:
@@ -284,7 +292,7 @@ class TurnLoop:
         state.versions = self._prompt.versions
         return Compact()
 
-    async def _call_model(self) -> Step:
+    async def _call_model(self) -> RunTools | End:
         state, prompt = self._state, self._prompt
         assert prompt is not None
         estimate = self._compactor.request_tokens(prompt)
@@ -312,8 +320,8 @@ class TurnLoop:
             failure = streamed.failure
             finish = "truncated" if failure.reason == "MODEL_STREAM_TRUNCATED" else ""
             return End(endings.failed(failure.reason, failure.message), self._cut(answer, finish))
-        if answer.finish in _CUT_FINISHES and answer.calls:
-            # The limit or the filter may have cut a call's arguments: none is run.
+        if answer.finish is FinishReason.CONTENT_FILTER and answer.calls:
+            # The filter may have cut a call's arguments, or removed calls: none is run.
             return End(
                 endings.failed(
                     "MODEL_STREAM_TRUNCATED",
@@ -321,6 +329,14 @@ class TurnLoop:
                 ),
                 self._cut(answer, answer.finish.value),
             )
+        if answer.finish is FinishReason.LENGTH and answer.calls:
+            # Stopped at the output limit after or inside calls (decision 0292): the
+            # complete ones run, a cut one gets an error result, and the round counts. A
+            # call that started but never came whole is the one the limit cut.
+            for call in answer.calls.values():
+                if not call.complete:
+                    call.cut = call.complete = True
+            state.cut_answers += 1
         calls = answer.complete_calls()
         if not calls:
             cut = answer.finish in _CUT_FINISHES
@@ -337,8 +353,8 @@ class TurnLoop:
             return End(endings.COMPLETED, (event,))
         return await self._store_round(answer, calls)
 
-    async def _run_tools(self, step: RunTools) -> Step:
-        unstored = await self._tools.run(step.calls, step.unstored)
+    async def _run_tools(self, step: RunTools) -> Compact | End:
+        unstored = await self._tools.run(step.calls, step.unstored, step.shared)
         if unstored is not None:
             # Stopped before any call returned: the ending stores the round.
             return End(self._handle.stop or endings.CANCELLED, tuple(unstored.events))
@@ -359,12 +375,33 @@ class TurnLoop:
         limit = settings.max_tool_calls_per_answer
         allowed: list[PendingCall] = []
         refusals: list[tuple[PendingCall, ToolOutcome]] = []
+        repeats: dict[str, list[PendingCall]] = {}
+        firsts: dict[tuple[str, str], PendingCall] = {}
+        at_limit = answer.finish is FinishReason.LENGTH
         for position, call in enumerate(calls):
             arguments, refusal = call.arguments, None
             oversize = utf8_size(arguments, settings.tool_arguments_max_bytes)
-            if oversize is not None:
+            cut = call.cut or (at_limit and not call.problem and not _json_object(arguments))
+            if cut:
+                # Kept as valid JSON: the next request carries it back to the model, and
+                # servers parse the arguments of earlier calls (decision 0292).
+                arguments = cut_text(arguments, settings.tool_arguments_cut_bytes)
+            elif oversize is not None:
                 arguments = cut_text(arguments, settings.tool_arguments_cut_bytes, oversize)
-            if position >= limit:
+            first = None if cut or call.problem else firsts.get(_call_key(call))
+            if cut:
+                refusal = error_result(
+                    "CUT_AT_OUTPUT_LIMIT",
+                    "this call was cut at the output limit: its arguments are incomplete and "
+                    "it was not run. Call it again, alone or with shorter arguments.",
+                )
+            elif first is not None and call.name in WRITE_TOOLS:
+                refusal = error_result(
+                    "REPEATED_CALL",
+                    f"this call repeats call {first.call_id} of the same answer (same tool, "
+                    "same arguments); it was not run again",
+                )
+            elif position >= limit:
                 refusal = error_result(
                     "TOO_MANY_CALLS", f"at most {limit} tool calls per answer; this one was not run"
                 )
@@ -391,13 +428,17 @@ class TurnLoop:
                     call.name,
                     arguments,
                     provider_call_id=call.provider_call_id,
-                    cut=oversize is not None,
+                    cut=cut or oversize is not None,
                 )
             )
-            if refusal is None:
-                allowed.append(call)
-            else:
+            if refusal is not None:
                 refusals.append((call, refusal))
+            elif first is not None:
+                # A repeated read is not run again: it shares the first call's result.
+                repeats.setdefault(first.call_id, []).append(call)
+            else:
+                allowed.append(call)
+                firsts.setdefault(_call_key(call), call)
         for call, outcome in refusals:
             events.extend(state.events.tool_result(call.call_id, call.name, outcome))
         state.rounds += 1
@@ -409,11 +450,12 @@ class TurnLoop:
             else None
         )
         patch = replace(state.versions, rounds=state.rounds, usage=state.usage)
+        shared = {first: tuple(calls) for first, calls in repeats.items()}
         if allowed and not any(call.name in WRITE_TOOLS for call in allowed):
-            return RunTools(tuple(allowed), RoundCommit(events, patch, context))
+            return RunTools(tuple(allowed), RoundCommit(events, patch, context), shared)
         await self._commit(events, patch=patch, context=context)
         self._deps.observer.round_completed()
-        return RunTools(tuple(allowed))
+        return RunTools(tuple(allowed), shared=shared)
 
     def _cut(self, answer: Answer, finish: str) -> tuple[SessionEvent, ...]:
         """The partial answer as streamed, marked cut, when there is text to keep."""
@@ -591,3 +633,22 @@ class TurnLoop:
             return await operation
         except (StoreUnavailable, StoreConflict) as error:
             raise Abandon(type(error).__name__) from error
+
+
+def _json_object(arguments: str) -> bool:
+    """Whether ``arguments`` is a complete JSON object (a call the output limit did not
+    cut; decision 0292)."""
+    try:
+        return isinstance(json.loads(arguments), dict)
+    except ValueError:
+        return False
+
+
+def _call_key(call: PendingCall) -> tuple[str, str]:
+    """What makes two calls of one answer the same call: the tool and its arguments,
+    compared as JSON values when they parse (key order and spacing aside)."""
+    try:
+        value = json.loads(call.arguments)
+    except ValueError:
+        return call.name, call.arguments
+    return call.name, json.dumps(value, sort_keys=True, separators=(",", ":"))

@@ -18,6 +18,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import assert_never
 
 from service.core import tracing
 from service.core.errors import ModelFailure
@@ -231,10 +232,14 @@ async def _stream_answer(
                 )
                 call.arguments = chunk.call.arguments
                 call.problem = chunk.problem
+                call.cut = chunk.cut
                 call.complete = True
             elif isinstance(chunk, FinishChunk):
                 answer.finish = chunk.reason
                 answer.usage = chunk.usage
+                answer.model = chunk.model
+            else:
+                assert_never(chunk)
 
     task = asyncio.get_running_loop().create_task(consume())
     # A stop cancels the stream at once; the turn's own task is never cancelled.

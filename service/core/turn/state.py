@@ -94,6 +94,8 @@ class PendingCall:
     arguments: str = ""
     complete: bool = False
     problem: str = ""
+    #: The answer stopped at its output limit inside this call (decision 0292).
+    cut: bool = False
 
 
 @dataclass
@@ -110,6 +112,8 @@ class Answer:
     calls: dict[int, PendingCall] = field(default_factory=dict)
     finish: FinishReason | None = None
     usage: Usage | None = None
+    #: The model that answered, as the server reported it ("" when it did not).
+    model: str = ""
 
     def add_text(self, text: str) -> int:
         """Append a piece; returns its offset in characters."""

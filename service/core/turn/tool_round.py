@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from service.core import tracing
@@ -67,15 +67,22 @@ class ToolRound:
         self._commit = commit
         self._started: set[str] = set()
         self._unstored: RoundCommit | None = None
+        self._shared: Mapping[str, Sequence[PendingCall]] = {}
 
     async def run(
-        self, calls: Sequence[PendingCall], unstored: RoundCommit | None = None
+        self,
+        calls: Sequence[PendingCall],
+        unstored: RoundCommit | None = None,
+        shared: Mapping[str, Sequence[PendingCall]] | None = None,
     ) -> RoundCommit | None:
         """Run ``calls``, storing ``unstored`` (the round itself) with the first results;
         returns it when the turn stopped before any call returned (then the ending stores
-        it). Raises what ``commit`` raises, after stopping every call still running (so
-        no write lands after the turn was closed)."""
+        it). ``shared`` maps a call's id to the reads that repeat it exactly: each gets
+        that call's result, stored with it, and is not run (decision 0292). Raises what
+        ``commit`` raises, after stopping every call still running (so no write lands
+        after the turn was closed)."""
         self._unstored = unstored
+        self._shared = shared or {}
         self._started = set()
         if not calls:
             return self._unstored
@@ -188,6 +195,8 @@ class ToolRound:
             if outcome.error_reason == "CREDENTIAL_EXPIRED":
                 state.credential_expired = True
             events.extend(state.events.tool_result(call.call_id, call.name, outcome))
+            for repeat in self._shared.get(call.call_id, ()):
+                events.extend(state.events.tool_result(repeat.call_id, repeat.name, outcome))
         patch = TurnPatch(writes=state.writes)
         context: ContextEstimate | None = None
         first = self._unstored
