@@ -129,6 +129,8 @@ class Sent:
     turn_id: str = ""
     ended: chat_pb2.TurnEnded | None = None
     refused: str = ""
+    #: What the planner does with it while a turn runs (0: refuse it).
+    on_busy: resources_pb2.OnBusy.ValueType = resources_pb2.ON_BUSY_REJECT
 
     @property
     def done(self) -> bool:
@@ -157,6 +159,9 @@ class ChatClient:
     pending: dict[str, Sent] = field(default_factory=dict)
     #: Messages of this client the planner accepted on this session, by turn id.
     own_turns: dict[str, Sent] = field(default_factory=dict)
+    #: Turns of this client's messages that wait behind the running turn (queued), in
+    #: the order they were queued (docs/decisions/0300-queued-turns.md).
+    queued: list[str] = field(default_factory=list)
     #: How many of this client's messages were refused or ended their turn otherwise
     #: than COMPLETED or MAX_ROUNDS.
     failed: int = 0
@@ -193,8 +198,9 @@ class ChatClient:
 
     @property
     def busy(self) -> bool:
-        """True while a turn runs or a message sent waits for its answer."""
-        return bool(self.running_turn or self.pending)
+        """True while a turn runs, a message sent waits for its answer, or a message of
+        this client waits queued."""
+        return bool(self.running_turn or self.pending or self.queued)
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.token}"),)
@@ -208,8 +214,10 @@ class ChatClient:
         if code == "UNAVAILABLE" and self.session is not None:
             # The planner's own words speak to API clients (how to reopen the stream):
             # the human gets what to do with this command.
-            why = "the planner stopped" if reason == "SHUTTING_DOWN" else (
-                f"lost the connection to the planner at {address}"
+            why = (
+                "the planner stopped"
+                if reason == "SHUTTING_DOWN"
+                else (f"lost the connection to the planner at {address}")
             )
             return ChatError(f"{why}; {self.continue_hint()}")
         if code == "UNAVAILABLE":
@@ -327,7 +335,7 @@ class ChatClient:
             # An event was missed (docs/spec/api-and-streams.md: a stream that sees a gap reopens).
             return End.REOPEN
         claimed = ""
-        if response.WhichOneof("event") == "message_accepted":
+        if response.WhichOneof("event") in ("message_accepted", "message_queued"):
             claimed = await self._sender_of(response)
         self.track(response, sender=claimed)
         if self.cancel_requested and self.running_turn:
@@ -344,7 +352,7 @@ class ChatClient:
         await self.open(session_id=self.session.session_id, after=self.last_sequence)
         self.pending.update(pending)
         for request_id, sent in pending.items():
-            await self._write_message(request_id, sent.text)
+            await self._write_message(request_id, sent.text, sent.on_busy)
 
     async def _sender_of(self, response: chat_pb2.ChatResponse) -> str:
         """The request id of this client's message that ``response`` (a
@@ -385,7 +393,21 @@ class ChatClient:
         kind = response.WhichOneof("event")
         was_busy = self.busy
         report = ""  # said once on stderr instead of the transcript (batch mode)
-        if kind == "message_accepted":
+        #: A queued message of ours that starts now is shown, where it is answered.
+        echo_mine = False
+        if kind == "message_queued":
+            sent = self.pending.pop(sender or response.request_id, None)
+            if sent is not None and not sent.turn_id:
+                sent.turn_id = response.turn_id
+                self.own_turns[response.turn_id] = sent
+                if response.turn_id not in self.ended:
+                    self.queued.append(response.turn_id)
+        elif kind == "message_accepted" and response.turn_id in self.queued:
+            # A queued message of ours starts its turn: shown now, where it is answered.
+            self.queued.remove(response.turn_id)
+            self.running_turn = response.turn_id
+            echo_mine = True
+        elif kind == "message_accepted":
             if response.turn_id not in self.ended:
                 # A duplicate's reply may name a turn that has ended already.
                 self.running_turn = response.turn_id
@@ -402,6 +424,8 @@ class ChatClient:
             self.ended[response.turn_id] = response.turn_ended
             if self.running_turn == response.turn_id:
                 self.running_turn = ""
+            if response.turn_id in self.queued:  # cancelled before it ran
+                self.queued.remove(response.turn_id)
             sent = self.own_turns.get(response.turn_id)
             if sent is not None and sent.ended is None:
                 report = self._finished(sent, response.turn_ended)
@@ -416,7 +440,8 @@ class ChatClient:
             if self.batch and report:
                 self.renderer.end_line()
             else:
-                self.renderer.render(response, mine=response.turn_id in self.own_turns)
+                mine = response.turn_id in self.own_turns and not echo_mine
+                self.renderer.render(response, mine=mine)
         if self.batch and report:
             print(f"ballet-planner chat: {report}", file=self.err, flush=True)
         if not self.busy:
@@ -446,20 +471,29 @@ class ChatClient:
         else:
             self.renderer.line(text)
 
-    async def send(self, text: str) -> Sent:
+    async def send(
+        self, text: str, on_busy: resources_pb2.OnBusy.ValueType = resources_pb2.ON_BUSY_REJECT
+    ) -> Sent:
         """Send ``text`` as a message of the open session (made valid UTF-8 first, see
-        ``utf8_text``); returns what the client follows of it."""
+        ``utf8_text``); ``on_busy`` (an ``OnBusy`` value) says what the planner does
+        with it while a turn runs. Returns what the client follows of it."""
         assert self._call is not None and self.session is not None
-        sent = Sent(request_id=uuid.uuid4().hex, text=utf8_text(text))
+        sent = Sent(request_id=uuid.uuid4().hex, text=utf8_text(text), on_busy=on_busy)
         self.pending[sent.request_id] = sent
-        await self._write_message(sent.request_id, sent.text)
+        await self._write_message(sent.request_id, sent.text, on_busy)
         return sent
 
-    async def _write_message(self, request_id: str, text: str) -> None:
+    async def _write_message(
+        self,
+        request_id: str,
+        text: str,
+        on_busy: resources_pb2.OnBusy.ValueType = resources_pb2.ON_BUSY_REJECT,
+    ) -> None:
         assert self._call is not None
         await self._call.write(
             chat_pb2.ChatRequest(
-                request_id=request_id, send_message=chat_pb2.SendMessageAction(text=text)
+                request_id=request_id,
+                send_message=chat_pb2.SendMessageAction(text=text, on_busy=on_busy),
             )
         )
 
@@ -508,6 +542,7 @@ class ChatClient:
         self.running_turn = ""
         self.pending.clear()
         self.own_turns.clear()
+        self.queued.clear()
         self.cancel_requested = False
         self.last_sequence = 0
 

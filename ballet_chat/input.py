@@ -160,7 +160,6 @@ class LineSource:
             if line is None:
                 return
 
-
     def _closed(self) -> bool:
         ready, _, _ = select.select([self._wake_read], [], [], 0)
         return bool(ready)

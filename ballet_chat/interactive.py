@@ -4,7 +4,9 @@
 A new session is created with the first message typed (its text is the title), never
 at start; ``/new`` forgets the current one so that the next message starts another.
 ``/cancel`` (or Ctrl-C) while a message is being accepted cancels its turn as soon as the
-turn starts.
+turn starts. A message typed while an answer streams is queued (``on_busy`` ENQUEUE: it
+runs when the answer ends, shown as queued); ``/interrupt TEXT`` stops the running turn
+and sends TEXT at once (INTERRUPT; docs/decisions/0300-queued-turns.md and 0301).
 
 When stdin is not a terminal (``printf 'a\nb\n' | ballet-planner chat ...``), nobody reads
 a prompt or waits to type: the lines queue, each one (message or command) taken after
@@ -36,7 +38,9 @@ INTERRUPTED = 130
 OPEN_PREFIX_SESSIONS = 100
 HELP = (
     "Type a message and press Enter (arrow keys edit the line, up and down recall earlier "
-    "ones). Commands: /cancel (the running turn), /new (a new session), /sessions (this "
+    "ones). A message typed while the planner answers is queued and runs next. "
+    "Commands: /interrupt TEXT (stop the answer and send TEXT now), /cancel (the running "
+    "turn), /new (a new session), /sessions (this "
     "project's sessions, numbered), /open ROW or ID (another session: a /sessions row, or "
     "an id or its start), /history (every message of this session), /help, /quit. Ctrl-C "
     "cancels a running turn, or quits."
@@ -277,20 +281,28 @@ class Interactive:
             if not client.busy:
                 self.prompt()
             return True
-        if client.busy:
-            client.note("(a turn is running: wait for it, or /cancel it)")
-            return True
         if client.session is None:
             await client.open(title=short(line, TITLE_CHARS))
             self.header(created=True)
             self.start_pump()
-        await client.send(line)
+        # At a terminal, a message typed while a turn runs waits as a queued turn (shown
+        # as queued); piped lines are sent one per ended turn, and refused as before when
+        # another client's turn runs.
+        on_busy = resources_pb2.ON_BUSY_REJECT if self.batch else resources_pb2.ON_BUSY_ENQUEUE
+        await client.send(line, on_busy)
         return True
 
     async def _command(self, command: str, argument: str) -> None:
         client = self.client
         if command == "/help":
             client.note(HELP)
+        elif command == "/interrupt":
+            if not argument:
+                client.note("usage: /interrupt TEXT (stops the running answer, sends TEXT)")
+            elif client.session is None:
+                await self._handle(argument)
+            else:
+                await client.send(argument, resources_pb2.ON_BUSY_INTERRUPT)
         elif command == "/cancel":
             when = await client.request_cancel()
             client.note(

@@ -215,6 +215,14 @@ class Renderer:
             message = response.message_accepted.message
             if not mine:
                 self.line(f"{message.human_id or 'human'}: {message.text}")
+        elif kind == "message_queued":
+            queued = response.message_queued
+            if mine and queued.on_busy == resources_pb2.ON_BUSY_INTERRUPT:
+                self.line(f"  (interrupting: {short(queued.text, 60)} runs next)")
+            elif mine:
+                self.line(f"  (queued: {short(queued.text, 60)}; it runs when this answer ends)")
+            else:
+                self.line(f"{queued.human_id or 'human'} (queued): {queued.text}")
         elif kind == "turn_started":
             model = response.turn_started.model
             if model and model != self.model:

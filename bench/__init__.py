@@ -5,7 +5,10 @@
 table and writes ``bench/results/latest.json`` and ``latest.md``. Module map:
 
 - ``__main__``: the command line.
-- ``runner``: the process tree (``Environment``) and the phases (``Bench``).
+- ``runner``: the process tree (``Environment``) and a run of every phase (``Bench``).
+- ``context``: what the phases share (``BenchContext``, ``Rotating``, ``log``); ``phases/``:
+  one module per phase (baselines, counts, concurrency, history, deltas, streams,
+  profiling), each a ``BenchContext`` subclass.
 - ``bare``: the bare gRPC echo server (``python -m bench.bare``) and its client.
 - ``stack``: the dependencies in their own process (``python -m bench.stack``): devstack
   backends on PostgreSQL, the scripted LLM gateway, and a small control service.

@@ -3,7 +3,9 @@
 ``python -m bench scale ...`` runs the scale benchmark instead (several replicas on one
 durable PostgreSQL, ``bench.scale``), and ``python -m bench idle ...`` the many idle
 streams benchmark (``bench.idle``), and ``python -m bench prompt`` counts the fixed
-prompt's tokens per part (``bench.prompt``); ``--help`` after any lists its options.
+prompt's tokens per part (``bench.prompt``), and ``python -m bench realmodel`` the context
+estimate after a compaction against a real llama.cpp server (``bench.realmodel``);
+``--help`` after any lists its options.
 
 Options: ``--quick`` (smaller samples and a 10 s idle window instead of 60 s; about two
 minutes instead of three and a half), ``--out DIR`` (default ``bench/results``),
@@ -21,9 +23,10 @@ import signal
 import sys
 from pathlib import Path
 
+from bench.context import log
 from bench.procs import REPO_ROOT
 from bench.report import markdown, write
-from bench.runner import Options, log, run
+from bench.runner import Options, run
 
 
 def parse_args(argv: list[str] | None = None) -> Options:
@@ -77,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench import prompt
 
         return prompt.main(args[1:])
+    if args and args[0] == "realmodel":
+        from bench import realmodel
+
+        return realmodel.main(args[1:])
     if args and args[0] in ("scale", "idle"):
         from bench import idle, scale
 

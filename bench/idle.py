@@ -19,9 +19,10 @@ import dataclasses
 import time
 from pathlib import Path
 
+from bench.context import log
 from bench.procs import REPO_ROOT
 from bench.report import Report, machine, markdown, write
-from bench.runner import QUICK, Bench, Environment, Options, log
+from bench.runner import QUICK, Bench, Environment, Options
 from bench.scale import settings
 
 #: Streams per client connection: the planner's default server.max_concurrent_streams.

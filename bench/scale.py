@@ -39,16 +39,14 @@ import psycopg
 
 from bench import database
 from bench.client import ChatError, channel
+from bench.context import PROJECTS, Rotating, log
 from bench.procs import REPO_ROOT, Child
 from bench.report import Report, Row, machine, markdown, write
 from bench.runner import (
-    PROJECTS,
     QUICK,
     Bench,
     Environment,
     Options,
-    Rotating,
-    log,
 )
 from bench.stack import human_id, project_ids
 from bench.stats import percentile

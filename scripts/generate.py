@@ -5,8 +5,8 @@ mypy-protobuf exactly, so everyone produces byte-identical output; ``--check`` r
 into a temporary folder and fails when the committed tree differs (a stale ``generated/``
 fails CI).
 
-The google.rpc protos under ``third_party/`` are imported but never generated: Python
-takes them from googleapis-common-protos.
+The google.rpc and google.api protos under ``third_party/`` are imported but never
+generated: Python takes them from googleapis-common-protos.
 
 Usage: ``python scripts/generate.py [--check]``
 """

@@ -53,9 +53,15 @@ KIND = resources_pb2.MessageKind
 STALLED_CHANNEL = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
 
 
+#: Answers here carry megabytes of arguments (about a million estimated tokens each): the
+#: turn's token budget (``planner.turn_max_tokens``) is raised so that these tests reach the
+#: size limits they are about, not the budget (tests/unit/test_turn_budgets.py owns that).
+_SETTINGS = {"PLANNER__TURN_MAX_TOKENS": "100000000"}
+
+
 @pytest.fixture(scope="module")
 async def sqlite_rig(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Rig]:
-    started = await start_rig(tmp_path_factory.mktemp("payloads"))
+    started = await start_rig(tmp_path_factory.mktemp("payloads"), settings=_SETTINGS)
     yield started
     await stop_rig(started)
 
@@ -67,7 +73,9 @@ async def pg_rig(
     name = f"payloads_{uuid.uuid4().hex[:12]}"
     pg_cluster.create_database(name)
     started = await start_rig(
-        tmp_path_factory.mktemp("payloads-pg"), database_url=pg_cluster.url(name)
+        tmp_path_factory.mktemp("payloads-pg"),
+        database_url=pg_cluster.url(name),
+        settings=_SETTINGS,
     )
     try:
         yield started
@@ -394,7 +402,9 @@ async def test_send_message_returns_a_long_turn_within_what_a_client_takes(rig: 
 async def small_gateway_rig(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Rig]:
     """A gateway on its own server with gRPC's default receive limit (4 MiB), while the
     planner's gateway channel says 32 MiB (its default)."""
-    started = await start_rig(tmp_path_factory.mktemp("small-gateway"), separate_gateway=True)
+    started = await start_rig(
+        tmp_path_factory.mktemp("small-gateway"), separate_gateway=True, settings=_SETTINGS
+    )
     yield started
     await stop_rig(started)
 

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mappin
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import grpc
 from ballet.llm.v1 import gateway_pb2
@@ -95,8 +95,10 @@ class GatedSleep:
 
 @dataclass
 class ChatStream:
-    """One ``Chat`` call as a test drives it: write actions, read responses."""
+    """One ``Chat`` call as a test drives it: write actions, read responses (each read
+    bounded by ``wait_s``)."""
 
+    wait_s: ClassVar[float] = WAIT_S
     call: Any
     received: list[chat_pb2.ChatResponse] = field(default_factory=list)
 
@@ -128,7 +130,7 @@ class ChatStream:
 
     async def next(self) -> chat_pb2.ChatResponse:
         """The next response; raises ``EOFError`` when the server ended the stream OK."""
-        async with asyncio.timeout(WAIT_S):
+        async with asyncio.timeout(self.wait_s):
             response = await self.call.read()
         if response is grpc.aio.EOF:
             raise EOFError("the Chat stream ended")

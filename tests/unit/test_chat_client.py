@@ -13,7 +13,10 @@ from ballet.planner.v1 import chat_pb2, resources_pb2
 from google.rpc import error_details_pb2
 
 from ballet_chat.client import (
+    ChatClient,
+    ChatOptions,
     Renderer,
+    Sent,
     TextStitcher,
     describe_turn_end,
     short,
@@ -231,9 +234,7 @@ def test_a_tool_call_shows_as_soon_as_its_name_is_known() -> None:
         tool_name="get_item",
         tool_arguments='{"item_id":"PAN-4"}',
     )
-    renderer.render(
-        chat_pb2.ChatResponse(tool_call_started=chat_pb2.ToolCallStarted(message=call))
-    )
+    renderer.render(chat_pb2.ChatResponse(tool_call_started=chat_pb2.ToolCallStarted(message=call)))
     assert out.getvalue().endswith('  -> get_item {"item_id":"PAN-4"}\n')
 
 
@@ -265,3 +266,44 @@ def test_the_readme_shows_the_tool_call_lines_the_client_prints() -> None:
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     assert out.getvalue() in readme
     assert "its result on one\nline" not in readme
+
+
+def test_a_queued_message_is_shown_queued_then_where_its_turn_starts() -> None:
+    # Decision 0300: a message typed while an answer streams is queued; the client stays
+    # busy until its turn ended, and shows the message again where it is answered.
+    client = ChatClient(ChatOptions(address="x", token="t"), io.StringIO(), io.StringIO())
+    sent = Sent(request_id="r-2", text="and the biggest?", on_busy=resources_pb2.ON_BUSY_ENQUEUE)
+    client.pending[sent.request_id] = sent
+    queued = chat_pb2.ChatResponse(
+        session_id="s",
+        turn_id="t-2",
+        sequence=3,
+        request_id="r-2",
+        message_queued=chat_pb2.MessageQueued(
+            text="and the biggest?", behind_turn_id="t-1", on_busy=resources_pb2.ON_BUSY_ENQUEUE
+        ),
+    )
+    client.track(queued)
+    assert client.queued == ["t-2"] and client.busy and sent.turn_id == "t-2"
+    started = chat_pb2.ChatResponse(
+        session_id="s",
+        turn_id="t-2",
+        sequence=6,
+        message_accepted=chat_pb2.MessageAccepted(
+            message=resources_pb2.Message(text="and the biggest?", human_id="alice")
+        ),
+    )
+    client.track(started)
+    assert client.queued == [] and client.running_turn == "t-2"
+    client.track(
+        chat_pb2.ChatResponse(
+            session_id="s",
+            turn_id="t-2",
+            sequence=8,
+            turn_ended=chat_pb2.TurnEnded(reason=resources_pb2.TURN_END_REASON_COMPLETED),
+        )
+    )
+    assert not client.busy and sent.ok
+    shown = client.out.getvalue()  # type: ignore[attr-defined]
+    assert "(queued: and the biggest?; it runs when this answer ends)" in shown
+    assert "alice: and the biggest?" in shown

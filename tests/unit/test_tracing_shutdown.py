@@ -21,15 +21,10 @@ from opentelemetry.sdk.trace.export import (
     SpanExportResult,
 )
 
-from ballet_common.tracing import (
-    _EXPORTER_LOGGER,
-    _QUIET,
-    StoppableExporter,
-    Tracing,
-    make_tracing,
-)
+from ballet_common.tracing import StoppableExporter, Tracing, make_tracing
+from ballet_common.tracing.exporter import EXPORTER_LOGGER, QUIET_EXPORTS
 
-OTLP_LOG = logging.getLogger(_EXPORTER_LOGGER)
+OTLP_LOG = logging.getLogger(EXPORTER_LOGGER)
 
 
 class TroubledCollector(SpanExporter):
@@ -55,7 +50,7 @@ class TroubledCollector(SpanExporter):
 
 
 def traced(collector: TroubledCollector) -> Tracing:
-    OTLP_LOG.addFilter(_QUIET)
+    OTLP_LOG.addFilter(QUIET_EXPORTS)
     processor = BatchSpanProcessor(StoppableExporter(collector), schedule_delay_millis=60_000)
     tracing = make_tracing("t", [processor], service_version="1")
     for name in ("one", "two"):

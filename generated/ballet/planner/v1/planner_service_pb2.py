@@ -24,52 +24,73 @@ _sym_db = _symbol_database.Default()
 
 from ballet.planner.v1 import chat_pb2 as ballet_dot_planner_dot_v1_dot_chat__pb2
 from ballet.planner.v1 import resources_pb2 as ballet_dot_planner_dot_v1_dot_resources__pb2
+from google.api import annotations_pb2 as google_dot_api_dot_annotations__pb2
 from google.protobuf import field_mask_pb2 as google_dot_protobuf_dot_field__mask__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'ballet/planner/v1/planner_service.proto\x12\x11\x62\x61llet.planner.v1\x1a\x1c\x62\x61llet/planner/v1/chat.proto\x1a!ballet/planner/v1/resources.proto\x1a google/protobuf/field_mask.proto\"M\n\x14\x43reateSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nproject_id\x18\x02 \x01(\t\x12\r\n\x05title\x18\x03 \x01(\t\"D\n\x15\x43reateSessionResponse\x12+\n\x07session\x18\x01 \x01(\x0b\x32\x1a.ballet.planner.v1.Session\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"A\n\x12GetSessionResponse\x12+\n\x07session\x18\x01 \x01(\x0b\x32\x1a.ballet.planner.v1.Session\"P\n\x13ListSessionsRequest\x12\x12\n\nproject_id\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\"]\n\x14ListSessionsResponse\x12,\n\x08sessions\x18\x01 \x03(\x0b\x32\x1a.ballet.planner.v1.Session\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"t\n\x14UpdateSessionRequest\x12+\n\x07session\x18\x01 \x01(\x0b\x32\x1a.ballet.planner.v1.Session\x12/\n\x0bupdate_mask\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.FieldMask\"D\n\x15UpdateSessionResponse\x12+\n\x07session\x18\x01 \x01(\x0b\x32\x1a.ballet.planner.v1.Session\"*\n\x14\x44\x65leteSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x17\n\x15\x44\x65leteSessionResponse\"h\n\x13ListMessagesRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\x12\x16\n\x0e\x61\x66ter_sequence\x18\x04 \x01(\x03\"]\n\x14ListMessagesResponse\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.ballet.planner.v1.Message\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"5\n\x0eGetTurnRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07turn_id\x18\x02 \x01(\t\"8\n\x0fGetTurnResponse\x12%\n\x04turn\x18\x01 \x01(\x0b\x32\x17.ballet.planner.v1.Turn\"L\n\x11\x43\x61ncelTurnRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0f\n\x07turn_id\x18\x03 \x01(\t\";\n\x12\x43\x61ncelTurnResponse\x12%\n\x04turn\x18\x01 \x01(\x0b\x32\x17.ballet.planner.v1.Turn\"v\n\x12SendMessageRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x07on_busy\x18\x32 \x01(\x0e\x32\x19.ballet.planner.v1.OnBusy\"\xa6\x01\n\x13SendMessageResponse\x12%\n\x04turn\x18\x01 \x01(\x0b\x32\x17.ballet.planner.v1.Turn\x12,\n\x08messages\x18\x02 \x03(\x0b\x32\x1a.ballet.planner.v1.Message\x12:\n\x0b\x64isposition\x18\x32 \x01(\x0e\x32%.ballet.planner.v1.MessageDisposition2\xb1\x07\n\x0ePlannerService\x12\x62\n\rCreateSession\x12\'.ballet.planner.v1.CreateSessionRequest\x1a(.ballet.planner.v1.CreateSessionResponse\x12Y\n\nGetSession\x12$.ballet.planner.v1.GetSessionRequest\x1a%.ballet.planner.v1.GetSessionResponse\x12_\n\x0cListSessions\x12&.ballet.planner.v1.ListSessionsRequest\x1a\'.ballet.planner.v1.ListSessionsResponse\x12\x62\n\rUpdateSession\x12\'.ballet.planner.v1.UpdateSessionRequest\x1a(.ballet.planner.v1.UpdateSessionResponse\x12\x62\n\rDeleteSession\x12\'.ballet.planner.v1.DeleteSessionRequest\x1a(.ballet.planner.v1.DeleteSessionResponse\x12_\n\x0cListMessages\x12&.ballet.planner.v1.ListMessagesRequest\x1a\'.ballet.planner.v1.ListMessagesResponse\x12P\n\x07GetTurn\x12!.ballet.planner.v1.GetTurnRequest\x1a\".ballet.planner.v1.GetTurnResponse\x12Y\n\nCancelTurn\x12$.ballet.planner.v1.CancelTurnRequest\x1a%.ballet.planner.v1.CancelTurnResponse\x12\\\n\x0bSendMessage\x12%.ballet.planner.v1.SendMessageRequest\x1a&.ballet.planner.v1.SendMessageResponse\x12K\n\x04\x43hat\x12\x1e.ballet.planner.v1.ChatRequest\x1a\x1f.ballet.planner.v1.ChatResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'ballet/planner/v1/planner_service.proto\x12\x11\x62\x61llet.planner.v1\x1a\x1c\x62\x61llet/planner/v1/chat.proto\x1a!ballet/planner/v1/resources.proto\x1a\x1cgoogle/api/annotations.proto\x1a google/protobuf/field_mask.proto\"M\n\x14\x43reateSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nproject_id\x18\x02 \x01(\t\x12\r\n\x05title\x18\x03 \x01(\t\"D\n\x15\x43reateSessionResponse\x12+\n\x07session\x18\x01 \x01(\x0b\x32\x1a.ballet.planner.v1.Session\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"A\n\x12GetSessionResponse\x12+\n\x07session\x18\x01 \x01(\x0b\x32\x1a.ballet.planner.v1.Session\"P\n\x13ListSessionsRequest\x12\x12\n\nproject_id\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\"]\n\x14ListSessionsResponse\x12,\n\x08sessions\x18\x01 \x03(\x0b\x32\x1a.ballet.planner.v1.Session\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"t\n\x14UpdateSessionRequest\x12+\n\x07session\x18\x01 \x01(\x0b\x32\x1a.ballet.planner.v1.Session\x12/\n\x0bupdate_mask\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.FieldMask\"D\n\x15UpdateSessionResponse\x12+\n\x07session\x18\x01 \x01(\x0b\x32\x1a.ballet.planner.v1.Session\"*\n\x14\x44\x65leteSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x17\n\x15\x44\x65leteSessionResponse\"h\n\x13ListMessagesRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\x12\x16\n\x0e\x61\x66ter_sequence\x18\x04 \x01(\x03\"]\n\x14ListMessagesResponse\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.ballet.planner.v1.Message\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"5\n\x0eGetTurnRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07turn_id\x18\x02 \x01(\t\"8\n\x0fGetTurnResponse\x12%\n\x04turn\x18\x01 \x01(\x0b\x32\x17.ballet.planner.v1.Turn\"L\n\x11\x43\x61ncelTurnRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0f\n\x07turn_id\x18\x03 \x01(\t\";\n\x12\x43\x61ncelTurnResponse\x12%\n\x04turn\x18\x01 \x01(\x0b\x32\x17.ballet.planner.v1.Turn\"v\n\x12SendMessageRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x07on_busy\x18\x32 \x01(\x0e\x32\x19.ballet.planner.v1.OnBusy\"\xa6\x01\n\x13SendMessageResponse\x12%\n\x04turn\x18\x01 \x01(\x0b\x32\x17.ballet.planner.v1.Turn\x12,\n\x08messages\x18\x02 \x03(\x0b\x32\x1a.ballet.planner.v1.Message\x12:\n\x0b\x64isposition\x18\x32 \x01(\x0e\x32%.ballet.planner.v1.MessageDisposition2\xbe\x0b\n\x0ePlannerService\x12\x87\x01\n\rCreateSession\x12\'.ballet.planner.v1.CreateSessionRequest\x1a(.ballet.planner.v1.CreateSessionResponse\"#\x82\xd3\xe4\x93\x02\x1d\"\x18/api/v1/planner/sessions:\x01*\x12\x88\x01\n\nGetSession\x12$.ballet.planner.v1.GetSessionRequest\x1a%.ballet.planner.v1.GetSessionResponse\"-\x82\xd3\xe4\x93\x02\'\x12%/api/v1/planner/sessions/{session_id}\x12\x81\x01\n\x0cListSessions\x12&.ballet.planner.v1.ListSessionsRequest\x1a\'.ballet.planner.v1.ListSessionsResponse\" \x82\xd3\xe4\x93\x02\x1a\x12\x18/api/v1/planner/sessions\x12\xa2\x01\n\rUpdateSession\x12\'.ballet.planner.v1.UpdateSessionRequest\x1a(.ballet.planner.v1.UpdateSessionResponse\">\x82\xd3\xe4\x93\x02\x38\x32-/api/v1/planner/sessions/{session.session_id}:\x07session\x12\x91\x01\n\rDeleteSession\x12\'.ballet.planner.v1.DeleteSessionRequest\x1a(.ballet.planner.v1.DeleteSessionResponse\"-\x82\xd3\xe4\x93\x02\'*%/api/v1/planner/sessions/{session_id}\x12\x97\x01\n\x0cListMessages\x12&.ballet.planner.v1.ListMessagesRequest\x1a\'.ballet.planner.v1.ListMessagesResponse\"6\x82\xd3\xe4\x93\x02\x30\x12./api/v1/planner/sessions/{session_id}/messages\x12\x8f\x01\n\x07GetTurn\x12!.ballet.planner.v1.GetTurnRequest\x1a\".ballet.planner.v1.GetTurnResponse\"=\x82\xd3\xe4\x93\x02\x37\x12\x35/api/v1/planner/sessions/{session_id}/turns/{turn_id}\x12\xa2\x01\n\nCancelTurn\x12$.ballet.planner.v1.CancelTurnRequest\x1a%.ballet.planner.v1.CancelTurnResponse\"G\x82\xd3\xe4\x93\x02\x41\"</api/v1/planner/sessions/{session_id}/turns/{turn_id}:cancel:\x01*\x12\x9a\x01\n\x0bSendMessage\x12%.ballet.planner.v1.SendMessageRequest\x1a&.ballet.planner.v1.SendMessageResponse\"<\x82\xd3\xe4\x93\x02\x36\"1/api/v1/planner/sessions/{session_id}:sendMessage:\x01*\x12l\n\x04\x43hat\x12\x1e.ballet.planner.v1.ChatRequest\x1a\x1f.ballet.planner.v1.ChatResponse\"\x1f\x82\xd3\xe4\x93\x02\x19\"\x14/api/v1/planner:chat:\x01*(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ballet.planner.v1.planner_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CREATESESSIONREQUEST']._serialized_start=161
-  _globals['_CREATESESSIONREQUEST']._serialized_end=238
-  _globals['_CREATESESSIONRESPONSE']._serialized_start=240
-  _globals['_CREATESESSIONRESPONSE']._serialized_end=308
-  _globals['_GETSESSIONREQUEST']._serialized_start=310
-  _globals['_GETSESSIONREQUEST']._serialized_end=349
-  _globals['_GETSESSIONRESPONSE']._serialized_start=351
-  _globals['_GETSESSIONRESPONSE']._serialized_end=416
-  _globals['_LISTSESSIONSREQUEST']._serialized_start=418
-  _globals['_LISTSESSIONSREQUEST']._serialized_end=498
-  _globals['_LISTSESSIONSRESPONSE']._serialized_start=500
-  _globals['_LISTSESSIONSRESPONSE']._serialized_end=593
-  _globals['_UPDATESESSIONREQUEST']._serialized_start=595
-  _globals['_UPDATESESSIONREQUEST']._serialized_end=711
-  _globals['_UPDATESESSIONRESPONSE']._serialized_start=713
-  _globals['_UPDATESESSIONRESPONSE']._serialized_end=781
-  _globals['_DELETESESSIONREQUEST']._serialized_start=783
-  _globals['_DELETESESSIONREQUEST']._serialized_end=825
-  _globals['_DELETESESSIONRESPONSE']._serialized_start=827
-  _globals['_DELETESESSIONRESPONSE']._serialized_end=850
-  _globals['_LISTMESSAGESREQUEST']._serialized_start=852
-  _globals['_LISTMESSAGESREQUEST']._serialized_end=956
-  _globals['_LISTMESSAGESRESPONSE']._serialized_start=958
-  _globals['_LISTMESSAGESRESPONSE']._serialized_end=1051
-  _globals['_GETTURNREQUEST']._serialized_start=1053
-  _globals['_GETTURNREQUEST']._serialized_end=1106
-  _globals['_GETTURNRESPONSE']._serialized_start=1108
-  _globals['_GETTURNRESPONSE']._serialized_end=1164
-  _globals['_CANCELTURNREQUEST']._serialized_start=1166
-  _globals['_CANCELTURNREQUEST']._serialized_end=1242
-  _globals['_CANCELTURNRESPONSE']._serialized_start=1244
-  _globals['_CANCELTURNRESPONSE']._serialized_end=1303
-  _globals['_SENDMESSAGEREQUEST']._serialized_start=1305
-  _globals['_SENDMESSAGEREQUEST']._serialized_end=1423
-  _globals['_SENDMESSAGERESPONSE']._serialized_start=1426
-  _globals['_SENDMESSAGERESPONSE']._serialized_end=1592
-  _globals['_PLANNERSERVICE']._serialized_start=1595
-  _globals['_PLANNERSERVICE']._serialized_end=2540
+  _globals['_PLANNERSERVICE'].methods_by_name['CreateSession']._loaded_options = None
+  _globals['_PLANNERSERVICE'].methods_by_name['CreateSession']._serialized_options = b'\202\323\344\223\002\035\"\030/api/v1/planner/sessions:\001*'
+  _globals['_PLANNERSERVICE'].methods_by_name['GetSession']._loaded_options = None
+  _globals['_PLANNERSERVICE'].methods_by_name['GetSession']._serialized_options = b'\202\323\344\223\002\'\022%/api/v1/planner/sessions/{session_id}'
+  _globals['_PLANNERSERVICE'].methods_by_name['ListSessions']._loaded_options = None
+  _globals['_PLANNERSERVICE'].methods_by_name['ListSessions']._serialized_options = b'\202\323\344\223\002\032\022\030/api/v1/planner/sessions'
+  _globals['_PLANNERSERVICE'].methods_by_name['UpdateSession']._loaded_options = None
+  _globals['_PLANNERSERVICE'].methods_by_name['UpdateSession']._serialized_options = b'\202\323\344\223\00282-/api/v1/planner/sessions/{session.session_id}:\007session'
+  _globals['_PLANNERSERVICE'].methods_by_name['DeleteSession']._loaded_options = None
+  _globals['_PLANNERSERVICE'].methods_by_name['DeleteSession']._serialized_options = b'\202\323\344\223\002\'*%/api/v1/planner/sessions/{session_id}'
+  _globals['_PLANNERSERVICE'].methods_by_name['ListMessages']._loaded_options = None
+  _globals['_PLANNERSERVICE'].methods_by_name['ListMessages']._serialized_options = b'\202\323\344\223\0020\022./api/v1/planner/sessions/{session_id}/messages'
+  _globals['_PLANNERSERVICE'].methods_by_name['GetTurn']._loaded_options = None
+  _globals['_PLANNERSERVICE'].methods_by_name['GetTurn']._serialized_options = b'\202\323\344\223\0027\0225/api/v1/planner/sessions/{session_id}/turns/{turn_id}'
+  _globals['_PLANNERSERVICE'].methods_by_name['CancelTurn']._loaded_options = None
+  _globals['_PLANNERSERVICE'].methods_by_name['CancelTurn']._serialized_options = b'\202\323\344\223\002A\"</api/v1/planner/sessions/{session_id}/turns/{turn_id}:cancel:\001*'
+  _globals['_PLANNERSERVICE'].methods_by_name['SendMessage']._loaded_options = None
+  _globals['_PLANNERSERVICE'].methods_by_name['SendMessage']._serialized_options = b'\202\323\344\223\0026\"1/api/v1/planner/sessions/{session_id}:sendMessage:\001*'
+  _globals['_PLANNERSERVICE'].methods_by_name['Chat']._loaded_options = None
+  _globals['_PLANNERSERVICE'].methods_by_name['Chat']._serialized_options = b'\202\323\344\223\002\031\"\024/api/v1/planner:chat:\001*'
+  _globals['_CREATESESSIONREQUEST']._serialized_start=191
+  _globals['_CREATESESSIONREQUEST']._serialized_end=268
+  _globals['_CREATESESSIONRESPONSE']._serialized_start=270
+  _globals['_CREATESESSIONRESPONSE']._serialized_end=338
+  _globals['_GETSESSIONREQUEST']._serialized_start=340
+  _globals['_GETSESSIONREQUEST']._serialized_end=379
+  _globals['_GETSESSIONRESPONSE']._serialized_start=381
+  _globals['_GETSESSIONRESPONSE']._serialized_end=446
+  _globals['_LISTSESSIONSREQUEST']._serialized_start=448
+  _globals['_LISTSESSIONSREQUEST']._serialized_end=528
+  _globals['_LISTSESSIONSRESPONSE']._serialized_start=530
+  _globals['_LISTSESSIONSRESPONSE']._serialized_end=623
+  _globals['_UPDATESESSIONREQUEST']._serialized_start=625
+  _globals['_UPDATESESSIONREQUEST']._serialized_end=741
+  _globals['_UPDATESESSIONRESPONSE']._serialized_start=743
+  _globals['_UPDATESESSIONRESPONSE']._serialized_end=811
+  _globals['_DELETESESSIONREQUEST']._serialized_start=813
+  _globals['_DELETESESSIONREQUEST']._serialized_end=855
+  _globals['_DELETESESSIONRESPONSE']._serialized_start=857
+  _globals['_DELETESESSIONRESPONSE']._serialized_end=880
+  _globals['_LISTMESSAGESREQUEST']._serialized_start=882
+  _globals['_LISTMESSAGESREQUEST']._serialized_end=986
+  _globals['_LISTMESSAGESRESPONSE']._serialized_start=988
+  _globals['_LISTMESSAGESRESPONSE']._serialized_end=1081
+  _globals['_GETTURNREQUEST']._serialized_start=1083
+  _globals['_GETTURNREQUEST']._serialized_end=1136
+  _globals['_GETTURNRESPONSE']._serialized_start=1138
+  _globals['_GETTURNRESPONSE']._serialized_end=1194
+  _globals['_CANCELTURNREQUEST']._serialized_start=1196
+  _globals['_CANCELTURNREQUEST']._serialized_end=1272
+  _globals['_CANCELTURNRESPONSE']._serialized_start=1274
+  _globals['_CANCELTURNRESPONSE']._serialized_end=1333
+  _globals['_SENDMESSAGEREQUEST']._serialized_start=1335
+  _globals['_SENDMESSAGEREQUEST']._serialized_end=1453
+  _globals['_SENDMESSAGERESPONSE']._serialized_start=1456
+  _globals['_SENDMESSAGERESPONSE']._serialized_end=1622
+  _globals['_PLANNERSERVICE']._serialized_start=1625
+  _globals['_PLANNERSERVICE']._serialized_end=3095
 # @@protoc_insertion_point(module_scope)

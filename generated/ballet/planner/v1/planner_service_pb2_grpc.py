@@ -29,6 +29,9 @@ if _version_not_supported:
 class PlannerServiceStub:
     """The planner: a human chats with it about a Ballet project, and it answers with an LLM
     that reads the project and proposes plan changes through tools.
+
+    Every RPC maps to HTTP (AIP-127) under /api/v1/planner, so a gRPC-JSON transcoder can
+    front it; the session read is GET /api/v1/planner/sessions/{session_id}.
     """
 
     def __init__(self, channel):
@@ -92,6 +95,9 @@ class PlannerServiceStub:
 class PlannerServiceServicer:
     """The planner: a human chats with it about a Ballet project, and it answers with an LLM
     that reads the project and proposes plan changes through tools.
+
+    Every RPC maps to HTTP (AIP-127) under /api/v1/planner, so a gRPC-JSON transcoder can
+    front it; the session read is GET /api/v1/planner/sessions/{session_id}.
     """
 
     def CreateSession(self, request, context):
@@ -228,6 +234,9 @@ def add_PlannerServiceServicer_to_server(servicer, server):
 class PlannerService:
     """The planner: a human chats with it about a Ballet project, and it answers with an LLM
     that reads the project and proposes plan changes through tools.
+
+    Every RPC maps to HTTP (AIP-127) under /api/v1/planner, so a gRPC-JSON transcoder can
+    front it; the session read is GET /api/v1/planner/sessions/{session_id}.
     """
 
     @staticmethod

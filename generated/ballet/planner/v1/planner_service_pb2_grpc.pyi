@@ -30,6 +30,9 @@ GRPC_VERSION: str
 class PlannerServiceStub:
     """The planner: a human chats with it about a Ballet project, and it answers with an LLM
     that reads the project and proposes plan changes through tools.
+
+    Every RPC maps to HTTP (AIP-127) under /api/v1/planner, so a gRPC-JSON transcoder can
+    front it; the session read is GET /api/v1/planner/sessions/{session_id}.
     """
 
     @_typing.overload
@@ -61,6 +64,9 @@ class PlannerServiceStub:
 class PlannerServiceAsyncStub(PlannerServiceStub):
     """The planner: a human chats with it about a Ballet project, and it answers with an LLM
     that reads the project and proposes plan changes through tools.
+
+    Every RPC maps to HTTP (AIP-127) under /api/v1/planner, so a gRPC-JSON transcoder can
+    front it; the session read is GET /api/v1/planner/sessions/{session_id}.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -88,6 +94,9 @@ class PlannerServiceAsyncStub(PlannerServiceStub):
 class PlannerServiceServicer(metaclass=_abc_1.ABCMeta):
     """The planner: a human chats with it about a Ballet project, and it answers with an LLM
     that reads the project and proposes plan changes through tools.
+
+    Every RPC maps to HTTP (AIP-127) under /api/v1/planner, so a gRPC-JSON transcoder can
+    front it; the session read is GET /api/v1/planner/sessions/{session_id}.
     """
 
     @_abc_1.abstractmethod
