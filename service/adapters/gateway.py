@@ -524,6 +524,12 @@ def translate_error(
         return ModelFailure(
             "CREDENTIAL_EXPIRED", f"the provider refused the project's credential: {details}"
         )
+    if reason == "TOOLS_NOT_SUPPORTED":
+        return ModelFailure(
+            "TOOLS_NOT_SUPPORTED",
+            "the model server refused the planner's tools (serve a model and chat template "
+            f"that support tool calls; docs/operations.md): {details}",
+        )
     return ModelFailure("MODEL_ERROR", f"{code.name}: {details}")
 
 

@@ -437,6 +437,31 @@ CASES: list[Case] = [
         Refused(grpc.StatusCode.NOT_FOUND, "NOT_FOUND"),
         Raised("MODEL_ERROR", message="HTTP 404"),
     ),
+    *[
+        # A server that cannot serve the request's tools says so with a 400, each in its
+        # own words (Ollama, vLLM, llama.cpp without --jinja): its own reason (0297).
+        Case(
+            f"http-400-tools-not-supported-{server}",
+            [
+                Reply(
+                    status=400,
+                    headers={"content-type": "application/json"},
+                    pieces=error_body(text, "invalid_request_error", None),
+                )
+            ],
+            Refused(grpc.StatusCode.INVALID_ARGUMENT, "TOOLS_NOT_SUPPORTED"),
+            Raised("TOOLS_NOT_SUPPORTED", message="refused the planner's tools"),
+        )
+        for server, text in (
+            ("ollama", "registry.ollama.ai/library/gemma:2b does not support tools"),
+            (
+                "vllm",
+                '"auto" tool choice requires --enable-auto-tool-choice and '
+                "--tool-call-parser to be set",
+            ),
+            ("llama-cpp", "tools param requires --jinja flag"),
+        )
+    ],
     Case(
         "http-429-with-retry-after",
         [
