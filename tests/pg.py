@@ -101,15 +101,17 @@ def _require_bin(name: str) -> Path:
     return path
 
 
-def _free_loopback_port() -> int:
-    # The kernel hands out a port nobody listens on; there is a small window before
-    # PostgreSQL binds it, which PgCluster.start() covers by retrying with another port.
-    # PostgreSQL must be told its port and cannot be handed a socket: the one place where
-    # a port is picked, allowed by tests/unit/test_no_port_race.py (decision 0322).
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+def _reserve_loopback_port() -> socket.socket:
+    """A loopback TCP port held for PostgreSQL, which must be told its port and cannot be
+    handed a socket: a socket bound to port 0 with SO_REUSEADDR that never listens. Until
+    it is closed nobody else can bind the port (a plain bind is refused, and the kernel
+    hands it to no other bind to port 0), while PostgreSQL, which binds with SO_REUSEADDR,
+    can: so the port is never free between its choice and PostgreSQL's bind (decision
+    0322). ``PgCluster.start`` closes it once the server listens."""
+    reservation = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    reservation.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    reservation.bind(("127.0.0.1", 0))
+    return reservation
 
 
 class PgServer:
@@ -178,12 +180,17 @@ class PgCluster(PgServer):
     loopback connection as any role.
     """
 
-    def __init__(self, base_dir: Path, port: int, *, auto_port: bool = False) -> None:
+    def __init__(
+        self, base_dir: Path, port: int | None = None, *, auto_port: bool = False
+    ) -> None:
+        """``port`` None: a port of the kernel's choice, held for the server until its
+        first start (``_reserve_loopback_port``)."""
         self.base_dir = base_dir
         self.data_dir = base_dir / "data"
         self.log_file = base_dir / "postgres.log"
-        self.port = port
-        self._auto_port = auto_port
+        self._reservation = _reserve_loopback_port() if port is None else None
+        self.port: int = port if port is not None else self._reservation.getsockname()[1]
+        self._auto_port = auto_port or port is None
         self._started_once = False
         self._pg_ctl = _require_bin("pg_ctl")
         # pg_ctl starts the postmaster as a daemon, so a test run that dies without its
@@ -199,7 +206,7 @@ class PgCluster(PgServer):
         subprocess.CalledProcessError (with initdb's output) when initdb fails.
         """
         initdb = _require_bin("initdb")
-        cluster = cls(base_dir, port or _free_loopback_port(), auto_port=port is None)
+        cluster = cls(base_dir, port)
         base_dir.mkdir(parents=True, exist_ok=True)
         if _as_root():
             shutil.chown(base_dir, user=PG_OS_USER, group=PG_OS_USER)
@@ -285,8 +292,7 @@ class PgCluster(PgServer):
         try:
             if _as_root():
                 shutil.chown(base_dir, user=PG_OS_USER, group=PG_OS_USER)
-            # Its first start moves to another port if this one was taken meanwhile.
-            standby = PgCluster(base_dir, _free_loopback_port(), auto_port=True)
+            standby = PgCluster(base_dir)
             standby._run(
                 [
                     str(basebackup),
@@ -391,11 +397,14 @@ class PgCluster(PgServer):
             )
             if result.returncode == 0:
                 self._started_once = True
+                self._release_reservation()
                 return
             log = self._log_tail()
-            # Another process took the port picked in create(); pick again.
+            # Someone binding with SO_REUSEADDR too took the reserved port: another one.
             if "could not bind" in log and attempt + 1 < attempts:
-                self._set_port(_free_loopback_port())
+                self._release_reservation()
+                self._reservation = _reserve_loopback_port()
+                self._set_port(self._reservation.getsockname()[1])
                 continue
             raise RuntimeError(
                 f"PostgreSQL did not start in {self.data_dir} (port {self.port}):\n"
@@ -425,8 +434,14 @@ class PgCluster(PgServer):
         )
         return result.returncode == 0
 
+    def _release_reservation(self) -> None:
+        if self._reservation is not None:
+            self._reservation.close()
+            self._reservation = None
+
     def destroy(self) -> None:
         """Stop the server at once and delete `base_dir` with everything in it."""
+        self._release_reservation()
         with contextlib.suppress(Exception):
             self.stop(mode="immediate")
         shutil.rmtree(self.base_dir, ignore_errors=True)

@@ -11,8 +11,10 @@ So no test does that (``tests/unit/test_no_port_race.py`` fails on the pattern):
 - a port where nothing listens (a database that is down, an OTLP collector that is not
   there) is ``refused_port()``: a socket bound and never listening, held for the block,
   so connections to it are refused and nobody else can take it meanwhile.
-- a program that must be told its port and cannot bind port 0 (PostgreSQL) retries its
-  start on another port when the one it was given is taken (``tests/pg.py``).
+- a program that cannot bind port 0 and say which it got is handed a listening socket
+  (nginx: ``tests/polyglot/support.py``), or, when it must be told its port and binds with
+  SO_REUSEADDR (PostgreSQL), gets a port held for it by a bound, never-listening
+  SO_REUSEADDR socket until it listens (``tests/pg.py``).
 """
 
 from __future__ import annotations

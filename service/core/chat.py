@@ -343,6 +343,15 @@ class ChatStream:
             # Whether the turn ended is unknown: say so, and the client reopens.
             self.queue.end(error)
             return
+        if turn is not None and turn.end_reason is not None:
+            # Ended, but perhaps on another replica whose signal has not come here yet
+            # (a resend answered by the replica that had stored it): deliver the end from
+            # the store first, so a half-closed stream never ends without it.
+            try:
+                await self._service.hub.replay(self.queue, self.queue.last_sequence)
+            except StoreUnavailable as error:
+                self.queue.end(error)
+                return
         if turn is None or turn.end_reason is not None:
             self.queue.end(None)
 

@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
-from service.core.errors import NotFound, PlannerError, ResourceExhausted
+from service.core.errors import NotFound, PlannerError, ResourceExhausted, Unavailable
 from service.core.model import EventKind, Session, SessionEvent, TextDelta, ToolCallProgress
 from service.core.outbound import CLIENT_MESSAGE_MAX_BYTES, delta_for_client, event_for_client
 
@@ -547,6 +547,25 @@ class Hub:
         self._queues.clear()
         for queue in tuple(self._streams):
             queue.end(error)
+
+    def let_go(self, message: str) -> int:
+        """End every stream ``UNAVAILABLE``/``REPLICA_UNAVAILABLE`` (decision 0314): this
+        replica can no longer keep its leases, another can serve the clients. Each
+        stream's ``ErrorInfo`` carries its ``session_id`` and the ``last_sequence`` it
+        delivered, so a gateway reopens it elsewhere with ``after_sequence`` and misses
+        nothing. Returns how many streams were ended. New streams are not refused here."""
+        ended = 0
+        for queue in tuple(self._streams):
+            if queue.closed:
+                continue
+            metadata: dict[str, str] = {}
+            if queue.session_id:
+                # What is queued is still sent before the end: the client has it all.
+                metadata["session_id"] = queue.session_id
+                metadata["last_sequence"] = str(queue.last_sequence)
+            queue.end(Unavailable(message, reason="REPLICA_UNAVAILABLE", metadata=metadata))
+            ended += 1
+        return ended
 
     def close_idle(self, error: PlannerError | None, busy: Collection[str]) -> None:
         """Shutdown: end every stream but those attached to a session in ``busy`` (whose

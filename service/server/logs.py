@@ -80,6 +80,35 @@ class TextFormatter(logging.Formatter):
         return line
 
 
+#: What grpc.aio logs at ERROR when it cannot send a unary RPC's answer because the
+#: client already left (a cancelled or timed-out call): an ordinary cancel, not an alert.
+CLIENT_GONE_PREFIX = "ExecuteBatchError raised in core by servicer method"
+
+
+class ClientGoneFilter(logging.Filter):
+    """Logs grpc.aio's "ExecuteBatchError raised in core by servicer method" at DEBUG
+    instead of ERROR (decision 0313): it means the client gave up before the answer was
+    sent. Dropped unless its logger speaks at DEBUG."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith(CLIENT_GONE_PREFIX):
+            return True
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        record.exc_info, record.exc_text = None, None
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
+#: The logger grpc.aio's server writes its errors to.
+GRPC_CORE_LOGGER = "grpc._cython.cygrpc"
+
+
+def quiet_clients_gone() -> None:
+    """Install ``ClientGoneFilter`` on grpc.aio's logger (once)."""
+    logger = logging.getLogger(GRPC_CORE_LOGGER)
+    if not any(isinstance(f, ClientGoneFilter) for f in logger.filters):
+        logger.addFilter(ClientGoneFilter())
+
+
 def configure_logging(settings: LoggingSettings) -> None:
     """Send the root logger's records to stderr in ``settings.format`` at
     ``settings.level``, replacing handlers set before (called once by ``serve``)."""
@@ -95,3 +124,4 @@ def configure_logging(settings: LoggingSettings) -> None:
     quiet = logging.DEBUG if settings.content_enabled else logging.WARNING
     for noisy in ("sqlalchemy", "aiosqlite", "asyncio", "grpc", "psycopg"):
         logging.getLogger(noisy).setLevel(max(quiet, root.level))
+    quiet_clients_gone()

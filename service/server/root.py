@@ -75,6 +75,7 @@ from service.core.tools import declarations
 from service.core.tracing import NULL_TRACER
 from service.core.turn.prompt import shared_prefix
 from service.server.identity import page_token_keys, service_credentials, token_verifier
+from service.server.logs import quiet_clients_gone
 from service.server.metrics import Metrics, MetricsInterceptor, MetricsServer, start_metrics_server
 from service.server.retention import retention_job
 from service.server.wiring import (
@@ -100,6 +101,11 @@ SERVICE_NAME = planner_service_pb2.DESCRIPTOR.services_by_name["PlannerService"]
 LIVENESS_SERVICE = "liveness"
 #: A database ping slower than this counts as a failure (seconds).
 PING_TIMEOUT_S = 5.0
+#: While the database is unreachable it is pinged this often (seconds, at most the
+#: health interval), so a replica is SERVING within this of the database's return: the
+#: ping opens a connection of its own, it does not wait for a pool's backoff (decision
+#: 0312).
+RECOVERY_PING_S = 0.2
 #: Shutdown: the end of the grace period kept for closing channels and pools, and before
 #: it the time the streams get to deliver their end (``config.SHUTDOWN_OVERHEAD_S``).
 CLOSE_RESERVE_S = 0.5
@@ -306,10 +312,17 @@ class PlannerApp:
 
     async def _watch_database(self, interval_s: float) -> None:
         serving = True
+        # A replica whose database has not answered for a lease's length holds no valid
+        # lease any more (each was renewed at most then): its streams go (decision 0314).
+        let_go_after_s = self.settings.planner.lease_s
+        last_answer = time.monotonic()
+        let_go = False
         while not self._stopping.is_set():
             try:
                 await asyncio.wait_for(self.store.ping(), PING_TIMEOUT_S)
                 healthy = True
+                last_answer = time.monotonic()
+                let_go = False
             except (StoreUnavailable, TimeoutError):
                 healthy = False
             except Exception:
@@ -323,8 +336,24 @@ class PlannerApp:
                 else:
                     log.warning("database unreachable: health NOT_SERVING")
             self.metrics.database_up.set(1 if healthy else 0)
+            if not healthy and not let_go and time.monotonic() - last_answer >= let_go_after_s:
+                let_go = True
+                self._let_clients_go(time.monotonic() - last_answer)
+            wait_s = interval_s if serving else min(interval_s, RECOVERY_PING_S)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), interval_s)
+                await asyncio.wait_for(self._stopping.wait(), wait_s)
+
+    def _let_clients_go(self, silent_s: float) -> None:
+        ended = self.parts.turns.hub.let_go(
+            "this replica cannot reach its database; reopen the stream on another replica "
+            "with after_sequence"
+        )
+        log.warning(
+            "database silent for %.1f s: this replica's leases have expired; %d Chat "
+            "stream(s) ended UNAVAILABLE/REPLICA_UNAVAILABLE",
+            silent_s,
+            ended,
+        )
 
     async def _set_health(self, serving: bool) -> None:
         status = (
@@ -552,6 +581,8 @@ async def build_planner(
     anything (``start_planner``'s arguments and errors); the database is open, so
     ``start()`` and then ``stop()`` the app it returns. Raises ``ConfigError`` and
     ``StartupError``, having closed what it opened."""
+    # A client that gave up is not an error of the planner (decision 0313).
+    quiet_clients_gone()
     # The context budget with the fixed prompt as rendered (decision 0293).
     check_context_budget(settings.planner, shared_prefix(declarations()).tokens)
     if settings.dev_mode or settings.database.is_sqlite:

@@ -8,7 +8,7 @@ aware; naive ones are taken as UTC.
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import TypeVar
+from typing import TypeVar, assert_never
 
 from ballet.planner.v1 import chat_pb2, resources_pb2
 from google.protobuf import timestamp_pb2
@@ -70,6 +70,7 @@ END_REASONS: dict[TurnEndReason, resources_pb2.TurnEndReason.ValueType] = {
     TurnEndReason.FAILED: resources_pb2.TURN_END_REASON_FAILED,
     TurnEndReason.INTERRUPTED: resources_pb2.TURN_END_REASON_INTERRUPTED,
     TurnEndReason.INTERRUPTED_BY_MESSAGE: resources_pb2.TURN_END_REASON_INTERRUPTED_BY_MESSAGE,
+    TurnEndReason.JOINED: resources_pb2.TURN_END_REASON_JOINED,
     TurnEndReason.OUTPUT_LIMIT: resources_pb2.TURN_END_REASON_OUTPUT_LIMIT,
     TurnEndReason.BUDGET_EXHAUSTED: resources_pb2.TURN_END_REASON_BUDGET_EXHAUSTED,
 }
@@ -188,34 +189,34 @@ def event_to_proto(event: SessionEvent) -> chat_pb2.ChatResponse:
         session_id=event.session_id, turn_id=event.turn_id, sequence=event.sequence
     )
     kind, data, message = event.kind, event.data, event.message
-    if kind == EventKind.MESSAGE_ACCEPTED:
+    if kind is EventKind.MESSAGE_ACCEPTED:
         response.message_accepted.message.CopyFrom(message_to_proto(_need(message, event)))
-    elif kind == EventKind.MESSAGE_QUEUED:
+    elif kind is EventKind.MESSAGE_QUEUED:
         queued = _data(data, MessageQueuedData, event)
         response.message_queued.text = queued.text
         response.message_queued.behind_turn_id = queued.behind_turn_id
         response.message_queued.on_busy = ON_BUSY_TO_PROTO[queued.on_busy]
         response.message_queued.human_id = queued.human_id
-    elif kind == EventKind.TURN_STARTED:
+    elif kind is EventKind.TURN_STARTED:
         started = _data(data, TurnStartedData, event)
         response.turn_started.model = started.model
         response.turn_started.max_rounds = started.max_rounds
-    elif kind == EventKind.ASSISTANT_MESSAGE:
+    elif kind is EventKind.ASSISTANT_MESSAGE:
         response.assistant_message.message.CopyFrom(message_to_proto(_need(message, event)))
-    elif kind == EventKind.TOOL_CALL_STARTED:
+    elif kind is EventKind.TOOL_CALL_STARTED:
         response.tool_call_started.message.CopyFrom(message_to_proto(_need(message, event)))
-    elif kind == EventKind.TOOL_CALL_FINISHED:
+    elif kind is EventKind.TOOL_CALL_FINISHED:
         response.tool_call_finished.message.CopyFrom(message_to_proto(_need(message, event)))
-    elif kind == EventKind.CHANGESET_PROPOSED:
+    elif kind is EventKind.CHANGESET_PROPOSED:
         proposed = _data(data, ChangesetProposedData, event)
         response.changeset_proposed.changeset_id = proposed.changeset_id
         response.changeset_proposed.tool_call_id = proposed.tool_call_id
-    elif kind == EventKind.KNOWLEDGE_WRITTEN:
+    elif kind is EventKind.KNOWLEDGE_WRITTEN:
         written = _data(data, KnowledgeWrittenData, event)
         response.knowledge_written.entry_id = written.entry_id
         response.knowledge_written.version = written.version
         response.knowledge_written.tool_call_id = written.tool_call_id
-    elif kind == EventKind.COMPACTED:
+    elif kind is EventKind.COMPACTED:
         marker = _need(message, event)
         compacted = data if isinstance(data, CompactedData) else None
         response.compacted.up_to = compacted.up_to if compacted else marker.up_to
@@ -223,7 +224,7 @@ def event_to_proto(event: SessionEvent) -> chat_pb2.ChatResponse:
             compacted.estimated_tokens if compacted else marker.estimated_tokens
         )
         response.compacted.message.CopyFrom(message_to_proto(marker))
-    elif kind == EventKind.TURN_ENDED:
+    elif kind is EventKind.TURN_ENDED:
         ended = _data(data, TurnEndedData, event)
         response.turn_ended.reason = END_REASONS[ended.reason]
         response.turn_ended.usage.CopyFrom(usage_to_proto(ended.usage))
@@ -232,8 +233,8 @@ def event_to_proto(event: SessionEvent) -> chat_pb2.ChatResponse:
         if ended.error_reason:
             response.turn_ended.error_info.CopyFrom(error_info(ended.error_reason))
         response.turn_ended.error_message = ended.error_message
-    else:  # pragma: no cover - EventKind is closed
-        raise ValueError(f"unknown event kind {kind!r}")
+    else:
+        assert_never(kind)
     return response
 
 

@@ -165,3 +165,42 @@ async def test_an_idle_stream_gets_a_heartbeat_and_a_busy_one_none() -> None:
     queue.put_reply(ErrorReply(StoreUnavailable("x"), "r", ""))
     assert isinstance(await queue.get(), ErrorReply)
     hub.detach(queue)
+
+
+async def test_a_half_closed_stream_gets_a_turn_end_stored_elsewhere_before_it_ends() -> None:
+    """The end of the turn it waits for is stored (by another replica, whose signal has
+    not come here yet): the stream delivers it from the store, then ends."""
+    from dataclasses import replace
+
+    from service.core.model import EventKind, TurnEndReason
+    from service.core.turn.events import EventBuilder, Totals
+
+    builder = EventBuilder("s1", "t1", "alice", Clock())  # type: ignore[arg-type]
+    stored = [
+        replace(builder.message_accepted("hi", "r1"), sequence=1),
+        replace(builder.turn_ended(TurnEndReason.COMPLETED, Totals()), sequence=2),
+    ]
+
+    async def events_after(session_id: str, after: int, limit: int) -> list[Any]:
+        return [e for e in stored if e.sequence > after][:limit]
+
+    class EndedStore:
+        async def get_turn(self, turn_id: str) -> Any:
+            return type("Turn", (), {"end_reason": TurnEndReason.COMPLETED})()
+
+    service = ChatService(
+        rules=Any,  # type: ignore[arg-type]
+        turns=Any,  # type: ignore[arg-type]
+        hub=Hub(events_after),
+        store=EndedStore(),  # type: ignore[arg-type]
+        clock=Clock(),
+        limits=ChatLimits(),
+    )
+    stream = waiting(service.start_stream(Caller("alice", "acme", expires_at=2**40)))
+    service.hub.bind(stream.queue, "s1", 1)  # it had the acceptance, not the end
+    await stream.read(commands(requests_of()))
+    items = drained(stream)
+    stream.close()
+    kinds = [getattr(item, "kind", None) for item in items]
+    assert kinds[0] is EventKind.TURN_ENDED
+    assert isinstance(items[-1], StreamEnd) and items[-1].error is None

@@ -89,7 +89,7 @@ _FOLLOWED_ELSEWHERE = (
 _RENEW_LEASE = """
 UPDATE turns SET lease_expires_at = %s
 WHERE turn_id = %s AND owner = %s AND state = 'running'
-RETURNING cancel_requested, cancel_reason
+RETURNING cancel_requested, cancel_reason, join_pending
 """
 
 
@@ -137,10 +137,11 @@ class PgHotPath:
     unit of work once and leaves the pool, and the pool then checks its idle connections
     in the background, so a database restart or failover fails one unit of work per
     pool, not one per pooled connection.
-    Once the database could not be reached, and until the pool has a connection again
-    (it reconnects in the background, backing off), each unit of work opens a connection
-    of its own: a database that is down is reported at once, and one that is back is used
-    at once, whatever the pool's backoff.
+    Once the database could not be reached, and until the pool has a connection free
+    again (it reconnects in the background, backing off), each unit of work opens a
+    connection of its own: a database that is down is reported at once, and one that is
+    back is used at once, whatever the pool's backoff (decision 0312: a first success
+    does not send the next unit back to a pool that is still empty).
     """
 
     def __init__(
@@ -177,7 +178,8 @@ class PgHotPath:
                     yield direct
                 finally:
                     await direct.close()
-                self._unreachable = False
+                # Still direct until the pool has a connection free: the pool reconnects
+                # on its own backoff (up to 16 s between tries), the database is back now.
                 return
             try:
                 async with self._pool.connection() as conn:
@@ -274,6 +276,7 @@ class PgHotPath:
             held=True,
             cancel_requested=bool(row["cancel_requested"]),
             cancel_reason=str(row["cancel_reason"]),
+            join_pending=bool(row["join_pending"]),
         )
 
     async def notify(self, signals: Sequence[tuple[str, str]], lock_timeout_s: float) -> None:
