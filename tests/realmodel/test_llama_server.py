@@ -194,11 +194,11 @@ async def test_a_template_without_tools_is_reported_by_a_warning_and_a_metric(
     ) as planner:
         turns = [await planner.turn("Reply with one word: hello.") for _ in range(2)]
         seen = planner.app.metrics.registry.get_sample_value("ballet_planner_tools_not_seen_total")
-    for turn in turns:
-        assert turn.ended.reason == M.TURN_END_REASON_COMPLETED, turn.ended.error_message
-        answer = by_kind(await turn.transcript(), M.MESSAGE_KIND_ASSISTANT)[-1]
-        # The twelve declarations alone are over 1,500 tokens in any tokenizer.
-        assert 0 < answer.usage.input_tokens < 1500, answer.usage
+        for turn in turns:
+            assert turn.ended.reason == M.TURN_END_REASON_COMPLETED, turn.ended.error_message
+            answer = by_kind(await turn.transcript(), M.MESSAGE_KIND_ASSISTANT)[-1]
+            # The twelve declarations alone are over 1,500 tokens in any tokenizer.
+            assert 0 < answer.usage.input_tokens < 1500, answer.usage
     assert seen == 2
     warnings = [r for r in caplog.records if "dropped the tools" in r.getMessage()]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
