@@ -203,6 +203,10 @@ messages = Table(
     # normally, and the id the provider gave a tool call (tool_call_id is the planner's).
     _text("finish_reason"),
     _text("provider_call_id"),
+    # Added by migration 0009: the model the server said answered, and a summary's
+    # prompt version (on its compaction marker); NULL read as ''.
+    Column("served_model", Text, nullable=True),
+    Column("prompt_version", Text, nullable=True),
 )
 Index("ix_messages_turn_id_sequence", messages.c.turn_id, messages.c.sequence)
 
