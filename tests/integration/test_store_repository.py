@@ -645,7 +645,7 @@ async def test_human_message_of_another_turn_is_refused(store: SessionStore) -> 
 
 
 async def test_served_model_and_summary_prompt_version_round_trip(store: SessionStore) -> None:
-    """Migration 0009 (decisions 0294, 0297): an answer's served model and a compaction
+    """Migration 0010 (decisions 0294, 0297): an answer's served model and a compaction
     marker's prompt version are stored and read back by every store."""
     await store.create_session(new_session("s1"))
     await store.start_turn(turn_start("s1", "t1"))

@@ -212,7 +212,7 @@ def message_from_row(row: Row, prefix: str = "") -> Message:
 
 
 def _optional_text(row: Row, key: str) -> str:
-    """A text column added by a later migration (0009): '' when NULL or not selected."""
+    """A text column added by a later migration (0010): '' when NULL or not selected."""
     try:
         value = row[key]
     except (KeyError, IndexError):
