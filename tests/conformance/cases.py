@@ -499,8 +499,27 @@ CASES: list[Case] = [
             )
         ],
         Refused(grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE"),
-        Raised("MODEL_UNAVAILABLE", attempts=3, message="after 3 attempts"),
-        waits=(0.5, 0.5),
+        Raised("MODEL_UNAVAILABLE", attempts=10, message="after 10 attempts"),
+        waits=(0.5,) * 9,
+    ),
+    Case(
+        # A local server restarting: refused for a few seconds, then back within the
+        # retry window (decision 0297); every wait is counted, nothing else retries.
+        "http-503-until-the-server-is-back",
+        [
+            *[
+                Reply(
+                    status=503,
+                    headers={"content-type": "text/plain"},
+                    pieces=[Piece(b"Loading model")],
+                )
+            ]
+            * 5,
+            HELLO,
+        ],
+        Refused(grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE"),
+        Whole("Hello world"),
+        waits=(0.5,) * 5,
     ),
     Case(
         "http-503-with-retry-after",
