@@ -71,6 +71,9 @@ class _Folded:
     rejection: Rejection | None = None
     stopped: bool = False
     usage: Usage = field(default_factory=Usage)
+    #: The summary instructions' version (``prompts.SUMMARY_VERSION``, or ``configured``
+    #: for ``planner.summary_instructions`` of the operator's own; decision 0294).
+    prompt_version: str = ""
 
 
 class Compactor:
@@ -110,7 +113,7 @@ class Compactor:
         # prompt and the new system-side context at their size, plus what is kept.
         context = ContextEstimate(base_tokens=None, pending_tokens=messages_tokens(kept))
         await self._commit(
-            [state.events.compacted(plan.up_to, estimated)],
+            [state.events.compacted(plan.up_to, estimated, folded.prompt_version)],
             TurnPatch(compaction_usage=state.compaction_usage),
             SummaryUpdate(folded.summary, plan.up_to),
             context,
@@ -193,6 +196,11 @@ class Compactor:
             reserved_tokens=reserved,
         )
         folded = _Folded(summary=plan.previous_summary)
+        folded.prompt_version = (
+            prompts.SUMMARY_VERSION
+            if instructions == prompts.summary_instructions()
+            else "configured"
+        )
         for chunk in chunks:
             system = compaction_system_prompt(instructions, folded.summary, chunk)
             estimate = compaction_request_tokens(system)

@@ -346,7 +346,12 @@ class TurnLoop:
             if answer.finish is FinishReason.REFUSAL:
                 finish = FinishReason.REFUSAL.value
             event = state.events.assistant_message(
-                answer.message_id, answer.text, usage=answer.usage, cut=cut, finish_reason=finish
+                answer.message_id,
+                answer.text,
+                usage=answer.usage,
+                cut=cut,
+                finish_reason=finish,
+                served_model=answer.model,
             )
             if answer.finish is FinishReason.LENGTH:
                 # A runaway answer stopped at its cap: shown cut, and the turn says why
@@ -387,7 +392,9 @@ class TurnLoop:
         events: list[SessionEvent] = []
         if answer.length:
             events.append(
-                state.events.assistant_message(answer.message_id, answer.text, usage=answer.usage)
+                state.events.assistant_message(
+                    answer.message_id, answer.text, usage=answer.usage, served_model=answer.model
+                )
             )
         limit = settings.max_tool_calls_per_answer
         allowed: list[PendingCall] = []
@@ -479,7 +486,12 @@ class TurnLoop:
         if not answer.length:
             return ()
         event = self._state.events.assistant_message(
-            answer.message_id, answer.text, usage=answer.usage, cut=True, finish_reason=finish
+            answer.message_id,
+            answer.text,
+            usage=answer.usage,
+            cut=True,
+            finish_reason=finish,
+            served_model=answer.model,
         )
         return (event,)
 
