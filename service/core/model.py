@@ -179,7 +179,7 @@ class Message:
 
     ``truncated`` and ``original_bytes`` are never stored: they mark a copy made for a
     client, whose longest field was cut to fit what a client is sent
-    (``service.core.outbound``; ``original_bytes`` is that field's full UTF-8 size).
+    (``service.core.client_copy``; ``original_bytes`` is that field's full UTF-8 size).
     """
 
     session_id: str

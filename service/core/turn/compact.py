@@ -50,7 +50,7 @@ from service.core.turn.model_call import model_request, output_cap, stream_answe
 from service.core.turn.pending import pending_changesets
 from service.core.turn.prompt import Prompt
 from service.core.turn.settings import TurnDependencies
-from service.core.turn.state import TurnState
+from service.core.turn.state import TurnRun
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class Compactor:
     """Keeps a turn's model context: the system-side context, the estimate, and the
     compaction when the estimate is over the threshold."""
 
-    def __init__(self, deps: TurnDependencies, state: TurnState, commit: CommitCompaction) -> None:
+    def __init__(self, deps: TurnDependencies, state: TurnRun, commit: CommitCompaction) -> None:
         self._deps = deps
         self._state = state
         self._commit = commit

@@ -54,7 +54,7 @@ from service.core.turn.events import EventBuilder
 from service.core.turn.model_call import model_request, output_cap, stream_answer
 from service.core.turn.prompt import Prompt, PromptSource
 from service.core.turn.settings import TurnDependencies
-from service.core.turn.state import Answer, PendingCall, TurnHandle, TurnState
+from service.core.turn.state import Answer, PendingCall, TurnHandle, TurnRun
 from service.core.turn.telling import StoreThenTell
 from service.core.turn.tool_round import RoundCommit, ToolRound
 
@@ -136,7 +136,7 @@ class TurnLoop:
         )
         self._handle = handle
         self._on_step = on_step
-        self._state = TurnState(
+        self._state = TurnRun(
             handle=handle,
             events=EventBuilder(
                 handle.session_id, handle.turn_id, handle.turn.human_id, deps.clock
