@@ -9,6 +9,7 @@ import os
 import select
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -150,3 +151,24 @@ def test_two_ctrl_c_stop_the_devstack_without_a_traceback(
     assert code in (0, 130)
     log = (tmp_path / "devstack.log").read_text()
     assert "Traceback" not in log and "Segmentation fault" not in log
+
+
+def test_an_address_in_use_says_which_flag_moves_it(tmp_path: Path) -> None:
+    # Bound to port 0 and kept listening: the port is held, no pick-and-close.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        address = f"127.0.0.1:{held.getsockname()[1]}"
+        result = subprocess.run(
+            [sys.executable, "-m", "devstack", "--address", address, "--data-dir", "data"],
+            cwd=tmp_path,
+            env=clean_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert result.returncode == 1  # as `ballet-planner dev` for the same problem
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"python -m devstack: cannot start: {address} is in use")
+    assert lines[0].endswith("; choose another with --address")
