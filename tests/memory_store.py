@@ -25,6 +25,7 @@ from service.adapters.store.codec import queued_message_json
 from service.adapters.store.turn_units import (
     check_events,
     checked_start,
+    joined_events,
     promoted_turn,
     promotion_events,
     queue_place,
@@ -89,6 +90,8 @@ class MemoryStore:
     list_calls: list[SessionQuery] = field(default_factory=list)
     #: Queued turns: turn_id -> (message as JSON, token, queue priority).
     queued: dict[str, tuple[str, str, int]] = field(default_factory=dict)
+    #: The queued turns sent with JOIN.
+    joins: set[str] = field(default_factory=set)
 
     # ------------------------------------------------------------------ sessions
 
@@ -299,6 +302,7 @@ class MemoryStore:
             return TurnEnd(stored)
         queued = waiting[0]
         message_json, token, _priority = self.queued.pop(queued.turn_id)
+        self.joins.discard(queued.turn_id)
         now = utc(commit.now)
         events = self._append(
             commit.session_id,
@@ -309,6 +313,50 @@ class MemoryStore:
         self.turns[turn.turn_id] = turn
         return TurnEnd(stored, Promoted(turn, events, token))
 
+    async def join_queued(
+        self, session_id: str, turn_id: str, owner: str, now: datetime
+    ) -> list[SessionEvent]:
+        await asyncio.sleep(0)
+        utc(now)
+        if self.fail:
+            raise StoreUnavailable("the database is unreachable")
+        running = self.turns.get(turn_id)
+        if (
+            running is None
+            or running.session_id != session_id
+            or running.state is not TurnState.RUNNING
+            or running.owner != owner
+        ):
+            raise StoreConflict("the turn is not this replica's running turn")
+        self.turns[turn_id] = replace(running, join_pending=False)
+        joining = sorted(
+            (
+                t
+                for t in self.turns.values()
+                if t.session_id == session_id
+                and t.state is TurnState.QUEUED
+                and t.turn_id in self.joins
+            ),
+            key=lambda t: t.human_sequence,
+        )
+        if not joining:
+            return []
+        events = joined_events(
+            session_id, turn_id, [(t.turn_id, self.queued[t.turn_id][0]) for t in joining], now
+        )
+        for queued in joining:
+            self.queued.pop(queued.turn_id, None)
+            self.joins.discard(queued.turn_id)
+            self.turns[queued.turn_id] = replace(
+                queued,
+                state=TurnState.ENDED,
+                end_reason=TurnEndReason.JOINED,
+                end_time=now,
+                queued_text="",
+            )
+        self.commits += 1
+        return self._append(session_id, events, None)
+
     async def cancel_queued(self, turn_id: str, event: SessionEvent) -> list[SessionEvent]:
         await asyncio.sleep(0)
         check_events(event.session_id, turn_id, [event])
@@ -316,6 +364,7 @@ class MemoryStore:
         if turn is None or turn.state is not TurnState.QUEUED:
             return []
         self.queued.pop(turn_id, None)
+        self.joins.discard(turn_id)
         self.turns[turn_id] = replace(
             turn,
             state=TurnState.ENDED,
@@ -333,7 +382,10 @@ class MemoryStore:
             return LeaseStatus(held=False)
         self.turns[turn_id] = replace(turn, lease_expires_at=utc(until))
         return LeaseStatus(
-            held=True, cancel_requested=turn.cancel_requested, cancel_reason=turn.cancel_reason
+            held=True,
+            cancel_requested=turn.cancel_requested,
+            cancel_reason=turn.cancel_reason,
+            join_pending=turn.join_pending,
         )
 
     async def request_cancel(self, turn_id: str) -> Turn | None:
@@ -418,6 +470,10 @@ class MemoryStore:
         turn = queued_turn(start, event.sequence, behind)
         self.turns[turn.turn_id] = turn
         self.queued[turn.turn_id] = (queued_message_json(start.message), enqueue.token, priority)
+        if enqueue.on_busy is OnBusy.JOIN:
+            self.joins.add(turn.turn_id)
+            running = replace(running, join_pending=True)
+            self.turns[running.turn_id] = running
         interrupted = None
         if enqueue.on_busy is OnBusy.INTERRUPT:
             interrupted = replace(
@@ -425,7 +481,10 @@ class MemoryStore:
             )
             self.turns[running.turn_id] = interrupted
         self.commits += 1
-        return TurnStartOutcome(StartOutcomeKind.QUEUED, turn, [event], interrupted)
+        join_into = running if enqueue.on_busy is OnBusy.JOIN else None
+        return TurnStartOutcome(
+            StartOutcomeKind.QUEUED, turn, [event], interrupted, join_into=join_into
+        )
 
     def _session(self, session_id: str) -> Session:
         running = next(

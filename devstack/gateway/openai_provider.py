@@ -55,7 +55,9 @@ that quotes the key never leaves the gateway.
   (docs/spec/turn-loop.md);
 - HTTP 403 -> PERMISSION_DENIED; 404 -> NOT_FOUND (usually an unknown model or a wrong
   base URL); 400 and 422 -> INVALID_ARGUMENT (reason CONTEXT_LENGTH_EXCEEDED when the
-  error code says so); 409 -> ABORTED; other statuses -> UNKNOWN;
+  error code says so, TOOLS_NOT_SUPPORTED when the text says the server cannot serve the
+  tools: Ollama, vLLM and llama.cpp each say so in their own words); 409 -> ABORTED;
+  other statuses -> UNKNOWN;
 - an answer the SDK cannot parse -> INTERNAL.
 
 The SDK's own retries are off (`max_retries=0` by default): the planner retries per
@@ -113,6 +115,15 @@ _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 INVALID_TOOL_NAME = "invalid_tool_name"
 
 REASON_CONTEXT_LENGTH_EXCEEDED = "CONTEXT_LENGTH_EXCEEDED"
+#: A 400 that refuses the request's tools: Ollama's "does not support tools", vLLM's
+#: "auto" tool choice requiring --enable-auto-tool-choice, llama.cpp's "tools param
+#: requires --jinja flag" (decision 0297).
+REASON_TOOLS_NOT_SUPPORTED = "TOOLS_NOT_SUPPORTED"
+_REFUSES_TOOLS = re.compile(
+    r"does not support tools|tools? (?:are|is) not supported|tool[ _]choice|"
+    r"enable-auto-tool-choice|tool-call-parser|tools param requires|--jinja",
+    re.IGNORECASE,
+)
 REASON_MODEL_REQUIRED = "MODEL_REQUIRED"
 REASON_INVALID_TOOL_SCHEMA = "INVALID_TOOL_SCHEMA"
 
@@ -461,6 +472,8 @@ def _status_error(exc: openai.APIStatusError) -> ProviderError:
         return ProviderError(grpc.StatusCode.NOT_FOUND, message)
     if status in (400, 422):
         reason = REASON_CONTEXT_LENGTH_EXCEEDED if "context_length_exceeded" in codes else None
+        if reason is None and refuses_tools(exc.message):
+            reason = REASON_TOOLS_NOT_SUPPORTED
         return ProviderError(grpc.StatusCode.INVALID_ARGUMENT, message, reason=reason)
     if status == 408:
         return ProviderError(grpc.StatusCode.DEADLINE_EXCEEDED, message)
@@ -470,6 +483,11 @@ def _status_error(exc: openai.APIStatusError) -> ProviderError:
         delay = retry_after_s(exc.response.headers) if status == 503 else None
         return ProviderError(grpc.StatusCode.UNAVAILABLE, message, retry_after_s=delay)
     return ProviderError(grpc.StatusCode.UNKNOWN, message)
+
+
+def refuses_tools(message: str) -> bool:
+    """Whether a 400's text says the server cannot serve the request's tools."""
+    return _REFUSES_TOOLS.search(message) is not None
 
 
 def retry_after_s(headers: Mapping[str, str], *, now: float | None = None) -> float | None:

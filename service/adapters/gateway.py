@@ -101,9 +101,12 @@ class RetryPolicy:
     The n-th retry waits ``max(backoff_floor_s, min(backoff_max_s, backoff_base_s *
     2**(n-1)) * jitter)`` with jitter uniform in [0, 1), and at least the gateway's
     ``RetryInfo`` delay; a ``RetryInfo`` above ``retry_after_max_s`` is not waited for.
+    Retries stop when the waits would pass ``window_s`` in all (long enough for a local
+    model server to restart, decision 0297), or after ``max_attempts`` attempts.
     """
 
-    max_attempts: int = 3
+    max_attempts: int = 10
+    window_s: float = 15.0
     backoff_floor_s: float = 0.5
     backoff_base_s: float = 1.0
     backoff_max_s: float = 8.0
@@ -174,6 +177,7 @@ class GrpcModelGateway:
         deadline = time.monotonic() + request.deadlines.total_s
         policy = self._retry
         attempt = 0
+        waited = 0.0
         refitted = False
         while True:
             attempt += 1
@@ -205,6 +209,13 @@ class GrpcModelGateway:
                         f"{policy.retry_after_max_s:g} s",
                     ) from failure
                 wait = max(wait, asked or 0.0)
+                if waited + wait > policy.window_s:
+                    raise _retried(
+                        failure,
+                        f"after {attempt} attempts in the {policy.window_s:g} s retry window "
+                        "(dependencies.model_retry_window_s)",
+                    ) from failure
+                waited += wait
                 if time.monotonic() + wait >= deadline:
                     raise _retried(
                         failure,
@@ -523,6 +534,12 @@ def translate_error(
     ):
         return ModelFailure(
             "CREDENTIAL_EXPIRED", f"the provider refused the project's credential: {details}"
+        )
+    if reason == "TOOLS_NOT_SUPPORTED":
+        return ModelFailure(
+            "TOOLS_NOT_SUPPORTED",
+            "the model server refused the planner's tools (serve a model and chat template "
+            f"that support tool calls; docs/operations.md): {details}",
         )
     return ModelFailure("MODEL_ERROR", f"{code.name}: {details}")
 

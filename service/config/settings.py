@@ -410,6 +410,13 @@ class DependenciesSettings:
     model_total_s: float = _key(
         480.0, gt=0, doc="Deadline for one whole model call, retries included."
     )
+    model_retry_window_s: float = _key(
+        15.0,
+        ge=0,
+        doc="Seconds a model call's retries may wait in all (connection errors, 429, 5xx; "
+        "never after output was forwarded): long enough for a local model server to "
+        "restart; 0 turns retries off.",
+    )
     tool_call_s: float = _key(15.0, gt=0, doc="Deadline for one tool's backend call.")
     project_lookup_s: float = _key(
         5.0, gt=0, doc="Deadline for the project check of CreateSession and re-checks."

@@ -176,6 +176,12 @@ def compaction_system_prompt(instructions: str, previous_summary: str, chunk: st
     )
 
 
+def compaction_framing(instructions: str) -> tuple[str, ...]:
+    """What a compaction request says itself (its instructions, the material note and the
+    request line): a summary holding any of it is an echo (decision 0294)."""
+    return (instructions, _MATERIAL, COMPACTION_REQUEST)
+
+
 def compaction_request_tokens(system: str) -> int:
     """The estimated input of a compaction call whose system prompt is ``system``."""
     return text_tokens(system) + text_tokens(COMPACTION_REQUEST) + 2 * MESSAGE_OVERHEAD_TOKENS

@@ -56,6 +56,8 @@ class TurnEndReason(StrEnum):
     INTERRUPTED = "interrupted"
     #: A message sent with ``on_busy`` INTERRUPT stopped the turn (decision 0301).
     INTERRUPTED_BY_MESSAGE = "interrupted_by_message"
+    #: A queued JOIN message's turn: its message joined the running turn (decision 0303).
+    JOINED = "joined"
     #: An answer stopped at its output cap (decision 0291).
     OUTPUT_LIMIT = "output_limit"
     #: The next model call or tool call would not fit a turn budget (decision 0291).
@@ -388,3 +390,5 @@ class Turn:
     queued_text: str = ""
     #: Why a cancel was requested: "" (CancelTurn) or "interrupted_by_message".
     cancel_reason: str = ""
+    #: A JOIN message waits to join this running turn's next model request (0303).
+    join_pending: bool = False

@@ -25,7 +25,18 @@ for thousands of tokens. ``check_summary`` rejects, in this order:
    folds in), with that floor capped at ``SHORT_CAP_TOKENS``. Replacing 1,000 tokens
    takes at least 10; replacing 3,200 or more takes at least 32 (about 25 English words,
    or 30 Chinese characters): lenient for a terse summarizer, but "OK.", "Done." or a
-   bare heading standing for a long history is rejected.
+   bare heading standing for a long history is rejected;
+6. an echo of the request (decision 0294): the text holds the request's own framing, a
+   data tag (``<earlier_summary>``, ``<conversation>``, opening or closing) or a
+   sentence of the request's instructions (``framing``: the request line "Write the
+   updated summary now ...", the material note, the summary instructions' lines of at
+   least ``ECHO_MIN_CHARS``), whitespace and case aside;
+7. a copy (``verbatim``): more than ``VERBATIM_SHARE`` of the text's runs of
+   ``VERBATIM_WORDS`` words appear word for word in the conversation it summarizes
+   (``source``; the earlier summary is not counted: an update keeps much of it);
+8. a text not shorter than what it replaces (``not_shorter``): over
+   ``NOT_SHORTER_FLOOR_TOKENS`` tokens and at least ``replaced_tokens`` (a summary that
+   saves nothing is not one; a few sentences for a short exchange are let through).
 
 A rejection's ``reason`` is a bounded label for the failure counter; nothing here logs or
 returns the text itself (docs/spec/operations.md).
@@ -35,6 +46,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +63,17 @@ SHORT_CAP_TOKENS = 32
 SHORT_TEXT_CHARS = 400
 #: How much of a text's start is read for an opening refusal or error.
 _OPENING_CHARS = 200
+#: A line of the request's instructions this long, found in a summary, is an echo.
+ECHO_MIN_CHARS = 40
+#: A summary whose runs of ``VERBATIM_WORDS`` words come from its input for more than
+#: this share of them copies its input.
+VERBATIM_SHARE = 0.5
+VERBATIM_WORDS = 8
+#: A summary of at most this many tokens is never refused for its length.
+NOT_SHORTER_FLOOR_TOKENS = 64
+_DATA_TAGS = re.compile(r"</?\s*(?:earlier_summary|conversation)\s*>", re.IGNORECASE)
+_SPACE = re.compile(r"\s+")
+_WORD = re.compile(r"\w+")
 
 _REFUSAL_OPENINGS = re.compile(
     r"""^(?:
@@ -114,18 +137,27 @@ _APOSTROPHES = str.maketrans({"\u2019": "'", "\u2018": "'"})
 @dataclass(frozen=True)
 class Rejection:
     """Why a summary was rejected: ``reason`` is a bounded label (``finish_<reason>``,
-    ``empty``, ``refusal``, ``error``, ``too_short``, or ``model`` for a failed call),
-    ``detail`` a phrase for the log. Neither holds any of the text."""
+    ``empty``, ``refusal``, ``error``, ``too_short``, ``echo``, ``verbatim``,
+    ``not_shorter``, or ``model`` for a failed call and ``budget`` for one the turn's
+    budget could not pay), ``detail`` a phrase for the log. Neither holds any of the
+    text."""
 
     reason: str
     detail: str
 
 
 def check_summary(
-    text: str, finish: FinishReason | None, *, replaced_tokens: int
+    text: str,
+    finish: FinishReason | None,
+    *,
+    replaced_tokens: int,
+    framing: Sequence[str] = (),
+    source: str = "",
 ) -> Rejection | None:
     """None when ``text`` may replace ``replaced_tokens`` tokens of context, else why not
-    (see the module docstring for the rules and their order)."""
+    (see the module docstring for the rules and their order). ``framing`` is the
+    request's own text (its instructions and request line), ``source`` the conversation
+    it summarizes."""
     if finish is not None and finish not in NORMAL_FINISHES:
         return Rejection(f"finish_{finish.value}", f"the call finished with {finish.value}")
     stripped = text.strip()
@@ -147,7 +179,46 @@ def check_summary(
             "too_short",
             f"the summary is {tokens} tokens for {replaced_tokens}; at least {needed} expected",
         )
+    return _echo(stripped, framing) or _copy(stripped, source, tokens, replaced_tokens)
+
+
+def _echo(text: str, framing: Sequence[str]) -> Rejection | None:
+    if _DATA_TAGS.search(text):
+        return Rejection("echo", "the summary repeats the request's data tags")
+    flat = _flat(text)
+    for part in framing:
+        for line in part.splitlines():
+            line = _flat(line)
+            if len(line) >= ECHO_MIN_CHARS and line in flat:
+                return Rejection("echo", "the summary repeats the request's instructions")
     return None
+
+
+def _copy(text: str, source: str, tokens: int, replaced_tokens: int) -> Rejection | None:
+    if source:
+        runs = _runs(text)
+        if runs:
+            copied = len(runs & _runs(source)) / len(runs)
+            if copied > VERBATIM_SHARE:
+                return Rejection(
+                    "verbatim", f"{copied:.0%} of the summary is copied from its input"
+                )
+    if tokens > NOT_SHORTER_FLOOR_TOKENS and tokens >= replaced_tokens:
+        return Rejection(
+            "not_shorter",
+            f"the summary is {tokens} tokens, not shorter than the {replaced_tokens} it replaces",
+        )
+    return None
+
+
+def _flat(text: str) -> str:
+    return _SPACE.sub(" ", text).strip().casefold()
+
+
+def _runs(text: str) -> set[tuple[str, ...]]:
+    """The text's runs of ``VERBATIM_WORDS`` words, case aside."""
+    words = _WORD.findall(text.casefold())
+    return {tuple(words[i : i + VERBATIM_WORDS]) for i in range(len(words) - VERBATIM_WORDS + 1)}
 
 
 def _is_json_error(text: str) -> bool:

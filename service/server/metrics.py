@@ -63,7 +63,13 @@ class Metrics:
 
     - ``ballet_planner_compactions_total``: compactions stored (docs/spec/compaction.md);
       ``ballet_planner_compaction_failures_total{reason}``: failed ones (logged, nothing
-      stored but the turn's compaction usage), by ``service.core.summaries`` reason.
+      stored but the turn's compaction usage), by ``service.core.summaries`` reason;
+      ``ballet_planner_compaction_refusals_total{cause}``: the answers among them refused
+      as a summary (``refusal``, ``error``, ``too_short``, ``empty``, ``echo``, ``verbatim``,
+      ``not_shorter``, ``finish_<reason>``; decision 0294).
+    - ``ballet_planner_tools_not_seen_total``: answers whose reported input tokens were far
+      below what the tool declarations alone take: the server likely dropped the tools
+      (decision 0297).
     - ``ballet_planner_turns_total{reason}``: turns ended, by ``TurnEndReason`` value
       (every value exported from the start, at 0);
       ``ballet_planner_turn_failures_total{reason}``: the ``failed`` ones by ErrorInfo
@@ -149,6 +155,19 @@ class Metrics:
             "Compactions that failed, by reason (model, refusal, error, too_short, empty, "
             "finish_<reason>); the model call went on uncompacted.",
             ["reason"],
+            registry=registry,
+        )
+        self.compaction_refusals = Counter(
+            "ballet_planner_compaction_refusals",
+            "Compaction answers refused as a summary, by cause (echo, verbatim, not_shorter, "
+            "refusal, error, too_short, empty, finish_<reason>); nothing was stored.",
+            ["cause"],
+            registry=registry,
+        )
+        self.tools_not_seen = Counter(
+            "ballet_planner_tools_not_seen",
+            "Answers whose reported input tokens were far below the tool declarations' "
+            "size: the model server likely dropped the tools.",
             registry=registry,
         )
         self.context_estimate_ratio = Histogram(

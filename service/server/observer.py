@@ -17,6 +17,10 @@ from service.server.metrics import Metrics, bounded_reason
 MAX_CHILDREN = 1_000
 
 
+#: Compaction failures that are not a refused answer: the call failed, or the turn's
+#: budget could not pay for it.
+NOT_REFUSALS = frozenset({"model", "budget"})
+
 class PrometheusTurnObserver:
     """Records turns (failed ones by ErrorInfo reason, and their time to first delta),
     rounds, tool calls, model calls, tokens and compactions."""
@@ -88,6 +92,11 @@ class PrometheusTurnObserver:
 
     def compaction_failed(self, reason: str) -> None:
         self._child(self._metrics.compaction_failures, reason).inc()
+        if reason not in NOT_REFUSALS:
+            self._child(self._metrics.compaction_refusals, reason).inc()
+
+    def tools_not_seen(self) -> None:
+        self._metrics.tools_not_seen.inc()
 
     def context_estimated(self, purpose: str, estimated: int, reported: int) -> None:
         self._child(self._metrics.context_estimate_ratio, purpose).observe(estimated / reported)

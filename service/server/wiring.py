@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from service.adapters.bus import NullNotifier, PgNotifier
-from service.adapters.gateway import GrpcModelGateway
+from service.adapters.gateway import GrpcModelGateway, RetryPolicy
 from service.adapters.store.engine import SocketBounds
 from service.config import Settings
 from service.config.settings import DatabaseSettings
@@ -92,6 +92,7 @@ def build_turns(wiring: Wiring) -> PlannerTurns:
         metadata=wiring.service_credentials["gateway"].metadata,
         max_answer_bytes=deps.gateway.max_message_bytes,
         max_request_bytes=deps.gateway.max_message_bytes,
+        retry=RetryPolicy(window_s=deps.model_retry_window_s),
     )
     tools = ToolRunner(
         wiring.backends,

@@ -70,6 +70,7 @@ END_REASONS: dict[TurnEndReason, resources_pb2.TurnEndReason.ValueType] = {
     TurnEndReason.FAILED: resources_pb2.TURN_END_REASON_FAILED,
     TurnEndReason.INTERRUPTED: resources_pb2.TURN_END_REASON_INTERRUPTED,
     TurnEndReason.INTERRUPTED_BY_MESSAGE: resources_pb2.TURN_END_REASON_INTERRUPTED_BY_MESSAGE,
+    TurnEndReason.JOINED: resources_pb2.TURN_END_REASON_JOINED,
     TurnEndReason.OUTPUT_LIMIT: resources_pb2.TURN_END_REASON_OUTPUT_LIMIT,
     TurnEndReason.BUDGET_EXHAUSTED: resources_pb2.TURN_END_REASON_BUDGET_EXHAUSTED,
 }

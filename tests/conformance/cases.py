@@ -437,6 +437,31 @@ CASES: list[Case] = [
         Refused(grpc.StatusCode.NOT_FOUND, "NOT_FOUND"),
         Raised("MODEL_ERROR", message="HTTP 404"),
     ),
+    *[
+        # A server that cannot serve the request's tools says so with a 400, each in its
+        # own words (Ollama, vLLM, llama.cpp without --jinja): its own reason (0297).
+        Case(
+            f"http-400-tools-not-supported-{server}",
+            [
+                Reply(
+                    status=400,
+                    headers={"content-type": "application/json"},
+                    pieces=error_body(text, "invalid_request_error", None),
+                )
+            ],
+            Refused(grpc.StatusCode.INVALID_ARGUMENT, "TOOLS_NOT_SUPPORTED"),
+            Raised("TOOLS_NOT_SUPPORTED", message="refused the planner's tools"),
+        )
+        for server, text in (
+            ("ollama", "registry.ollama.ai/library/gemma:2b does not support tools"),
+            (
+                "vllm",
+                '"auto" tool choice requires --enable-auto-tool-choice and '
+                "--tool-call-parser to be set",
+            ),
+            ("llama-cpp", "tools param requires --jinja flag"),
+        )
+    ],
     Case(
         "http-429-with-retry-after",
         [
@@ -474,8 +499,27 @@ CASES: list[Case] = [
             )
         ],
         Refused(grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE"),
-        Raised("MODEL_UNAVAILABLE", attempts=3, message="after 3 attempts"),
-        waits=(0.5, 0.5),
+        Raised("MODEL_UNAVAILABLE", attempts=10, message="after 10 attempts"),
+        waits=(0.5,) * 9,
+    ),
+    Case(
+        # A local server restarting: refused for a few seconds, then back within the
+        # retry window (decision 0297); every wait is counted, nothing else retries.
+        "http-503-until-the-server-is-back",
+        [
+            *[
+                Reply(
+                    status=503,
+                    headers={"content-type": "text/plain"},
+                    pieces=[Piece(b"Loading model")],
+                )
+            ]
+            * 5,
+            HELLO,
+        ],
+        Refused(grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE"),
+        Whole("Hello world"),
+        waits=(0.5,) * 5,
     ),
     Case(
         "http-503-with-retry-after",

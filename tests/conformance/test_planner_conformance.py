@@ -39,6 +39,7 @@ from tests.conformance.openai_double import (
     call_fragment,
     calls_delta,
     chunk,
+    error_body,
     usage_chunk,
 )
 from tests.service.planner_support import auth, planner_settings
@@ -419,3 +420,39 @@ async def test_a_nameless_call_among_fourteen_keeps_the_answer_and_gets_an_error
     assert sorted(c["id"] for c in sent_calls) == sorted(tool_ids) and len(set(tool_ids)) == 15
     # Under a name the API takes: an empty one would have the next request refused.
     assert sent_calls[14]["function"]["name"] == "invalid_tool_name"
+
+
+async def test_a_400_refusing_the_tools_ends_the_turn_with_its_own_reason(
+    planner: Planner,
+) -> None:
+    refusal = Reply(
+        status=400,
+        headers={"content-type": "application/json"},
+        pieces=error_body("registry.ollama.ai/library/gemma:2b does not support tools", "x", None),
+    )
+    turn = await planner.turn([refusal])
+    assert turn.ended.reason == M.TURN_END_REASON_FAILED
+    assert turn.ended.error_info.reason == "TOOLS_NOT_SUPPORTED"
+    assert "does not support tools" in turn.ended.error_message
+    assert len(planner.double.received) == 1  # not retried
+
+
+async def test_tools_a_server_dropped_are_counted_and_the_turn_completes(
+    planner: Planner, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What llama.cpp reported with SmolLM2's own template: 643 prompt tokens for a
+    request whose twelve tool declarations alone take far more (decision 0297)."""
+    registry = planner.app.metrics.registry
+
+    def seen() -> float:
+        return registry.get_sample_value("ballet_planner_tools_not_seen_total") or 0.0
+
+    before = seen()
+    dropped = ok(chunk({"content": "Hello!"}), chunk({}, "stop"), usage_chunk(643, 3), "[DONE]")
+    with caplog.at_level(logging.WARNING):
+        turn = await planner.turn([dropped], "Say hello.")
+        await planner.turn([dropped], "Say hello again.")
+    assert turn.ended.reason == M.TURN_END_REASON_COMPLETED
+    assert seen() == before + 2
+    warned = [r for r in caplog.records if "dropped the tools" in r.getMessage()]
+    assert len(warned) <= 1 and (before > 0 or len(warned) == 1)

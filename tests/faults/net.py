@@ -63,7 +63,10 @@ class Namespace:
         self.inner = f"bi{tag}"
         subnet = f"10.{200 + index % 50}.{int(tag[:2], 16)}"
         self.host_ip, self.inner_ip = f"{subnet}.1", f"{subnet}.2"
+        #: A second address of the inside, so that one peer can be cut alone.
+        self.other_ip = f"{subnet}.3"
         self.silent = False
+        self._cut: set[str] = set()
 
     def create(self) -> None:
         _sh("ip", "netns", "add", self.name)
@@ -72,6 +75,7 @@ class Namespace:
         _sh("ip", "addr", "add", f"{self.host_ip}/24", "dev", self.outer)
         _sh("ip", "link", "set", self.outer, "up")
         self.run("ip", "addr", "add", f"{self.inner_ip}/24", "dev", self.inner)
+        self.run("ip", "addr", "add", f"{self.other_ip}/24", "dev", self.inner)
         self.run("ip", "link", "set", self.inner, "up")
         self.run("ip", "link", "set", "lo", "up")
 
@@ -101,6 +105,20 @@ class Namespace:
         if self.silent:
             self._rules("-D")
             self.silent = False
+
+    def cut(self, address: str) -> None:
+        """Silence the inside's ``address`` only (a partition between it and whoever uses
+        it): packets to it and from it are dropped."""
+        if address not in self._cut:
+            self.run("iptables", "-I", "INPUT", "-d", address, "-j", "DROP")
+            self.run("iptables", "-I", "OUTPUT", "-s", address, "-j", "DROP")
+            self._cut.add(address)
+
+    def mend(self, address: str) -> None:
+        if address in self._cut:
+            self.run("iptables", "-D", "INPUT", "-d", address, "-j", "DROP")
+            self.run("iptables", "-D", "OUTPUT", "-s", address, "-j", "DROP")
+            self._cut.discard(address)
 
     def destroy(self) -> None:
         _sh("ip", "link", "del", self.outer, check=False)
@@ -138,8 +156,10 @@ class NamespacedPg(PgCluster):
     def admin_url(self) -> str:
         return f"postgresql://postgres@{self.namespace.inner_ip}:{self.port}/postgres"
 
-    def url(self, dbname: str) -> str:
-        return f"postgresql+psycopg://postgres@{self.namespace.inner_ip}:{self.port}/{dbname}"
+    def url(self, dbname: str, address: str = "") -> str:
+        """The SQLAlchemy URL of ``dbname`` at ``address`` (default: the inside's first)."""
+        host = address or self.namespace.inner_ip
+        return f"postgresql+psycopg://postgres@{host}:{self.port}/{dbname}"
 
 
 @contextmanager
@@ -153,7 +173,8 @@ def silent_database(index: int = 0) -> Iterator[tuple[NamespacedPg, Namespace]]:
         # Its own namespace, so the standard port is free there.
         cluster = cast(NamespacedPg, NamespacedPg.create(base, port=5432))
         cluster.namespace = namespace
-        cluster.configure({"listen_addresses": f"'{namespace.inner_ip}'"})
+        addresses = f"{namespace.inner_ip},{namespace.other_ip}"
+        cluster.configure({"listen_addresses": f"'{addresses}'"})
         cluster._run(
             ["tee", "-a", str(cluster.data_dir / "pg_hba.conf")],
             input_text=f"host all all {namespace.host_ip}/32 trust\n",
@@ -163,6 +184,8 @@ def silent_database(index: int = 0) -> Iterator[tuple[NamespacedPg, Namespace]]:
             yield cluster, namespace
         finally:
             namespace.heal()
+            for address in list(namespace._cut):
+                namespace.mend(address)
             cluster.stop("immediate")
     finally:
         namespace.destroy()

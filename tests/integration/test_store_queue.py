@@ -13,7 +13,7 @@ import dataclasses
 
 import pytest
 
-from service.core.errors import InvalidArgument, ResourceExhausted
+from service.core.errors import InvalidArgument, ResourceExhausted, StoreConflict
 from service.core.model import (
     EventKind,
     MessageKind,
@@ -227,3 +227,46 @@ async def test_a_sweeper_ending_starts_the_queued_turn_on_its_replica(
     assert end.promoted is not None
     assert end.promoted.turn.owner == "replica-b"
     assert end.promoted.turn.lease_expires_at == later + LEASE
+
+
+async def test_join_messages_join_the_running_turn_in_order(store: SessionStore) -> None:
+    await running(store)
+    await store.start_turn(queued_start("s1", "j1", on_busy=OnBusy.JOIN, text="also A"))
+    await store.start_turn(queued_start("s1", "q1"))
+    outcome = await store.start_turn(queued_start("s1", "j2", on_busy=OnBusy.JOIN, text="and B"))
+    assert outcome.join_into is not None and outcome.join_into.turn_id == "t1"
+    pending = await store.get_turn("t1")
+    assert pending is not None and pending.join_pending
+    lease = await store.renew_lease("t1", REPLICA, T0 + LEASE)
+    assert lease.join_pending and not lease.cancel_requested
+
+    joined = await store.join_queued("s1", "t1", REPLICA, T0)
+
+    assert [(e.kind, e.turn_id) for e in joined] == [
+        (EventKind.MESSAGE_ACCEPTED, "t1"),
+        (EventKind.TURN_ENDED, "j1"),
+        (EventKind.MESSAGE_ACCEPTED, "t1"),
+        (EventKind.TURN_ENDED, "j2"),
+    ]
+    assert [e.sequence for e in joined] == [6, 7, 8, 9]
+    texts = [(m.turn_id, m.text) for m in await store.list_messages("s1", 0, 10)]
+    assert texts == [("t1", "What is runnable?"), ("t1", "also A"), ("t1", "and B")]
+    for turn_id in ("j1", "j2"):
+        ended = await store.get_turn(turn_id)
+        assert ended is not None and ended.end_reason is TurnEndReason.JOINED
+    after = await store.get_turn("t1")
+    assert after is not None and not after.join_pending
+    assert await store.join_queued("s1", "t1", REPLICA, T0) == []
+    end = await store.end_turn(end_commit("s1", "t1"), promotion())
+    assert end.promoted is not None and end.promoted.turn.turn_id == "q1"
+
+
+async def test_a_join_that_came_too_late_runs_as_its_own_turn(store: SessionStore) -> None:
+    await running(store)
+    await store.start_turn(queued_start("s1", "j1", on_busy=OnBusy.JOIN, text="also A"))
+
+    end = await store.end_turn(end_commit("s1", "t1"), promotion())
+
+    assert end.promoted is not None and end.promoted.turn.turn_id == "j1"
+    with pytest.raises(StoreConflict):
+        await store.join_queued("s1", "t1", REPLICA, T0)

@@ -289,6 +289,7 @@ async def start_planner_process(
     limits: Mapping[str, object],
     server: Mapping[str, object],
     more_tables: Mapping[str, Mapping[str, object]] | None = None,
+    database: Mapping[str, object] | None = None,
 ) -> Planner:
     """Write ``<name>.toml`` and start ``ballet-planner serve --config`` with it (not
     waiting for it to serve, only for the port it bound); ``more_tables`` are further
@@ -305,7 +306,7 @@ async def start_planner_process(
             "health_check_interval_s": 0.2,
             **server,
         },
-        "database": {"url": database_url, "pool_size": 5},
+        "database": {"url": database_url, "pool_size": 5, **(database or {})},
         "planner": {"model": "scripted", **planner},
         "limits": dict(limits),
         "logging": {"level": "INFO", "format": "json"},
@@ -365,12 +366,16 @@ async def rig(
     limits: Mapping[str, object] | None = None,
     server: Mapping[str, object] | None = None,
     more_tables: Mapping[str, Mapping[str, object]] | None = None,
+    database: Mapping[str, object] | None = None,
+    b_database_url: str | None = None,
 ) -> AsyncIterator[Rig]:
     """Start the devstack, migrate, start both planners and wait until both serve.
 
-    ``planner``, ``limits`` and ``server`` are extra keys of those tables, the same for
-    both processes (leases and sweeps small, so recovery tests stay fast); ``more_tables``
-    are further tables for both (e.g. ``retention``).
+    ``planner``, ``limits``, ``server`` and ``database`` are extra keys of those tables,
+    the same for both processes (leases and sweeps small, so recovery tests stay fast);
+    ``more_tables`` are further tables for both (e.g. ``retention``). ``b_database_url``
+    is B's own way to the same database (another address of it, so that a fault can cut
+    one replica only); A uses ``database_url``.
     """
     data_dir = work_dir / "data"
     provider = ScriptedProvider(scenario)  # type: ignore[arg-type]
@@ -395,12 +400,13 @@ async def rig(
                     name,
                     work_dir,
                     data_dir,
-                    database_url,
+                    b_database_url if name == "b" and b_database_url else database_url,
                     stack.address,
                     planner or {},
                     limits or {},
                     server or {},
                     more_tables,
+                    database,
                 )
                 for name in ("a", "b")
             ),

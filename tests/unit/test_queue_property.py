@@ -8,7 +8,8 @@ replica's sweeper ends them) and replaced. A resend of an acknowledged request i
 mixed in. At the end, with every session idle:
 
 - every acknowledged message was answered in exactly one turn: its turn ended, and its
-  human message is in the transcript once, unless its queued turn was cancelled first;
+  human message is in the transcript once, in its own turn or, for a JOIN, in the turn
+  it joined, unless its queued turn was cancelled first;
 - turns of a session never overlap, and each turn started and ended at most once;
 - queued turns started in acceptance order (INTERRUPTs first, each group in order);
 - no queued turn is left, and a resend never queued twice;
@@ -259,9 +260,13 @@ def _check(world: World) -> None:
                 if event.turn_id == running:
                     running = ""
                 else:
-                    # Only a queued turn ends without having started: cancelled.
+                    # Only a queued turn ends without having started: cancelled, or its
+                    # JOIN message joined the running turn.
                     assert event.turn_id not in started
-                    assert store.turns[event.turn_id].end_reason is TurnEndReason.CANCELLED
+                    assert store.turns[event.turn_id].end_reason in (
+                        TurnEndReason.CANCELLED,
+                        TurnEndReason.JOINED,
+                    )
         assert not running
         # Acceptance order: each group of queued turns started in the order it was queued,
         # INTERRUPTs before the others whenever both waited at once.
@@ -276,13 +281,24 @@ def _check(world: World) -> None:
     for request_id, (turn_id, _on_busy) in world.acknowledged.items():
         turn = store.turns[turn_id]
         assert turn.state is TurnState.ENDED
+        if turn.end_reason is TurnEndReason.JOINED:
+            # Answered by the turn it joined: its message is that turn's, once.
+            joined = [
+                m
+                for m in store.messages[turn.session_id]
+                if m.kind is MessageKind.HUMAN and m.text == world.texts[request_id]
+            ]
+            assert len(joined) == 1 and joined[0].turn_id != turn_id
+            continue
         human = [
             m
             for m in store.messages[turn.session_id]
             if m.kind is MessageKind.HUMAN and m.turn_id == turn_id
         ]
         if human:
-            assert [m.text for m in human] == [world.texts[request_id]]
+            # Its own message first; any after it joined it (JOIN).
+            assert human[0].text == world.texts[request_id]
+            assert [m.text for m in human].count(world.texts[request_id]) == 1
         else:
             assert turn.end_reason is TurnEndReason.CANCELLED, f"{request_id} was lost"
     assert not store.queued, "a queued turn kept its message"
@@ -302,6 +318,6 @@ async def test_random_senders_strategies_cancels_and_kills_keep_the_invariants(
     strategies = {on_busy for _turn, on_busy in world.acknowledged.values()}
     assert OnBusy.ENQUEUE in strategies and OnBusy.INTERRUPT in strategies
     ended = {t.end_reason for t in world.store.turns.values()}
-    assert TurnEndReason.INTERRUPTED_BY_MESSAGE in ended
+    assert TurnEndReason.INTERRUPTED_BY_MESSAGE in ended and TurnEndReason.JOINED in ended
     queued = [e for es in world.store.events.values() for e in es if e.data is not None]
     assert sum(e.kind is EventKind.MESSAGE_QUEUED for e in queued) > 20

@@ -208,3 +208,51 @@ async def test_the_sweeper_starts_the_queued_turn_of_a_dead_replica() -> None:
     assert ended.end_reason is TurnEndReason.COMPLETED and ended.owner == "r1"
     assert rig.store.turns[first.turn.turn_id].end_reason is TurnEndReason.INTERRUPTED
     release.set()
+
+
+async def test_a_join_sent_during_a_tool_round_is_in_the_next_model_request() -> None:
+    def script(request: ModelRequest) -> dict[str, Any]:
+        if last_role(request) is Role.USER and last_human(request) == "first":
+            return {"tool_calls": [("list_items", '{"kind":"epic"}')]}
+        return {"text": f"answer to {last_human(request)}"}
+
+    rig = make_rig(script)
+    rig.backends.block["list_items"] = blocker = asyncio.Event()
+    first = await send(rig, "first", OnBusy.REJECT)
+    await rig.backends.reached("list_items").wait()
+
+    join = await send(rig, "only the open ones", OnBusy.JOIN)
+    blocker.set()
+
+    assert join.queued
+    ended = await rig.service.wait_for_end(first.turn.turn_id)
+    assert ended.end_reason is TurnEndReason.COMPLETED
+    joined = rig.store.turns[join.turn.turn_id]
+    assert joined.end_reason is TurnEndReason.JOINED
+    second = rig.gateway.requests[1]
+    roles = [m.role for m in second.messages]
+    assert roles[-3:] == [Role.ASSISTANT, Role.TOOL, Role.USER]
+    assert second.messages[-1].text == "only the open ones"
+    transcript = [(m.kind, m.turn_id, m.text) for m in rig.store.messages["s1"]]
+    assert transcript[-2:] == [
+        (MessageKind.HUMAN, first.turn.turn_id, "only the open ones"),
+        (MessageKind.ASSISTANT, first.turn.turn_id, "answer to only the open ones"),
+    ]
+    assert len(rig.gateway.requests) == 2
+
+
+async def test_a_join_sent_while_the_final_text_streams_starts_the_next_turn() -> None:
+    release = asyncio.Event()
+    rig = make_rig(held_first_answer(release))
+    first = await send(rig, "first", OnBusy.REJECT)
+    await rig.gateway.started.wait()
+
+    join = await send(rig, "second", OnBusy.JOIN)
+    release.set()
+
+    ended = await rig.service.wait_for_end(join.turn.turn_id)
+    assert ended.end_reason is TurnEndReason.COMPLETED
+    assert rig.store.turns[first.turn.turn_id].end_reason is TurnEndReason.COMPLETED
+    assert [last_human(r) for r in rig.gateway.requests] == ["first", "second"]
+    human = next(m for m in rig.store.messages["s1"] if m.text == "second")
+    assert human.turn_id == join.turn.turn_id

@@ -23,6 +23,7 @@ from service.core.ports import Acting, FinishReason, ModelRequest, ProjectInfo, 
 from service.core.tools import ToolRunner, declarations
 from service.core.turn import (
     End,
+    NullObserver,
     SendRequest,
     Step,
     TurnDependencies,
@@ -69,6 +70,7 @@ class ProjectDown(FakeBackends):
 def make(
     script: Callable[[ModelRequest], dict[str, Any]],
     backends: FakeBackends | None = None,
+    observer: NullObserver | None = None,
     **settings: Any,
 ) -> StepRig:
     store = MemoryStore()
@@ -88,6 +90,7 @@ def make(
             replica_id="r1",
             tools=ToolRunner(backends),
             declarations=declarations(),
+            observer=observer or NullObserver(),
         ),
         on_step=lambda turn_id, step: steps.setdefault(turn_id, []).append(step),
     )

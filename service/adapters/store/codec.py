@@ -278,6 +278,8 @@ def turn_row(turn: Turn) -> dict[str, Any]:
         "queued_token": None,
         "queued_tokens": 0,
         "queue_priority": 0,
+        "on_busy": "",
+        "join_pending": turn.join_pending,
     }
 
 
@@ -311,6 +313,7 @@ def turn_from_row(row: Row) -> Turn:
         end_time=row["end_time"],
         behind_turn_id=row["behind_turn_id"],
         cancel_reason=row["cancel_reason"],
+        join_pending=bool(row["join_pending"]),
         queued_text=queued_text(row["queued_message"]),
     )
 

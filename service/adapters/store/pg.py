@@ -89,7 +89,7 @@ _FOLLOWED_ELSEWHERE = (
 _RENEW_LEASE = """
 UPDATE turns SET lease_expires_at = %s
 WHERE turn_id = %s AND owner = %s AND state = 'running'
-RETURNING cancel_requested, cancel_reason
+RETURNING cancel_requested, cancel_reason, join_pending
 """
 
 
@@ -276,6 +276,7 @@ class PgHotPath:
             held=True,
             cancel_requested=bool(row["cancel_requested"]),
             cancel_reason=str(row["cancel_reason"]),
+            join_pending=bool(row["join_pending"]),
         )
 
     async def notify(self, signals: Sequence[tuple[str, str]], lock_timeout_s: float) -> None:

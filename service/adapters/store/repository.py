@@ -579,6 +579,9 @@ class SqlSessionStore:
             )
             if outcome.interrupted is not None and self.signals is not None:
                 self.signals.cancel(outcome.interrupted.turn_id)
+            if outcome.join_into is not None and self.signals is not None:
+                # The owner reads the turn on a cancel signal: join_pending, no cancel.
+                self.signals.cancel(outcome.join_into.turn_id)
         return outcome
 
     async def commit(self, commit: TurnCommit) -> list[SessionEvent]:
@@ -655,6 +658,21 @@ class SqlSessionStore:
             last = await self._last_sequence(conn, commit.session_id, stored)
         return last, stored, None, followed
 
+    async def join_queued(
+        self, session_id: str, turn_id: str, owner: str, now: datetime
+    ) -> list[SessionEvent]:
+        """Take the session's queued JOIN messages into running turn ``turn_id``
+        (decision 0303; the port has the rules)."""
+        units.utc(now)
+        async with self._write() as conn:
+            stored = await self._units.join_queued(conn, session_id, turn_id, owner, now)
+            followed = bool(stored) and await self._followed_elsewhere(conn, session_id)
+        if stored:
+            if followed and self.signals is not None:
+                self.signals.events(session_id, stored[-1].sequence)
+            self._cache.advance(stored, session_id=session_id, last_sequence=stored[-1].sequence)
+        return stored
+
     async def cancel_queued(self, turn_id: str, event: SessionEvent) -> list[SessionEvent]:
         """End a QUEUED turn CANCELLED without running it (decision 0300; the port has
         the rules)."""
@@ -709,7 +727,9 @@ class SqlSessionStore:
                     update(turns)
                     .where(turns.c.turn_id == turn_id, turns.c.owner == owner, IS_RUNNING)
                     .values(lease_expires_at=until)
-                    .returning(turns.c.cancel_requested, turns.c.cancel_reason)
+                    .returning(
+                        turns.c.cancel_requested, turns.c.cancel_reason, turns.c.join_pending
+                    )
                 )
             ).first()
         if row is None:
@@ -718,6 +738,7 @@ class SqlSessionStore:
             held=True,
             cancel_requested=bool(row.cancel_requested),
             cancel_reason=str(row.cancel_reason),
+            join_pending=bool(row.join_pending),
         )
 
     async def request_cancel(self, turn_id: str) -> Turn | None:

@@ -271,6 +271,10 @@ turns = Table(
     Column("queued_token", Text, nullable=True),
     _count("queued_tokens"),
     _count("queue_priority"),
+    # Added by migration 0009 (decision 0303): a queued turn's strategy, and on a running
+    # turn whether a JOIN message waits to join its next model request.
+    _text("on_busy"),
+    _flag("join_pending"),
     CheckConstraint(f"state IN ('{RUNNING}', '{ENDED}', '{QUEUED}')", name="state"),
     # AIP-155 keys of SendMessage, per session, for the life of the session
     # (docs/spec/api-and-streams.md). Turns always have one (the request id is required), so the key

@@ -71,9 +71,11 @@ from service.core.model import (
     OnBusy,
     SessionEvent,
     Turn,
+    TurnEndedData,
     TurnEndReason,
     TurnStartedData,
     TurnState,
+    Usage,
 )
 from service.core.ports import (
     Enqueue,
@@ -241,6 +243,26 @@ def promotion_events(
     ]
 
 
+def joined_events(
+    session_id: str, turn_id: str, joined: Sequence[tuple[str, str]], now: datetime
+) -> list[SessionEvent]:
+    """For each queued JOIN turn ``(queued turn id, queued message JSON)``, in
+    order: its message as a human message of running turn ``turn_id`` with its
+    ``message_accepted``, and the queued turn's ``turn_ended`` (``JOINED``); unnumbered
+    (decision 0303)."""
+    events: list[SessionEvent] = []
+    for queued_id, message_json in joined:
+        message = dataclasses.replace(
+            codec.queued_message_from_json(message_json, session_id, 0), turn_id=turn_id
+        )
+        events.append(
+            SessionEvent(session_id, turn_id, EventKind.MESSAGE_ACCEPTED, now, message=message)
+        )
+        ended = TurnEndedData(TurnEndReason.JOINED, Usage(), Usage(), 0)
+        events.append(SessionEvent(session_id, queued_id, EventKind.TURN_ENDED, now, data=ended))
+    return events
+
+
 def promoted_turn(queued: Turn, promotion: Promotion, now: datetime, sequence: int) -> Turn:
     """A queued turn as it runs once promoted, its message numbered ``sequence``."""
     return dataclasses.replace(
@@ -396,10 +418,26 @@ class SqlTurnUnits:
                     "queued_token": enqueue.token,
                     "queued_tokens": message_tokens(start.events),
                     "queue_priority": priority,
+                    "on_busy": enqueue.on_busy.value,
                 }
             )
         )
         await insert_events(conn, [event])
+        join_into = None
+        if enqueue.on_busy is OnBusy.JOIN:
+            row = (
+                (
+                    await conn.execute(
+                        update(turns)
+                        .where(turns.c.turn_id == running["turn_id"])
+                        .values(join_pending=True)
+                        .returning(*turns.c)
+                    )
+                )
+                .mappings()
+                .one()
+            )
+            join_into = codec.turn_from_row(row)
         interrupted = None
         if enqueue.on_busy is OnBusy.INTERRUPT:
             row = (
@@ -415,7 +453,9 @@ class SqlTurnUnits:
                 .one()
             )
             interrupted = codec.turn_from_row(row)
-        return TurnStartOutcome(StartOutcomeKind.QUEUED, queued, [event], interrupted)
+        return TurnStartOutcome(
+            StartOutcomeKind.QUEUED, queued, [event], interrupted, join_into=join_into
+        )
 
     async def promote(
         self, conn: AsyncConnection, session_id: str, promotion: Promotion, now: datetime
@@ -460,6 +500,70 @@ class SqlTurnUnits:
             )
         )
         return Promoted(turn, stored, row["queued_token"] or "")
+
+    async def join_queued(
+        self, conn: AsyncConnection, session_id: str, turn_id: str, owner: str, now: datetime
+    ) -> list[SessionEvent]:
+        """Take the session's queued JOIN messages into running turn ``turn_id``
+        (``SqlSessionStore.join_queued`` has the rules)."""
+        rows = (
+            (
+                await conn.execute(
+                    select(turns)
+                    .where(
+                        turns.c.session_id == session_id,
+                        IS_QUEUED,
+                        turns.c.on_busy == OnBusy.JOIN.value,
+                    )
+                    .order_by(turns.c.human_sequence)
+                    .with_for_update()
+                )
+            )
+            .mappings()
+            .all()
+        )
+        events = joined_events(
+            session_id,
+            turn_id,
+            [(row["turn_id"], row["queued_message"]) for row in rows],
+            now,
+        )
+        last = await self.advance_session(
+            conn, session_id, events, now=now, context=None, summary=None
+        )
+        if last is None:
+            raise StoreConflict(f"session {session_id} is gone")
+        claimed = (
+            await conn.execute(
+                update(turns)
+                .where(
+                    turns.c.turn_id == turn_id,
+                    turns.c.session_id == session_id,
+                    turns.c.owner == owner,
+                    IS_RUNNING,
+                )
+                .values(join_pending=False)
+                .returning(turns.c.turn_id)
+            )
+        ).first()
+        if claimed is None:
+            raise StoreConflict(f"turn {turn_id} is not {owner}'s running turn")
+        if not rows:
+            return []
+        await conn.execute(
+            update(turns)
+            .where(turns.c.turn_id.in_([row["turn_id"] for row in rows]))
+            .values(
+                state=ENDED,
+                end_reason=TurnEndReason.JOINED.value,
+                end_time=now,
+                queued_message=None,
+                queued_token=None,
+            )
+        )
+        stored = numbered(events, last)
+        await insert_events(conn, stored)
+        return stored
 
     async def cancel_queued(
         self, conn: AsyncConnection, turn_id: str, event: SessionEvent

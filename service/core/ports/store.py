@@ -125,6 +125,8 @@ class TurnStartOutcome:
     turn: Turn
     events: Sequence[SessionEvent] = ()
     interrupted: Turn | None = None
+    #: The running turn a JOIN message waits to join (its ``join_pending`` set).
+    join_into: Turn | None = None
 
 
 @dataclass(frozen=True)
@@ -221,6 +223,8 @@ class LeaseStatus:
     cancel_requested: bool = False
     #: With ``cancel_requested``: "" (CancelTurn) or "interrupted_by_message".
     cancel_reason: str = ""
+    #: A JOIN message waits to join the turn's next model request (decision 0303).
+    join_pending: bool = False
 
 
 @dataclass(frozen=True)
@@ -318,6 +322,17 @@ class SessionStore(Protocol):
         transaction start the session's first queued turn with ``promotion``: INTERRUPT
         ones first, then in acceptance order; its human message is stored now, numbered
         after the ending (decision 0300). Raises as ``commit``."""
+        ...
+
+    async def join_queued(
+        self, session_id: str, turn_id: str, owner: str, now: datetime
+    ) -> list[SessionEvent]:
+        """Take the session's queued JOIN messages into running turn ``turn_id`` (owned
+        by ``owner``), in acceptance order, in one transaction (decision 0303): each
+        message is stored now as a human message of ``turn_id`` with its
+        ``message_accepted``, and its queued turn ends ``JOINED`` with a ``turn_ended``;
+        the turn's ``join_pending`` is cleared. Returns the events, numbered ([] when
+        none waited); ``StoreConflict`` when the turn is not ``owner``'s running turn."""
         ...
 
     async def cancel_queued(self, turn_id: str, event: SessionEvent) -> list[SessionEvent]:

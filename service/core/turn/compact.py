@@ -33,6 +33,7 @@ from service.core.compaction import (
     SUMMARY_ROOM_TOKENS,
     CompactionPlan,
     chunk_blocks,
+    compaction_framing,
     compaction_request_tokens,
     compaction_system_prompt,
     estimate_tokens,
@@ -231,7 +232,13 @@ class Compactor:
                 )
                 return folded
             replaced = text_tokens(folded.summary) + text_tokens(chunk)
-            folded.rejection = check_summary(answer.text, answer.finish, replaced_tokens=replaced)
+            folded.rejection = check_summary(
+                answer.text,
+                answer.finish,
+                replaced_tokens=replaced,
+                framing=compaction_framing(instructions),
+                source=chunk,
+            )
             if folded.rejection is not None:
                 return folded
             folded.summary = answer.text.strip()

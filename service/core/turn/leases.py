@@ -93,6 +93,8 @@ class Leases:
                 handle.request_stop(endings.TAKEN_OVER)
             elif status.cancel_requested:
                 handle.request_stop(endings.cancel_ending(status.cancel_reason))
+            elif status.join_pending:
+                handle.join_pending = True
 
     async def _renew_loop(self) -> None:
         interval = self._deps.settings.lease_s / 3

@@ -221,6 +221,8 @@ class TurnLoop:
                     rounds.close()
                     self._round = rounds.enter_context(self._round_span())
                     assert self._prompt is not None
+                    if self._handle.join_pending:
+                        await self._join()
                     await self._compactor.maybe_compact(self._prompt)
                     step = CallModel()
                 elif isinstance(step, CallModel):
@@ -352,6 +354,21 @@ class TurnLoop:
                 return End(endings.OUTPUT_LIMIT, (event,))
             return End(endings.COMPLETED, (event,))
         return await self._store_round(answer, calls)
+
+    async def _join(self) -> None:
+        """Take the queued JOIN messages into this turn before its next model request,
+        after the round's results (decision 0303): stored now as human messages of this
+        turn, each queued turn ending ``JOINED``; raises ``Abandon``."""
+        self._handle.join_pending = False
+        deps, handle = self._deps, self._handle
+        stored = await self._guard(
+            deps.store.join_queued(
+                handle.session_id, handle.turn_id, deps.replica_id, deps.clock.now()
+            )
+        )
+        self._told.tell(stored, handle.turn)
+        mine = [e for e in stored if e.turn_id == handle.turn_id]
+        self._remember(TurnCommit(handle.session_id, handle.turn_id, deps.clock.now()), mine)
 
     async def _run_tools(self, step: RunTools) -> Compact | End:
         unstored = await self._tools.run(step.calls, step.unstored, step.shared)

@@ -15,6 +15,7 @@ of to the provider by the planner's id).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from typing import assert_never
 
 from service.core import tracing
 from service.core.errors import ModelFailure
-from service.core.estimate import text_tokens
+from service.core.estimate import declarations_tokens, text_tokens
 from service.core.ids import new_call_id, new_message_id, new_model_request_id
 from service.core.model import TextDelta, ToolCallProgress
 from service.core.ports.model import (
@@ -279,6 +280,7 @@ async def _stream_answer(
     )
     if request.purpose is Purpose.TURN and answer.usage is not None:
         state.usage = state.usage + answer.usage
+        _check_tools_seen(deps, state, request, answer)
     state.tokens_spent += _spent(request, answer)
     return Streamed(answer, failure, stopped)
 
@@ -323,3 +325,44 @@ def _spent(request: ModelRequest, answer: Answer) -> int:
         text_tokens(call.arguments) for call in answer.calls.values()
     )
     return request.input_estimate + output
+
+
+#: An answer whose reported input is below this share of the tool declarations' own
+#: estimate cannot have been prompted with them (decision 0297).
+TOOLS_SEEN_SHARE = 0.5
+
+
+@functools.lru_cache(maxsize=8)
+def _declared_tokens(tools: tuple[ToolDeclaration, ...]) -> int:
+    return declarations_tokens(tools)
+
+
+def _check_tools_seen(
+    deps: TurnDependencies, state: TurnState, request: ModelRequest, answer: Answer
+) -> None:
+    """Count, and log once per model (the endpoint the gateway routes it to), an answer
+    whose reported input tokens are far below what the request's tool declarations alone
+    take: the server dropped them (llama.cpp with a chat template that has no tool block
+    does so silently)."""
+    usage = answer.usage
+    if not request.tools or usage is None or usage.input_tokens <= 0:
+        return
+    declared = _declared_tokens(tuple(request.tools))
+    if usage.input_tokens >= declared * TOOLS_SEEN_SHARE:
+        return
+    deps.observer.tools_not_seen()
+    endpoint = f"{request.model} ({answer.model})" if answer.model else request.model
+    if endpoint in deps.warned_endpoints:
+        return
+    deps.warned_endpoints.add(endpoint)
+    log.warning(
+        "the model %s reported %d input tokens for a request whose tool declarations alone "
+        "take about %d: the model server likely dropped the tools, so the model cannot call "
+        "them (llama.cpp: start llama-server with --jinja and a tool-capable chat template; "
+        "vLLM: --enable-auto-tool-choice and a --tool-call-parser; Ollama: a model with tool "
+        "support; docs/operations.md)",
+        endpoint,
+        usage.input_tokens,
+        declared,
+        extra=state.handle.log_fields(),
+    )

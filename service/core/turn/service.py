@@ -278,6 +278,10 @@ class TurnService:
                     handle = self._handles.get(outcome.interrupted.turn_id)
                     if handle is not None:
                         handle.request_stop(endings.INTERRUPTED_BY_MESSAGE)
+                if outcome.join_into is not None:
+                    handle = self._handles.get(outcome.join_into.turn_id)
+                    if handle is not None:
+                        handle.join_pending = True
                 return Accepted(outcome.turn, outcome.events[0], duplicate=False)
             stored = list(outcome.events)
             acting = Acting(
@@ -364,16 +368,23 @@ class TurnService:
         return final
 
     async def on_remote_cancel(self, turn_id: str) -> None:
-        """A cancel requested on another replica (via the notifier): ``CancelTurn``, or
-        an INTERRUPT (the turn's ``cancel_reason`` says which; decision 0301)."""
+        """A signal for a turn from another replica (via the notifier): ``CancelTurn``,
+        an INTERRUPT (the turn's ``cancel_reason`` says which; decision 0301), or a JOIN
+        message waiting (``join_pending``; decision 0303). The row is read to tell them
+        apart; when that fails, the next lease renewal tells."""
         handle = self._handles.get(turn_id)
         if handle is None:
             return
-        reason = ""
-        with contextlib.suppress(StoreUnavailable):
+        try:
             turn = await self._deps.store.get_turn(turn_id)
-            reason = "" if turn is None else turn.cancel_reason
-        handle.request_stop(endings.cancel_ending(reason))
+        except StoreUnavailable:
+            return
+        if turn is None:
+            return
+        if turn.cancel_requested:
+            handle.request_stop(endings.cancel_ending(turn.cancel_reason))
+        elif turn.join_pending:
+            handle.join_pending = True
 
     def on_session_deleted(self, session_id: str) -> None:
         """``DeleteSession`` removed a session: stop its turn here at once

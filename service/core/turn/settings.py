@@ -89,7 +89,13 @@ class TurnObserver(Protocol):
 
     def compaction_failed(self, reason: str) -> None:
         """A compaction failed; ``reason`` is a bounded label (``service.core.summaries``:
-        ``model``, ``refusal``, ``error``, ``too_short``, ``empty``, ``finish_<reason>``)."""
+        ``model``, ``budget``, ``refusal``, ``error``, ``too_short``, ``empty``, ``echo``,
+        ``verbatim``, ``not_shorter``, ``finish_<reason>``)."""
+        ...
+
+    def tools_not_seen(self) -> None:
+        """An answer's reported input tokens were far below what the tool declarations
+        alone take: the model server likely dropped the tools (decision 0297)."""
         ...
 
     def context_estimated(self, purpose: str, estimated: int, reported: int) -> None:
@@ -132,6 +138,9 @@ class NullObserver:
         pass
 
     def compaction_failed(self, reason: str) -> None:
+        pass
+
+    def tools_not_seen(self) -> None:
         pass
 
     def context_estimated(self, purpose: str, estimated: int, reported: int) -> None:
@@ -177,3 +186,5 @@ class TurnDependencies:
     #: The process's one project cache, shared with the session access checks; None:
     #: the turns keep their own (``prompt_cache_s``, ``dependency_timeout_s``).
     projects: ProjectDirectory | None = None
+    #: The models whose dropped tools were logged already: once each (decision 0297).
+    warned_endpoints: set[str] = field(default_factory=set)

@@ -28,6 +28,9 @@ class TurnHandle:
         self.acting = acting
         self.human_sequence = human_sequence
         self.stop: Ending | None = None
+        #: A JOIN message waits to join the next model request (decision 0303): set by
+        #: the service (this replica), the cancel signal or the lease renewal.
+        self.join_pending = False
         self.done = asyncio.Event()
         self._on_stop: list[Callable[[], object]] = []
 

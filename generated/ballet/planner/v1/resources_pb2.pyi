@@ -119,6 +119,10 @@ class _TurnEndReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TurnEnd
     """A message sent with on_busy INTERRUPT stopped the turn (as CancelTurn stops one);
     that message's turn runs next, seeing this turn's transcript.
     """
+    TURN_END_REASON_JOINED: _TurnEndReason.ValueType  # 11
+    """The turn of a message sent with on_busy JOIN never ran: its message joined the
+    running turn, which answered it (its message_accepted names that turn).
+    """
 
 class TurnEndReason(_TurnEndReason, metaclass=_TurnEndReasonEnumTypeWrapper):
     """Why a turn ended (docs/spec/turn-loop.md)."""
@@ -148,6 +152,10 @@ ended before it was made.
 TURN_END_REASON_INTERRUPTED_BY_MESSAGE: TurnEndReason.ValueType  # 10
 """A message sent with on_busy INTERRUPT stopped the turn (as CancelTurn stops one);
 that message's turn runs next, seeing this turn's transcript.
+"""
+TURN_END_REASON_JOINED: TurnEndReason.ValueType  # 11
+"""The turn of a message sent with on_busy JOIN never ran: its message joined the
+running turn, which answered it (its message_accepted names that turn).
 """
 Global___TurnEndReason: _TypeAlias = TurnEndReason  # noqa: Y015
 

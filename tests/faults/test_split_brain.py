@@ -1,0 +1,92 @@
+"""Split brain, for real (decisions 0314 and 0315): replica A is cut from the database
+by DROP rules while B still reaches it, and A's Chat clients still reach A.
+
+A's client has its stream ended ``UNAVAILABLE``/``REPLICA_UNAVAILABLE`` within the lease
+plus 10 s, with the ``last_sequence`` it got; it reopens on B with that
+``after_sequence``, misses nothing and gets nothing twice, and its next message runs on
+B. A reports NOT_SERVING during the cut and SERVING at once after it. Bounds are
+shortened by configuration (a 4 s lease, a 3 s unit deadline, a 2 s TCP user timeout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from ballet_common.grpc.status import parse
+from tests.faults.net import silent_database
+from tests.replicas.support import ChatStream, rig, sequences
+
+pytestmark = pytest.mark.postgres
+
+LEASE_S = 4.0
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+SCENARIO = {"rules": [{"match": {"last_role": "human"}, "reply": {"text": "Noted."}}]}
+DATABASE = {
+    "unit_timeout_s": 3.0,
+    "tcp_user_timeout_s": 2.0,
+    "keepalives_idle_s": 1,
+    "keepalives_interval_s": 1,
+    "connect_timeout_s": 2,
+    "pool_timeout_s": 3.0,
+}
+
+
+async def test_the_cut_replica_lets_its_clients_go_and_they_resume_on_the_other(
+    tmp_path: Path,
+) -> None:
+    with silent_database() as (cluster, net):
+        async with rig(
+            tmp_path,
+            cluster.url("postgres"),
+            SCENARIO,
+            planner={"lease_s": LEASE_S, "sweep_interval_s": 1.0},
+            database=DATABASE,
+            b_database_url=cluster.url("postgres", net.other_ip),
+        ) as r:
+            session_id = await r.a.create_session(r.alice, "create-split")
+            first = ChatStream.open(r.a, r.alice)
+            first.attach(session_id)
+            await first.opened()
+            first.say("before the cut", "m1")
+            accepted = await first.wait_kind("message_accepted")
+            await first.turn_ended(accepted.response.turn_id)
+
+            net.cut(net.inner_ip)  # A's way to the database only
+            cut_at = time.monotonic()
+            not_serving_s = await r.a.wait_health(NOT_SERVING, 10)
+            async with asyncio.timeout(LEASE_S + 10):
+                await first.ended.wait()
+            ended_s = time.monotonic() - cut_at
+            assert isinstance(first.error, grpc.aio.AioRpcError)
+            failure = parse(first.error)
+            assert failure.code is grpc.StatusCode.UNAVAILABLE
+            assert failure.reason == "REPLICA_UNAVAILABLE"
+            last = int(failure.metadata["last_sequence"])
+            got = sequences(first.events())
+            assert got == list(range(1, last + 1))
+
+            # The gateway's move: reopen on B after what it got.
+            second = ChatStream.open(r.b, r.alice)
+            second.attach(session_id, after_sequence=last)
+            await second.opened()
+            second.say("after the cut", "m2")
+            again = await second.wait_kind("message_accepted")
+            await second.turn_ended(again.response.turn_id)
+            resumed = sequences(second.events())
+            assert resumed[0] == last + 1 and resumed == list(range(last + 1, resumed[-1] + 1))
+
+            net.mend(net.inner_ip)
+            back_s = await r.a.wait_health(SERVING, 5)
+            await second.close()
+            print(
+                f"\nsplit brain: A NOT_SERVING after {not_serving_s:.1f} s, its stream ended "
+                f"after {ended_s:.1f} s (lease {LEASE_S:g} s); A SERVING {back_s:.2f} s "
+                "after the heal"
+            )
