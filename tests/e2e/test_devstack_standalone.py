@@ -117,16 +117,21 @@ def test_serve_pointed_at_the_standalone_devstack_answers_a_chat_message(
         served.wait(30)
 
 
-def test_a_bad_scenario_is_one_line(tmp_path: Path) -> None:
-    (tmp_path / "bad.json").write_text('{"rules": [{"reply": {"txt": "typo"}}]}')
-    result = subprocess.run(
-        [sys.executable, "-m", "devstack", "--address", "127.0.0.1:0", "--scenario", "bad.json"],
+def devstack_that_fails(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m devstack ARGS`` in ``tmp_path``, to its end (a start that fails)."""
+    return subprocess.run(
+        [sys.executable, "-m", "devstack", *args],
         cwd=tmp_path,
         env=clean_env(),
         capture_output=True,
         text=True,
         timeout=60,
     )
+
+
+def test_a_bad_scenario_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "bad.json").write_text('{"rules": [{"reply": {"txt": "typo"}}]}')
+    result = devstack_that_fails(tmp_path, "--address", "127.0.0.1:0", "--scenario", "bad.json")
     assert result.returncode == 1  # as `ballet-planner dev` for the same problem
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("python -m devstack: cannot start: --scenario")
@@ -159,14 +164,7 @@ def test_an_address_in_use_says_which_flag_moves_it(tmp_path: Path) -> None:
         held.bind(("127.0.0.1", 0))
         held.listen()
         address = f"127.0.0.1:{held.getsockname()[1]}"
-        result = subprocess.run(
-            [sys.executable, "-m", "devstack", "--address", address, "--data-dir", "data"],
-            cwd=tmp_path,
-            env=clean_env(),
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        result = devstack_that_fails(tmp_path, "--address", address, "--data-dir", "data")
     assert result.returncode == 1  # as `ballet-planner dev` for the same problem
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
