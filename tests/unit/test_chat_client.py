@@ -307,3 +307,23 @@ def test_a_queued_message_is_shown_queued_then_where_its_turn_starts() -> None:
     shown = client.out.getvalue()  # type: ignore[attr-defined]
     assert "(queued: and the biggest?; it runs when this answer ends)" in shown
     assert "alice: and the biggest?" in shown
+
+
+def test_the_served_model_is_shown_once_when_it_differs_from_the_configured_one() -> None:
+    from ballet.planner.v1 import chat_pb2, resources_pb2
+
+    from ballet_chat.render import Renderer
+
+    out = io.StringIO()
+    renderer = Renderer(out)
+    renderer.model = "gpt-4o-mini"
+    for _ in range(2):
+        message = resources_pb2.Message(
+            message_id="m1", text="Hello!", served_model="smollm2-135m-instruct-q8_0.gguf"
+        )
+        response = chat_pb2.ChatResponse(
+            assistant_message=chat_pb2.AssistantMessage(message=message)
+        )
+        renderer.render(response)
+    text = out.getvalue()
+    assert text.count("(answered by smollm2-135m-instruct-q8_0.gguf)") == 1
