@@ -323,3 +323,23 @@ def test_a_resumed_session_is_shown_from_a_question_not_mid_turn() -> None:
     assert from_a_question([question, call, result, answer]) == [question, call, result, answer]
     # No question in the window (one long turn): all of it, rather than nothing.
     assert from_a_question([call, result, answer]) == [call, result, answer]
+
+
+def test_the_served_model_is_shown_once_when_it_differs_from_the_configured_one() -> None:
+    from ballet.planner.v1 import chat_pb2, resources_pb2
+
+    from ballet_chat.render import Renderer
+
+    out = io.StringIO()
+    renderer = Renderer(out)
+    renderer.model = "gpt-4o-mini"
+    for _ in range(2):
+        message = resources_pb2.Message(
+            message_id="m1", text="Hello!", served_model="smollm2-135m-instruct-q8_0.gguf"
+        )
+        response = chat_pb2.ChatResponse(
+            assistant_message=chat_pb2.AssistantMessage(message=message)
+        )
+        renderer.render(response)
+    text = out.getvalue()
+    assert text.count("(answered by smollm2-135m-instruct-q8_0.gguf)") == 1
