@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import enum
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -80,6 +80,18 @@ __all__ = [
 #: Messages shown when a session is resumed (``--session`` or ``/open``).
 RESUME_MESSAGES = 10
 TITLE_CHARS = 80
+
+
+def from_a_question(
+    messages: Sequence[resources_pb2.Message],
+) -> list[resources_pb2.Message]:
+    """The latest messages of a resumed session as shown: from the first human message
+    among them, so the view starts with a question rather than in the middle of a turn
+    (a tool call without the message it answers); all of them when none is a human's."""
+    for index, message in enumerate(messages):
+        if message.kind == resources_pb2.MESSAGE_KIND_HUMAN:
+            return list(messages[index:])
+    return list(messages)
 
 
 class ChatError(Exception):
@@ -587,7 +599,7 @@ class ChatClient:
         # Messages before the window (events 1..after hold the first ones), or cut from
         # it, are not shown.
         self.earlier_hidden = after > 0 or len(messages) > RESUME_MESSAGES
-        return messages[-RESUME_MESSAGES:]
+        return from_a_question(messages[-RESUME_MESSAGES:])
 
     async def history(self) -> list[resources_pb2.Message]:
         """Every message of the open session, oldest first (``ListMessages`` page by

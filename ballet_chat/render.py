@@ -176,6 +176,8 @@ class Renderer:
         self._line_open = False
         #: The model last shown; a turn naming another one shows it again.
         self.model = ""
+        #: The model the server last said answered (``Message.served_model``).
+        self.served_model = ""
 
     def write(self, text: str) -> None:
         """Write ``text`` and flush (the terminal shows deltas as they come)."""
@@ -211,6 +213,11 @@ class Renderer:
             self.write(rest)
             self.write(cut_note(message))
             self.end_line()
+            served = message.served_model
+            if served and served not in (self.served_model, self.model):
+                # The model as the server reports it (a local server names its file).
+                self.served_model = served
+                self.line(f"  (answered by {served})")
         elif kind == "message_accepted":
             message = response.message_accepted.message
             if not mine:

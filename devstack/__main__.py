@@ -200,9 +200,15 @@ async def serve(options: Options) -> int:
 
     interceptors = (tracing.server_interceptor(),) if tracing is not None else ()
     try:
-        stack = await DevStack.start(
-            replace(options.config, extra_services=add_gateway, interceptors=interceptors)
-        )
+        try:
+            stack = await DevStack.start(
+                replace(options.config, extra_services=add_gateway, interceptors=interceptors)
+            )
+        except OSError as error:
+            if options.config.address in str(error):
+                # Say what to do, as `ballet-planner dev` does for its --devstack-address.
+                raise OSError(f"{error}; choose another with --address") from None
+            raise
         with StopSignals("python -m devstack") as signals:
             print(banner(stack, options, model), flush=True)
             stopper = _Stopper(stack, provider, tracing)

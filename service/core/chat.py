@@ -37,6 +37,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import assert_never
 
+from service.core.client_copy import CLIENT_MESSAGE_MAX_BYTES, messages_for_client
 from service.core.errors import (
     FailedPrecondition,
     HumanRequired,
@@ -49,23 +50,59 @@ from service.core.errors import (
     Unauthenticated,
     Unavailable,
 )
-from service.core.fanout import (
-    AcceptedAgain,
-    ErrorReply,
-    Hub,
-    Outbound,
-    SessionOpened,
-    StreamQueue,
-)
+from service.core.fanout import Heartbeat, Hub, StreamEnd, StreamQueue
 from service.core.ids import new_id
-from service.core.model import EventKind, Message, OnBusy, Session, SessionEvent, Turn
-from service.core.outbound import CLIENT_MESSAGE_MAX_BYTES, messages_for_client
+from service.core.model import (
+    EventKind,
+    Message,
+    OnBusy,
+    Session,
+    SessionEvent,
+    TextDelta,
+    ToolCallProgress,
+    Turn,
+)
 from service.core.ports import Clock, SessionStore
 from service.core.sessions import Caller, SessionRules, check_request_id
 from service.core.streams import StreamRegistry, StreamSlot
 from service.core.turn import SendRequest, TurnService
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SessionOpened:
+    """The reply to ``open``: the stream is attached to ``session``."""
+
+    session: Session
+    request_id: str
+
+
+@dataclass(frozen=True)
+class ErrorReply:
+    """A client message was refused; the stream goes on. ``error`` is mapped to its
+    status by the transport's one error table."""
+
+    error: Exception
+    request_id: str
+    session_id: str
+
+
+@dataclass(frozen=True)
+class AcceptedAgain:
+    """A duplicate ``send_message``: the original ``message_accepted`` again, for the
+    sending stream alone, echoing its ``request_id`` (AIP-155)."""
+
+    event: SessionEvent
+    request_id: str
+
+
+#: What goes only to the stream whose client message it answers (``sequence`` 0).
+Reply = SessionOpened | ErrorReply | AcceptedAgain
+#: What a stream sends its client, one ``ChatResponse`` each.
+Response = SessionEvent | TextDelta | ToolCallProgress | Reply | Heartbeat
+#: Everything a stream's queue hands out, in the order the stream sends it.
+Outbound = Response | StreamEnd
 
 
 # ---------------------------------------------------------------------- commands

@@ -15,7 +15,7 @@ delta; session events that overflow end the stream with
 ``RESOURCE_EXHAUSTED``/``SLOW_CONSUMER``, and the client reopens with
 ``after_sequence``. Publishing never waits for a consumer, so a slow stream never slows
 the turn or other streams. Every event, delta and catch-up text is cut to what a client
-is sent (``service.core.outbound``, decision 0222) once, before it is queued.
+is sent (``service.core.client_copy``, decision 0222) once, before it is queued.
 
 Events reach each queue in sequence order without gaps or duplicates: an event that
 arrives early (two commits of one session published out of order) waits in the
@@ -29,10 +29,14 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from service.core.client_copy import CLIENT_MESSAGE_MAX_BYTES, delta_for_client, event_for_client
 from service.core.errors import NotFound, PlannerError, ResourceExhausted, Unavailable
-from service.core.model import EventKind, Session, SessionEvent, TextDelta, ToolCallProgress
-from service.core.outbound import CLIENT_MESSAGE_MAX_BYTES, delta_for_client, event_for_client
+from service.core.model import EventKind, SessionEvent, TextDelta, ToolCallProgress
+
+if TYPE_CHECKING:
+    from service.core.chat import Outbound, Reply
 
 log = logging.getLogger(__name__)
 
@@ -62,46 +66,12 @@ class StreamEnd:
 
 
 @dataclass(frozen=True)
-class SessionOpened:
-    """The reply to ``open``: the stream is attached to ``session``."""
-
-    session: Session
-    request_id: str
-
-
-@dataclass(frozen=True)
-class ErrorReply:
-    """A client message was refused; the stream goes on. ``error`` is mapped to its
-    status by the transport's one error table."""
-
-    error: Exception
-    request_id: str
-    session_id: str
-
-
-@dataclass(frozen=True)
-class AcceptedAgain:
-    """A duplicate ``send_message``: the original ``message_accepted`` again, for the
-    sending stream alone, echoing its ``request_id`` (AIP-155)."""
-
-    event: SessionEvent
-    request_id: str
-
-
-@dataclass(frozen=True)
 class Heartbeat:
     """Sent on a stream that had nothing to send for ``heartbeat_s``: data on an idle
     stream, so proxies with an idle timeout keep it open (clients ignore it)."""
 
 
 HEARTBEAT = Heartbeat()
-
-#: What goes only to the stream whose client message it answers (``sequence`` 0).
-Reply = SessionOpened | ErrorReply | AcceptedAgain
-#: What a stream sends its client, one ``ChatResponse`` each.
-Response = SessionEvent | TextDelta | ToolCallProgress | Reply | Heartbeat
-#: Everything a stream's queue hands out, in the order the stream sends it.
-Outbound = Response | StreamEnd
 
 
 @dataclass(eq=False, slots=True)

@@ -172,11 +172,14 @@ class Message:
     arguments were over the bound a call may have: they are stored cut (valid JSON,
     ``service.core.tools.cut.cut_text``) and the call was not run (decision 0221).
     ``human_id`` is the human the message came from or the planner acted for. Compaction
-    markers carry ``up_to`` and ``estimated_tokens``.
+    markers carry ``up_to`` and ``estimated_tokens``, and ``prompt_version``, the version
+    of the summary instructions that wrote the summary stored with them (decision 0294).
+    Assistant answers carry ``served_model``, the model the server said answered
+    (decision 0297; '' when it said none).
 
     ``truncated`` and ``original_bytes`` are never stored: they mark a copy made for a
     client, whose longest field was cut to fit what a client is sent
-    (``service.core.outbound``; ``original_bytes`` is that field's full UTF-8 size).
+    (``service.core.client_copy``; ``original_bytes`` is that field's full UTF-8 size).
     """
 
     session_id: str
@@ -200,6 +203,8 @@ class Message:
     estimated_tokens: int = 0
     truncated: bool = False
     original_bytes: int = 0
+    served_model: str = ""
+    prompt_version: str = ""
 
     def size_bytes(self) -> int:
         """The UTF-8 size of what the model sees of this message, for the estimate and

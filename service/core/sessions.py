@@ -39,10 +39,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from service.core.client_copy import CLIENT_MESSAGE_MAX_BYTES, message_for_client
 from service.core.errors import HumanRequired, InvalidArgument, NotFound, PermissionDenied, echo
 from service.core.ids import new_session_id
 from service.core.model import Message, Session, Turn
-from service.core.outbound import CLIENT_MESSAGE_MAX_BYTES, message_for_client
 from service.core.pages import PageTokens, bad_page_token
 from service.core.ports import (
     Acting,
@@ -130,7 +130,7 @@ class SessionLimits:
 
     ``page_max_bytes``: most bytes of one ListMessages page (``limits.page_max_bytes``);
     ``client_message_max_bytes``: a message larger than this is listed truncated
-    (``limits.client_message_max_bytes``; ``service.core.outbound``). How long a
+    (``limits.client_message_max_bytes``; ``service.core.client_copy``). How long a
     project check is reused and its deadline belong to the ``ProjectDirectory``.
     """
 

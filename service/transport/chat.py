@@ -16,23 +16,20 @@ from typing import NoReturn, assert_never
 from ballet.planner.v1 import chat_pb2
 
 from service.core.chat import (
+    AcceptedAgain,
     Cancel,
     ChatService,
     ChatStream,
     Command,
+    ErrorReply,
     Open,
     Refused,
+    Response,
     Send,
+    SessionOpened,
 )
 from service.core.errors import InvalidArgument, PlannerError
-from service.core.fanout import (
-    AcceptedAgain,
-    ErrorReply,
-    Heartbeat,
-    Response,
-    SessionOpened,
-    StreamEnd,
-)
+from service.core.fanout import Heartbeat, StreamEnd
 from service.core.model import SessionEvent, TextDelta, ToolCallProgress
 from service.transport import convert
 from service.transport.auth import Authenticator

@@ -141,6 +141,7 @@ def message_to_proto(message: Message) -> resources_pb2.Message:
         up_to=message.up_to,
         estimated_tokens=message.estimated_tokens,
         finish_reason=message.finish_reason,
+        served_model=message.served_model,
         provider_tool_call_id=message.provider_call_id,
         truncated=message.truncated,
         original_bytes=message.original_bytes,

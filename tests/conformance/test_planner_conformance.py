@@ -344,6 +344,12 @@ async def test_every_model_request_carries_the_output_cap_as_max_tokens(planner:
     assert turn.ended.reason == M.TURN_END_REASON_COMPLETED
     bodies = [r.body for r in planner.double.received]
     assert bodies and all(body.get("max_tokens") == 2048 for body in bodies)
+    # The served model, as the server's chunks name it, is stored with the answer and
+    # sent to the client (decision 0297).
+    assistant = events(turn.received, "assistant_message")[-1].assistant_message.message
+    assert assistant.served_model == "double-1"
+    stored = [m for m in await turn.transcript() if m.message_id == assistant.message_id]
+    assert stored[0].served_model == "double-1"
 
 
 @pytest.mark.parametrize("finish", ["length", "content_filter"])

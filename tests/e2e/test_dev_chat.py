@@ -293,7 +293,10 @@ def test_a_resumed_session_says_earlier_messages_are_hidden_and_history_shows_th
     out = resumed.stdout.decode()
     assert resumed.returncode == 0, out + resumed.stderr.decode()
     header, _, history = out.partition("all ")
-    assert "(earlier messages are hidden; the latest 10 follow: /history shows them all)" in header
+    hidden = re.search(r"\(earlier messages are hidden; the latest (\d+) follow: /history", header)
+    assert hidden is not None and 1 <= int(hidden[1]) <= 10, header
+    # The shown messages start with a question, not in the middle of a turn.
+    assert header.split(hidden[0], 1)[1].split("\n", 2)[1].startswith("alice: hello number ")
     assert "alice: hello number 0" not in header  # the oldest is hidden...
     assert "alice: hello number 0" in history  # ...and /history shows it
     assert all(f"alice: {text}" in history for text in texts)

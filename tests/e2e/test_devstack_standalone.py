@@ -9,6 +9,7 @@ import os
 import select
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -116,16 +117,21 @@ def test_serve_pointed_at_the_standalone_devstack_answers_a_chat_message(
         served.wait(30)
 
 
-def test_a_bad_scenario_is_one_line(tmp_path: Path) -> None:
-    (tmp_path / "bad.json").write_text('{"rules": [{"reply": {"txt": "typo"}}]}')
-    result = subprocess.run(
-        [sys.executable, "-m", "devstack", "--address", "127.0.0.1:0", "--scenario", "bad.json"],
+def devstack_that_fails(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m devstack ARGS`` in ``tmp_path``, to its end (a start that fails)."""
+    return subprocess.run(
+        [sys.executable, "-m", "devstack", *args],
         cwd=tmp_path,
         env=clean_env(),
         capture_output=True,
         text=True,
         timeout=60,
     )
+
+
+def test_a_bad_scenario_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "bad.json").write_text('{"rules": [{"reply": {"txt": "typo"}}]}')
+    result = devstack_that_fails(tmp_path, "--address", "127.0.0.1:0", "--scenario", "bad.json")
     assert result.returncode == 1  # as `ballet-planner dev` for the same problem
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("python -m devstack: cannot start: --scenario")
@@ -150,3 +156,17 @@ def test_two_ctrl_c_stop_the_devstack_without_a_traceback(
     assert code in (0, 130)
     log = (tmp_path / "devstack.log").read_text()
     assert "Traceback" not in log and "Segmentation fault" not in log
+
+
+def test_an_address_in_use_says_which_flag_moves_it(tmp_path: Path) -> None:
+    # Bound to port 0 and kept listening: the port is held, no pick-and-close.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        address = f"127.0.0.1:{held.getsockname()[1]}"
+        result = devstack_that_fails(tmp_path, "--address", address, "--data-dir", "data")
+    assert result.returncode == 1  # as `ballet-planner dev` for the same problem
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"python -m devstack: cannot start: {address} is in use")
+    assert lines[0].endswith("; choose another with --address")

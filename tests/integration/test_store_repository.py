@@ -642,3 +642,26 @@ async def test_human_message_of_another_turn_is_refused(store: SessionStore) -> 
 
     with pytest.raises(ValueError):
         await store.start_turn(dataclasses.replace(start, message=stray))
+
+
+async def test_served_model_and_summary_prompt_version_round_trip(store: SessionStore) -> None:
+    """Migration 0010 (decisions 0294, 0297): an answer's served model and a compaction
+    marker's prompt version are stored and read back by every store."""
+    await store.create_session(new_session("s1"))
+    await store.start_turn(turn_start("s1", "t1"))
+    answer, *rest = tool_round_events("s1", "t1")
+    assert answer.message is not None
+    served = dataclasses.replace(
+        answer, message=dataclasses.replace(answer.message, served_model="smollm2-135m.gguf")
+    )
+    compacted = every_other_event("s1", "t1")[2]
+    assert compacted.message is not None
+    marker = dataclasses.replace(
+        compacted, message=dataclasses.replace(compacted.message, prompt_version="v2")
+    )
+    stored = await store.commit(TurnCommit("s1", "t1", T0, events=[served, *rest, marker]))
+    replay = await store.events_after("s1", 0, 100)
+    assert replay[-len(stored) :] == stored
+    by_kind = {e.kind: e.message for e in replay if e.message is not None}
+    assert by_kind[EventKind.ASSISTANT_MESSAGE].served_model == "smollm2-135m.gguf"
+    assert by_kind[EventKind.COMPACTED].prompt_version == "v2"

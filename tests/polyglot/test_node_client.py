@@ -88,6 +88,10 @@ def check_conformance(steps: dict[str, dict[str, Any]]) -> None:
         "domain": "planner.ballet",
     }
     assert steps["cancelled"]["reason"] == "TURN_END_REASON_CANCELLED"
+    # A message queued behind the running turn runs after it (decision 0300).
+    queued = steps["queued"]
+    assert queued["behind_the_running_turn"] and queued["request_id"] in ("queued", "")
+    assert queued["reason"] == "TURN_END_REASON_COMPLETED"
     assert steps["disconnected"]["code"] == "CANCELLED"
     resumed = steps["resumed"]
     assert resumed["first"] == resumed["after_sequence"] + 1, resumed

@@ -197,10 +197,11 @@ async def test_one_turn_is_one_tree_across_the_planner_and_the_devstack(
     assert service(handled) == "ballet-devstack"
     assert handled.status.status_code is StatusCode.UNSET
 
-    # Units of work: the turn's start under the RPC, its commits under the turn.
+    # Units of work: the turn's start under the RPC, its round's commit under the round, its
+    # ending (which also starts a queued turn, decision 0300) under the turn.
     assert named(children(spans, rpc), "store.start_turn")
     assert named(children(spans, round_), "store.commit")
-    assert named(children(spans, turn), "store.commit")
+    assert named(children(spans, turn), "store.end_turn")
 
     token = rig.token()
     assert_no_content(

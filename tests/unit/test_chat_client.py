@@ -19,6 +19,7 @@ from ballet_chat.client import (
     Sent,
     TextStitcher,
     describe_turn_end,
+    from_a_question,
     short,
     summarize_result,
 )
@@ -307,3 +308,38 @@ def test_a_queued_message_is_shown_queued_then_where_its_turn_starts() -> None:
     shown = client.out.getvalue()  # type: ignore[attr-defined]
     assert "(queued: and the biggest?; it runs when this answer ends)" in shown
     assert "alice: and the biggest?" in shown
+
+
+def test_a_resumed_session_is_shown_from_a_question_not_mid_turn() -> None:
+    def message(kind: resources_pb2.MessageKind.ValueType, text: str) -> resources_pb2.Message:
+        return resources_pb2.Message(kind=kind, text=text)
+
+    call = message(resources_pb2.MESSAGE_KIND_TOOL_CALL, "call")
+    result = message(resources_pb2.MESSAGE_KIND_TOOL_RESULT, "result")
+    answer = message(resources_pb2.MESSAGE_KIND_ASSISTANT, "answer")
+    question = message(resources_pb2.MESSAGE_KIND_HUMAN, "question")
+    # The window of the latest messages began inside a turn: that part is not shown.
+    assert from_a_question([call, result, answer, question, answer]) == [question, answer]
+    assert from_a_question([question, call, result, answer]) == [question, call, result, answer]
+    # No question in the window (one long turn): all of it, rather than nothing.
+    assert from_a_question([call, result, answer]) == [call, result, answer]
+
+
+def test_the_served_model_is_shown_once_when_it_differs_from_the_configured_one() -> None:
+    from ballet.planner.v1 import chat_pb2, resources_pb2
+
+    from ballet_chat.render import Renderer
+
+    out = io.StringIO()
+    renderer = Renderer(out)
+    renderer.model = "gpt-4o-mini"
+    for _ in range(2):
+        message = resources_pb2.Message(
+            message_id="m1", text="Hello!", served_model="smollm2-135m-instruct-q8_0.gguf"
+        )
+        response = chat_pb2.ChatResponse(
+            assistant_message=chat_pb2.AssistantMessage(message=message)
+        )
+        renderer.render(response)
+    text = out.getvalue()
+    assert text.count("(answered by smollm2-135m-instruct-q8_0.gguf)") == 1

@@ -17,9 +17,9 @@ from typing import Any
 from ballet.planner.v1 import chat_pb2
 
 from ballet_common.grpc.status import from_status
-from service.core.chat import ChatLimits, ChatService, ChatStream
+from service.core.chat import ChatLimits, ChatService, ChatStream, ErrorReply
 from service.core.errors import PlannerError, StoreUnavailable
-from service.core.fanout import ErrorReply, Hub, StreamEnd
+from service.core.fanout import Hub, StreamEnd
 from service.core.model import Session
 from service.core.sessions import Caller
 from service.transport.chat import commands, response_of

@@ -11,13 +11,13 @@ from datetime import UTC, datetime
 import pytest
 
 from service.adapters.request_fit import FLOOR_BYTES, content_bytes, fit
-from service.core.model import Message, MessageKind, TextDelta
-from service.core.outbound import (
+from service.core.client_copy import (
     MESSAGE_OVERHEAD_BYTES,
     delta_for_client,
     message_for_client,
     messages_for_client,
 )
+from service.core.model import Message, MessageKind, TextDelta
 from service.core.ports import ModelMessage, Role, ToolCall
 from service.core.tools.cut import cut_text, utf8_size
 

@@ -94,3 +94,17 @@ def test_refusals_are_counted_by_cause_and_failed_calls_are_not() -> None:
         )
 
     assert (sample("echo"), sample("verbatim"), sample("model")) == (2.0, 1.0, None)
+
+
+async def test_a_stored_summary_records_its_prompt_version() -> None:
+    def script(request: ModelRequest) -> dict[str, Any]:
+        if request.purpose is Purpose.COMPACTION:
+            return {"text": A_SUMMARY, "usage": (700, 30)}
+        return {"text": "answer", "usage": (900, 10)}
+
+    rig = make(script, compact_at_tokens=500)
+    await rig.run("first")
+    await rig.run("second")
+    assert rig.session.summary == A_SUMMARY
+    (marker,) = [m for m in rig.store.messages["s1"] if m.kind is MessageKind.COMPACTION]
+    assert marker.prompt_version == prompts.SUMMARY_VERSION

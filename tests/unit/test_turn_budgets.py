@@ -3,6 +3,7 @@ caps and turn budgets"), on the turn loop with a scripted model."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -134,3 +135,25 @@ def test_the_start_up_check_counts_the_fixed_prompt_as_rendered() -> None:
         check_context_budget(tight, fixed)
     # The defaults fit with the rendered prompt.
     check_context_budget(PlannerSettings(), fixed)
+
+
+async def test_serve_refuses_a_window_the_fixed_prompt_does_not_fit(tmp_path: Path) -> None:
+    """Done at start-up, before the database is opened or a port bound (decision 0293):
+    a 3 K window passes the loader's own check but not the rendered prompt's."""
+    from service.config import ConfigError
+    from service.server.root import start_planner
+    from tests.service.planner_support import planner_settings
+
+    settings = planner_settings(
+        tmp_path,
+        "127.0.0.1:1",
+        PLANNER__MODEL_CONTEXT_TOKENS="3000",
+        PLANNER__MAX_OUTPUT_TOKENS="1500",
+        PLANNER__COMPACT_AT_TOKENS="1",
+        PLANNER__MAX_ROUNDS="1",
+        PLANNER__TOOL_RESULT_MAX_BYTES="1024",
+        PLANNER__COMPACTION_INPUT_MAX_TOKENS="1024",
+    )
+    with pytest.raises(ConfigError, match=r"planner\.model_context_tokens"):
+        await start_planner(settings)
+    assert not (tmp_path / "planner.db").exists()

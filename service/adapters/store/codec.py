@@ -173,6 +173,8 @@ def message_row(message: Message) -> dict[str, Any]:
         "up_to": message.up_to,
         "estimated_tokens": message.estimated_tokens,
         "size_bytes": message.size_bytes(),
+        "served_model": message.served_model,
+        "prompt_version": message.prompt_version,
     }
 
 
@@ -204,7 +206,18 @@ def message_from_row(row: Row, prefix: str = "") -> Message:
         usage=usage,
         up_to=row[prefix + "up_to"],
         estimated_tokens=row[prefix + "estimated_tokens"],
+        served_model=_optional_text(row, prefix + "served_model"),
+        prompt_version=_optional_text(row, prefix + "prompt_version"),
     )
+
+
+def _optional_text(row: Row, key: str) -> str:
+    """A text column added by a later migration (0010): '' when NULL or not selected."""
+    try:
+        value = row[key]
+    except (KeyError, IndexError):
+        return ""
+    return value or ""
 
 
 # ------------------------------------------------------------------ events

@@ -281,7 +281,7 @@ class PgHotPath:
 
     async def notify(self, signals: Sequence[tuple[str, str]], lock_timeout_s: float) -> None:
         """Send ``(channel, payload)`` notifications in one autocommit statement, waiting
-        at most ``lock_timeout_s`` seconds for the notify lock (``signals.Send``). Not a
+        at most ``lock_timeout_s`` seconds for the notify lock (``signals.RunStatement``). Not a
         unit of work's statement: the observers do not see it."""
         async with self._conn() as conn:
             await conn.execute(

@@ -56,7 +56,7 @@ OUTCOMES = ("sent", "failed", "dropped")
 
 #: Sends ``(channel, payload)`` pairs in one autocommit statement that waits at most
 #: ``lock_timeout_s`` seconds for locks; raises what the database raised.
-Send = Callable[[Sequence[tuple[str, str]], float], Awaitable[None]]
+RunStatement = Callable[[Sequence[tuple[str, str]], float], Awaitable[None]]
 
 
 def session_channel(session_id: str) -> str:
@@ -88,13 +88,13 @@ def notify_params(signals: Sequence[tuple[str, str]], lock_timeout_s: float) -> 
 
 class Signals:
     """The sending side of the cross-replica signals of one store (see the module
-    docstring). ``send`` runs one statement (``Send``); ``replica_id`` names this process
+    docstring). ``send`` runs one statement (``RunStatement``); ``replica_id`` names this process
     in events payloads, so its own listener skips them. Methods never wait and never
     raise for the database: call them after the commit."""
 
     def __init__(
         self,
-        send: Send,
+        send: RunStatement,
         replica_id: str,
         *,
         max_pending: int = MAX_PENDING,

@@ -203,6 +203,10 @@ messages = Table(
     # normally, and the id the provider gave a tool call (tool_call_id is the planner's).
     _text("finish_reason"),
     _text("provider_call_id"),
+    # Added by migration 0010: the model the server said answered, and a summary's
+    # prompt version (on its compaction marker); NULL read as ''.
+    Column("served_model", Text, nullable=True),
+    Column("prompt_version", Text, nullable=True),
 )
 Index("ix_messages_turn_id_sequence", messages.c.turn_id, messages.c.sequence)
 
@@ -271,7 +275,7 @@ turns = Table(
     Column("queued_token", Text, nullable=True),
     _count("queued_tokens"),
     _count("queue_priority"),
-    # Added by migration 0009 (decision 0303): a queued turn's strategy, and on a running
+    # Added by migration 0010 (decision 0303): a queued turn's strategy, and on a running
     # turn whether a JOIN message waits to join its next model request.
     _text("on_busy"),
     _flag("join_pending"),

@@ -50,7 +50,7 @@ from service.core.turn.model_call import model_request, output_cap, stream_answe
 from service.core.turn.pending import pending_changesets
 from service.core.turn.prompt import Prompt
 from service.core.turn.settings import TurnDependencies
-from service.core.turn.state import TurnState
+from service.core.turn.state import TurnRun
 
 log = logging.getLogger(__name__)
 
@@ -71,13 +71,16 @@ class _Folded:
     rejection: Rejection | None = None
     stopped: bool = False
     usage: Usage = field(default_factory=Usage)
+    #: The summary instructions' version (``prompts.SUMMARY_VERSION``, or ``configured``
+    #: for ``planner.summary_instructions`` of the operator's own; decision 0294).
+    prompt_version: str = ""
 
 
 class Compactor:
     """Keeps a turn's model context: the system-side context, the estimate, and the
     compaction when the estimate is over the threshold."""
 
-    def __init__(self, deps: TurnDependencies, state: TurnState, commit: CommitCompaction) -> None:
+    def __init__(self, deps: TurnDependencies, state: TurnRun, commit: CommitCompaction) -> None:
         self._deps = deps
         self._state = state
         self._commit = commit
@@ -110,7 +113,7 @@ class Compactor:
         # prompt and the new system-side context at their size, plus what is kept.
         context = ContextEstimate(base_tokens=None, pending_tokens=messages_tokens(kept))
         await self._commit(
-            [state.events.compacted(plan.up_to, estimated)],
+            [state.events.compacted(plan.up_to, estimated, folded.prompt_version)],
             TurnPatch(compaction_usage=state.compaction_usage),
             SummaryUpdate(folded.summary, plan.up_to),
             context,
@@ -193,6 +196,11 @@ class Compactor:
             reserved_tokens=reserved,
         )
         folded = _Folded(summary=plan.previous_summary)
+        folded.prompt_version = (
+            prompts.SUMMARY_VERSION
+            if instructions == prompts.summary_instructions()
+            else "configured"
+        )
         for chunk in chunks:
             system = compaction_system_prompt(instructions, folded.summary, chunk)
             estimate = compaction_request_tokens(system)

@@ -81,6 +81,7 @@ class EventBuilder:
         usage: Usage | None,
         cut: bool = False,
         finish_reason: str = "",
+        served_model: str = "",
     ) -> SessionEvent:
         """``assistant_message`` storing an answer's text under ``message_id`` (the id
         its text deltas carried). ``cut`` marks a partial answer; ``finish_reason`` is
@@ -95,6 +96,7 @@ class EventBuilder:
             usage=usage,
             cut=cut,
             finish_reason=finish_reason,
+            served_model=served_model,
         )
 
     def tool_call(
@@ -143,14 +145,18 @@ class EventBuilder:
             events.append(self._event(EventKind.KNOWLEDGE_WRITTEN, data=data))
         return events
 
-    def compacted(self, up_to: int, estimated_tokens: int) -> SessionEvent:
-        """``compacted`` (the ``planner.compacted`` event) storing the compaction marker."""
+    def compacted(
+        self, up_to: int, estimated_tokens: int, prompt_version: str = ""
+    ) -> SessionEvent:
+        """``compacted`` (the ``planner.compacted`` event) storing the compaction marker,
+        with the version of the summary instructions that wrote the summary."""
         return self._stored(
             EventKind.COMPACTED,
             MessageKind.COMPACTION,
             data=CompactedData(up_to, estimated_tokens),
             up_to=up_to,
             estimated_tokens=estimated_tokens,
+            prompt_version=prompt_version,
         )
 
     def turn_ended(

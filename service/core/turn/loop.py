@@ -54,7 +54,7 @@ from service.core.turn.events import EventBuilder
 from service.core.turn.model_call import model_request, output_cap, stream_answer
 from service.core.turn.prompt import Prompt, PromptSource
 from service.core.turn.settings import TurnDependencies
-from service.core.turn.state import Answer, PendingCall, TurnHandle, TurnState
+from service.core.turn.state import Answer, PendingCall, TurnHandle, TurnRun
 from service.core.turn.telling import StoreThenTell
 from service.core.turn.tool_round import RoundCommit, ToolRound
 
@@ -136,7 +136,7 @@ class TurnLoop:
         )
         self._handle = handle
         self._on_step = on_step
-        self._state = TurnState(
+        self._state = TurnRun(
             handle=handle,
             events=EventBuilder(
                 handle.session_id, handle.turn_id, handle.turn.human_id, deps.clock
@@ -346,7 +346,12 @@ class TurnLoop:
             if answer.finish is FinishReason.REFUSAL:
                 finish = FinishReason.REFUSAL.value
             event = state.events.assistant_message(
-                answer.message_id, answer.text, usage=answer.usage, cut=cut, finish_reason=finish
+                answer.message_id,
+                answer.text,
+                usage=answer.usage,
+                cut=cut,
+                finish_reason=finish,
+                served_model=answer.model,
             )
             if answer.finish is FinishReason.LENGTH:
                 # A runaway answer stopped at its cap: shown cut, and the turn says why
@@ -387,7 +392,9 @@ class TurnLoop:
         events: list[SessionEvent] = []
         if answer.length:
             events.append(
-                state.events.assistant_message(answer.message_id, answer.text, usage=answer.usage)
+                state.events.assistant_message(
+                    answer.message_id, answer.text, usage=answer.usage, served_model=answer.model
+                )
             )
         limit = settings.max_tool_calls_per_answer
         allowed: list[PendingCall] = []
@@ -479,7 +486,12 @@ class TurnLoop:
         if not answer.length:
             return ()
         event = self._state.events.assistant_message(
-            answer.message_id, answer.text, usage=answer.usage, cut=True, finish_reason=finish
+            answer.message_id,
+            answer.text,
+            usage=answer.usage,
+            cut=True,
+            finish_reason=finish,
+            served_model=answer.model,
         )
         return (event,)
 

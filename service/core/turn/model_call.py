@@ -40,7 +40,7 @@ from service.core.ports.model import (
 from service.core.turn import ending as endings
 from service.core.turn.ending import Ending
 from service.core.turn.settings import TurnDependencies
-from service.core.turn.state import Answer, PendingCall, TurnState
+from service.core.turn.state import Answer, PendingCall, TurnRun
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class Streamed:
     stopped: bool = False
 
 
-def time_left(deps: TurnDependencies, state: TurnState) -> float:
+def time_left(deps: TurnDependencies, state: TurnRun) -> float:
     """Seconds left of ``planner.turn_timeout`` (negative once it has run out)."""
     elapsed = (deps.clock.now() - state.handle.turn.start_time).total_seconds()
     return deps.settings.turn_timeout_s - elapsed
@@ -72,7 +72,7 @@ MIN_OUTPUT_TOKENS = 16
 
 
 def output_cap(
-    deps: TurnDependencies, state: TurnState, purpose: Purpose, input_tokens: int
+    deps: TurnDependencies, state: TurnRun, purpose: Purpose, input_tokens: int
 ) -> int | Ending:
     """The output cap of the next model call of ``purpose`` whose request is estimated at
     ``input_tokens``, or the ending that stops the turn before it (decision 0291).
@@ -110,7 +110,7 @@ def output_cap(
 
 def model_request(
     deps: TurnDependencies,
-    state: TurnState,
+    state: TurnRun,
     *,
     purpose: Purpose,
     credential_ref: str,
@@ -148,7 +148,7 @@ def model_request(
 
 
 async def stream_answer(
-    deps: TurnDependencies, state: TurnState, request: ModelRequest, *, relay: bool
+    deps: TurnDependencies, state: TurnRun, request: ModelRequest, *, relay: bool
 ) -> Streamed:
     """Stream one answer through the gateway; ``relay`` sends its text deltas to the
     session's streams. Turn-purpose usage is added to the turn's. Never raises but
@@ -184,7 +184,7 @@ async def stream_answer(
 
 
 async def _stream_answer(
-    deps: TurnDependencies, state: TurnState, request: ModelRequest, *, relay: bool
+    deps: TurnDependencies, state: TurnRun, request: ModelRequest, *, relay: bool
 ) -> Streamed:
     handle = state.handle
     answer = Answer(message_id=new_message_id())
@@ -285,7 +285,7 @@ async def _stream_answer(
     return Streamed(answer, failure, stopped)
 
 
-def _first_delta(deps: TurnDependencies, state: TurnState) -> None:
+def _first_delta(deps: TurnDependencies, state: TurnRun) -> None:
     """Report the turn's time to first delta, from its start (its message accepted) to
     the first delta its streams are sent; once per turn."""
     if not state.delta_sent:
@@ -338,7 +338,7 @@ def _declared_tokens(tools: tuple[ToolDeclaration, ...]) -> int:
 
 
 def _check_tools_seen(
-    deps: TurnDependencies, state: TurnState, request: ModelRequest, answer: Answer
+    deps: TurnDependencies, state: TurnRun, request: ModelRequest, answer: Answer
 ) -> None:
     """Count, and log once per model (the endpoint the gateway routes it to), an answer
     whose reported input tokens are far below what the request's tool declarations alone

@@ -24,7 +24,7 @@ from service.core.ports.model import ToolCall
 from service.core.tools import ToolContext
 from service.core.turn.model_call import time_left
 from service.core.turn.settings import TurnDependencies
-from service.core.turn.state import TurnState
+from service.core.turn.state import TurnRun
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ PAGE_SIZE = 20
 MAX_PAGES = 10
 
 
-async def pending_changesets(deps: TurnDependencies, state: TurnState) -> PendingChangesets:
+async def pending_changesets(deps: TurnDependencies, state: TurnRun) -> PendingChangesets:
     """This session's proposed changesets, newest first, read within
     ``dependency_timeout_s`` in all; a stop request (cancel, shutdown, timeout) ends the
     read at once. Never raises but ``CancelledError``: a failure, a timeout or a stop is
@@ -61,7 +61,7 @@ async def pending_changesets(deps: TurnDependencies, state: TurnState) -> Pendin
     return read.result()
 
 
-async def _read(deps: TurnDependencies, state: TurnState) -> PendingChangesets:
+async def _read(deps: TurnDependencies, state: TurnRun) -> PendingChangesets:
     acting = state.handle.acting
     context = ToolContext(
         acting=acting,

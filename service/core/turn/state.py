@@ -1,5 +1,5 @@
 """A running turn's two halves: the ``TurnHandle`` the turn service holds (ids, the stop
-signal, the end), and the ``TurnState`` only the loop touches (what the model sees, what
+signal, the end), and the ``TurnRun`` only the loop touches (what the model sees, what
 the turn used, the answer streaming now)."""
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ class Answer:
 
 
 @dataclass
-class TurnState:
+class TurnRun:
     """The mutable state of one turn; owned by its loop alone.
 
     ``messages`` are the messages after the summary (what the model sees besides the

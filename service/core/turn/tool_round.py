@@ -22,7 +22,7 @@ from service.core.ports import ToolCall, TurnPatch
 from service.core.tools import TOOLS_BY_NAME, WRITE_TOOLS, ToolContext, ToolOutcome, error_result
 from service.core.turn.model_call import time_left
 from service.core.turn.settings import TurnDependencies
-from service.core.turn.state import PendingCall, TurnState
+from service.core.turn.state import PendingCall, TurnRun
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class ToolRound:
     """The calls of one answer, run and stored; ``run`` returns when every call has a
     stored result or the turn is stopping (the ending gives the rest theirs)."""
 
-    def __init__(self, deps: TurnDependencies, state: TurnState, commit: Commit) -> None:
+    def __init__(self, deps: TurnDependencies, state: TurnRun, commit: Commit) -> None:
         self._deps = deps
         self._state = state
         self._commit = commit

@@ -218,12 +218,29 @@ async function conformance() {
   // Cancel a running turn.
   stream.write({ request_id: 'slow', send_message: { text: 'a slow one please' } });
   const started = await stream.next('turn_started');
+  // While it runs, a message sent with on_busy ENQUEUE waits behind it as a queued turn,
+  // and runs once the cancelled turn has ended (docs/clients.md, "Messages while a turn
+  // runs").
+  stream.write({
+    request_id: 'queued',
+    send_message: { text: 'hello again', on_busy: 'ON_BUSY_ENQUEUE' },
+  });
+  const queued = await stream.next('message_queued');
   stream.write({ request_id: 'cancel', cancel_turn: { turn_id: started.turn_id } });
   let cancelled;
   do {
     cancelled = await stream.next('turn_ended');
   } while (cancelled.turn_id !== started.turn_id);
   say('cancelled', { reason: cancelled.turn_ended.reason });
+  let answered;
+  do {
+    answered = await stream.next('turn_ended', 30000);
+  } while (answered.turn_id !== queued.turn_id);
+  say('queued', {
+    request_id: queued.request_id,
+    behind_the_running_turn: queued.message_queued.behind_turn_id === started.turn_id,
+    reason: answered.turn_ended.reason,
+  });
 
   // Disconnect, then resume by sequence: what came after the first turn is replayed.
   stream.call.cancel();
