@@ -79,9 +79,17 @@ async def measure_one(planner: RealPlanner, index: int) -> Figure:
     ]
     observations = after[1] - before[1]
     if not markers or not answers or observations < 1:
+        failures = {
+            sample.labels.get("reason", ""): sample.value
+            for metric in planner.app.metrics.registry.collect()
+            if metric.name == "ballet_planner_compaction_failures"
+            for sample in metric.samples
+            if sample.name.endswith("_total")
+        }
         raise RuntimeError(
             f"session {index}: no compaction or no estimate observed (markers {len(markers)}, "
-            f"answers {len(answers)}, observations {observations:g}); "
+            f"answers {len(answers)}, observations {observations:g}, compaction failures "
+            f"by reason {failures}); "
             f"turn ended {turn.ended.reason}: {turn.ended.error_message}"
         )
     ratio = (after[0] - before[0]) / observations

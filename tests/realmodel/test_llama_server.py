@@ -30,6 +30,7 @@ from tests.realmodel.support import (
     llama_build,
     start_real_planner,
 )
+from tests.service.turn_support import events
 
 M = resources_pb2
 
@@ -128,6 +129,30 @@ async def test_a_tool_round_runs_the_complete_call_of_an_answer_cut_at_the_cap(
     # The turn went on: a model answer came after the results.
     assert messages[-1].kind == M.MESSAGE_KIND_ASSISTANT
     assert messages.index(first) < len(messages) - 1
+
+
+async def test_a_compaction_that_echoes_its_request_is_refused_and_the_turn_goes_on(
+    server: LlamaServer, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """With the context over ``compact_at_tokens`` the second turn compacts; SmolLM2-135M
+    answers the compaction call by repeating its request. The summary is refused as an
+    echo (counted by cause), nothing is stored for it, and the turn proceeds uncompacted."""
+    async with start_real_planner(
+        server, tmp_path_factory.mktemp("planner-compact"), PLANNER__COMPACT_AT_TOKENS="1800"
+    ) as planner:
+        session_id = await planner.create_session()
+        first = await planner.turn("Reply with one word: hello.", session_id)
+        second = await planner.turn("Reply with one word: goodbye.", session_id)
+        refused = planner.app.metrics.registry.get_sample_value(
+            "ballet_planner_compaction_failures_total", {"reason": "echo"}
+        )
+        messages = await planner.transcript(session_id)
+    assert first.ended.reason == M.TURN_END_REASON_COMPLETED, first.ended.error_message
+    assert second.ended.reason == M.TURN_END_REASON_COMPLETED, second.ended.error_message
+    assert refused == 1
+    assert not by_kind(messages, M.MESSAGE_KIND_COMPACTION)
+    assert not events(second.received, "compacted")
+    assert second.ended.compaction_usage.output_tokens > 0
 
 
 async def test_a_cancel_mid_stream_stops_the_server_and_keeps_the_partial_answer(
