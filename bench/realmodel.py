@@ -15,6 +15,10 @@ decided to compact) and the answer's reported input beside it.
 The model's tokenizer is not cl100k, the estimator's reference (``service/core/estimate.py``),
 so the figure also shows how far a small local model's tokenizer is from it.
 
+Measured on 2026-12-06: SmolLM2-135M answers every compaction call by repeating its
+request, which the planner refuses as an echo (decision 0294), so no compaction is stored
+and no figure comes out; the run then says so, with the refusals by cause, and exits 1.
+
 Options: ``--compact-at TOKENS`` (default 1800), ``--rounds N`` (default 3: sessions
 measured). Prints one line per session and the mean; exits 1 when the build is absent.
 """
@@ -119,7 +123,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         figures = asyncio.run(run(args.compact_at, args.rounds))
-    except BuildMissing as exc:
+    except (BuildMissing, RuntimeError) as exc:
         print(exc, file=sys.stderr)
         return 1
     print("After a compaction, the next request: the planner's estimate and the input tokens")
