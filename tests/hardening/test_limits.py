@@ -134,7 +134,14 @@ async def test_tool_calls_over_16_get_too_many_calls_and_the_turn_goes_on(
     rules = [
         {
             "match": {"last_role": "human"},
-            "reply": {"tool_calls": [{"name": "list_items", "arguments": {}}] * 18},
+            # Distinct arguments: an exact repeat within one answer runs once (decision
+            # 0292), and this test is about the number of calls, not repeats.
+            "reply": {
+                "tool_calls": [
+                    {"name": "list_items", "arguments": {"page_size": size}}
+                    for size in range(1, 19)
+                ]
+            },
         },
         {"match": {"last_role": "tool"}, "reply": {"text": "All answered."}},
     ]
