@@ -188,6 +188,8 @@ async def test_a_commit_signals_only_a_session_another_replica_follows(
         assert await follows(pg_engine) == {("s1", "replica-a"), ("s1", "replica-b")}
         await here.commit(TurnCommit("s1", "t1", T0, events=tool_round_events("s1", "t1")))
         assert await other.next() == ("events", "s1", 8)
+        # The listener may hear the signal before the sender has counted it.
+        await here.signals.flush(5.0)
         assert sent.sent == 1
 
         # It stops following: its row goes, and commits are silent again.

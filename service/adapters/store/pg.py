@@ -181,14 +181,22 @@ class PgHotPath:
                 # Still direct until the pool has a connection free: the pool reconnects
                 # on its own backoff (up to 16 s between tries), the database is back now.
                 return
+            checked_out = False
             try:
                 async with self._pool.connection() as conn:
+                    checked_out = True
                     yield conn
             except (psycopg.OperationalError, PoolTimeout) as error:
                 self._unreachable = True
                 if isinstance(error, psycopg.OperationalError):
                     self._check_idle()
                 raise
+            finally:
+                # A checkout ended by the unit's deadline (a cancellation, not a pool
+                # error) also means the pool had nothing to give: without this, the unit
+                # retried after the database's return waits for the pool's next reconnect.
+                if not checked_out:
+                    self._unreachable = True
             self._unreachable = False
 
     def _check_idle(self) -> None:
