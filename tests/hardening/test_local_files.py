@@ -12,11 +12,13 @@ import re
 import sqlite3
 import stat
 import subprocess
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from ballet_common.files import DatabaseFileError, check_sqlite_file
+from ballet_common.files import DatabaseFileError, check_sqlite_file, create_private_file
 from ballet_common.tokens import dev_secret
 from devstack.server import DevStack, DevStackConfig
 from tests.hardening.support import PlannerProcess, _wait_serving, planner_command
@@ -125,3 +127,24 @@ async def test_the_devstack_refuses_a_devstack_db_that_is_not_a_database(tmp_pat
     with pytest.raises(DatabaseFileError, match=r"devstack\.db is not a SQLite database"):
         await DevStack.start(DevStackConfig(data_dir=data_dir, address="127.0.0.1:0"))
     assert (data_dir / "devstack.db").read_bytes() == junk
+
+
+def test_a_secret_created_by_racing_processes_is_never_read_half_written(tmp_path: Path) -> None:
+    # Two replicas starting at once on one data directory race to create the dev keys:
+    # the loser must read the winner's whole key, never an empty or partial file.
+    for attempt in range(30):
+        path = tmp_path / f"key-{attempt}"
+        barrier = threading.Barrier(6)
+
+        def create_and_read(
+            index: int, path: Path = path, barrier: threading.Barrier = barrier
+        ) -> bytes:
+            barrier.wait()
+            create_private_file(path, f"{index:064d}\n".encode())
+            return path.read_bytes()
+
+        with ThreadPoolExecutor(6) as pool:
+            read = list(pool.map(create_and_read, range(6)))
+        assert len(set(read)) == 1 and len(read[0]) == 65, read
+        assert mode(path) == 0o600
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"key-{n}" for n in range(30))
