@@ -11,13 +11,15 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 
 import pytest
 
 from service.adapters.store import migrate
 from service.adapters.store.database import open_database
 from service.core.errors import StoreUnavailable
-from tests.integration.store_support import REPLICA, new_session, unique
+from service.core.ports import OpenStream
+from tests.integration.store_support import REPLICA, T0, new_session, unique
 from tests.pg import PgCluster
 
 pytestmark = pytest.mark.postgres
@@ -61,6 +63,37 @@ async def test_units_of_work_succeed_at_once_when_the_database_returns(
         took = time.monotonic() - back
         # The pool's next try is seconds away: only a unit that connects on its own is
         # this quick.
+        assert took < 1.0, f"{took:.2f} s after the database returned"
+    finally:
+        await database.close(timeout_s=5)
+
+
+async def test_the_stream_store_is_back_at_once_too(cluster: PgCluster) -> None:
+    # The session store and the stream store share the hot path's pool; only the first
+    # met the outage. The pool's growth then waits on its backoff: a unit of the stream
+    # store that went to the pool waited for it (10 s, its deadline, after a 20 s stop).
+    # Whether the database was unreachable belongs to the pool (decision 0370).
+    url = cluster.url("postgres")
+    await migrate(url)
+    database = await open_database(url, replica_id=REPLICA, unit_timeout_s=5)
+    try:
+        store, streams = database.sessions, database.streams
+        session_id = unique("s")
+        await store.create_session(new_session(session_id))
+        await streams.heartbeat(REPLICA, T0 + timedelta(days=3650))
+        cluster.stop("fast")
+        with pytest.raises(StoreUnavailable):
+            await store.get_session(session_id)
+        await asyncio.sleep(OUTAGE_S)
+        with pytest.raises(StoreUnavailable):
+            await store.ping()
+        cluster.start()
+        back = time.monotonic()
+        await store.ping()
+        stream = OpenStream(unique("stream"), "alice", REPLICA, T0)
+        assert await streams.open_stream(stream, limit=16, now=T0)
+        await streams.close_streams([stream.stream_id])
+        took = time.monotonic() - back
         assert took < 1.0, f"{took:.2f} s after the database returned"
     finally:
         await database.close(timeout_s=5)
