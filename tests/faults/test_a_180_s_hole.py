@@ -1,5 +1,5 @@
-"""A 180 s database black hole with the default bounds (issue 31, done-when 1 and 3;
-decisions 0310, 0311, 0312, 0314 and 0315).
+"""A 180 s database black hole with the default bounds (docs/spec/limits.md, The
+database; decisions 0310, 0311, 0312, 0314 and 0315).
 
 One replica (the rig's second is stopped before the hole, so nobody else can take the
 turn) on PostgreSQL in a network namespace; DROP rules make the database silent for
@@ -46,7 +46,7 @@ HOLE_S = 180.0
 #: docs/spec/limits.md: every RPC without a client deadline ends within 15 s with the
 #: defaults when the database goes silent.
 RPC_BOUND_S = 15.0
-#: Issue 31: NOT_SERVING within 10 s of the hole, SERVING within 5 s of the heal.
+#: docs/spec/limits.md: NOT_SERVING within 10 s of the hole, SERVING within 5 s of the heal.
 NOT_SERVING_WITHIN_S = 10.0
 SERVING_WITHIN_S = 5.0
 #: When, after the hole opened, each round of RPCs is fired (the last ends before the heal).
