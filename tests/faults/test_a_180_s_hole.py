@@ -51,6 +51,8 @@ NOT_SERVING_WITHIN_S = 10.0
 SERVING_WITHIN_S = 5.0
 #: When, after the hole opened, each round of RPCs is fired (the last ends before the heal).
 ROUNDS_AT_S = (0.0, 60.0, HOLE_S - RPC_BOUND_S - 10.0)
+#: planner.lease_s, the default.
+LEASE_S = 15.0
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 #: The defaults, stated where the rig would otherwise shorten them (health every 0.2 s,
@@ -281,6 +283,8 @@ async def test_every_rpc_ends_within_its_bound_in_a_180_s_hole_and_the_answer_is
                 "REPLICA_UNAVAILABLE",
             ), gone
             last_sequence = int(gone.metadata["last_sequence"])
+            # docs/spec/limits.md: streams let go about lease_s + 5 s after the silence.
+            assert let_go_s <= LEASE_S + 10, let_go_s
             await asyncio.sleep(max(0.0, HOLE_S - (time.monotonic() - opened)))
 
             net.heal()
