@@ -29,15 +29,13 @@ import asyncio
 import time
 from pathlib import Path
 
-import grpc
 import pytest
 from ballet.planner.v1 import resources_pb2 as res
 from grpc_health.v1 import health_pb2
 
-from ballet_common.grpc.status import parse
-from tests.faults.net import silent_database
-from tests.faults.test_split_brain import DATABASE
-from tests.replicas.support import END, ChatStream, Planner, Received, rig, sequences
+from tests.faults.rigs import let_go, silent_rig
+from tests.replicas.support import END, ChatStream, Planner, Received, sequences
+from tests.replicas.test_crash_recovery import SCENARIO as CRASH_SCENARIO
 
 pytestmark = pytest.mark.postgres
 
@@ -47,23 +45,13 @@ SWEEP_S = 1.0
 SLACK_S = 4.0
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-NOTE = {"kind": "note", "title": "Split brain", "body": "Written before the cut."}
 #: The answer after the tool round: about 2.4 s of deltas, so it ends in the cut, before
 #: A's lease (and hence the mend) can: A's ending is then retried through the cut.
 ANSWER = "The plan, read and recorded: done."
+#: The crash test's turn (a read and a write, then an answer), the answer streamed slowly.
 SCENARIO = {
     "rules": [
-        {
-            "match": {"last_role": "human", "last_text_regex": "record"},
-            "reply": {
-                "text": "Reading the plan and recording a note.",
-                "tool_calls": [
-                    {"name": "list_items", "arguments": {"kind": "epic"}},
-                    {"name": "create_knowledge", "arguments": NOTE},
-                ],
-            },
-        },
-        {"match": {"last_role": "human"}, "reply": {"text": "Noted."}},
+        *CRASH_SCENARIO["rules"][:2],
         {
             "match": {"last_role": "tool"},
             "reply": {"text": ANSWER, "chunk_chars": 4, "delay_ms": 270},
@@ -99,112 +87,98 @@ async def _log_line(planner: Planner, texts: tuple[str, ...], limit_s: float) ->
 async def test_the_owner_cut_from_the_database_hands_its_turn_and_clients_to_the_other(
     tmp_path: Path,
 ) -> None:
-    with silent_database() as (cluster, net):
-        async with rig(
-            tmp_path,
-            cluster.url("postgres"),
-            SCENARIO,
-            planner={"lease_s": LEASE_S, "sweep_interval_s": SWEEP_S},
-            database=DATABASE,
-            b_database_url=cluster.url("postgres", net.other_ip),
-        ) as r:
-            session_id = await r.a.create_session(r.alice, "create-owner-cut")
-            on_a, watcher = ChatStream.open(r.a, r.alice), ChatStream.open(r.b, r.alice)
-            on_a.attach(session_id)
-            watcher.attach(session_id)
-            await on_a.opened()
-            await watcher.opened()
-            on_a.say("please record a note", "m1")
-            accepted = await on_a.wait_kind("message_accepted")
-            turn_id = accepted.response.turn_id
-            # The tool round is stored (B saw both results) and the answer streams on A.
-            await watcher.wait_kind("tool_call_finished", count=2)
-            await on_a.wait_for(_after_tools)
+    async with silent_rig(
+        tmp_path, SCENARIO, planner={"lease_s": LEASE_S, "sweep_interval_s": SWEEP_S}, split=True
+    ) as (r, net):
+        session_id = await r.a.create_session(r.alice, "create-owner-cut")
+        on_a, watcher = ChatStream.open(r.a, r.alice), ChatStream.open(r.b, r.alice)
+        on_a.attach(session_id)
+        watcher.attach(session_id)
+        await on_a.opened()
+        await watcher.opened()
+        on_a.say("please record a note", "m1")
+        accepted = await on_a.wait_kind("message_accepted")
+        turn_id = accepted.response.turn_id
+        # The tool round is stored (B saw both results) and the answer streams on A.
+        await watcher.wait_kind("tool_call_finished", count=2)
+        await on_a.wait_for(_after_tools)
 
-            net.cut(net.inner_ip)  # A's way to the database only
-            cut_at = time.monotonic()
+        net.cut(net.inner_ip)  # A's way to the database only
+        cut_at = time.monotonic()
 
-            # The healthy side: B's sweeper ends the turn after A's lease.
-            ended_on_b = await watcher.turn_ended(turn_id, timeout_s=LEASE_S + SWEEP_S + SLACK_S)
-            taken_over_s = ended_on_b.at - cut_at
-            assert ended_on_b.response.turn_ended.reason == END.TURN_END_REASON_INTERRUPTED
+        # The healthy side: B's sweeper ends the turn after A's lease.
+        ended_on_b = await watcher.turn_ended(turn_id, timeout_s=LEASE_S + SWEEP_S + SLACK_S)
+        taken_over_s = ended_on_b.at - cut_at
+        assert ended_on_b.response.turn_ended.reason == END.TURN_END_REASON_INTERRUPTED
 
-            # The cut side: A lets its client go, retryable, with where to resume.
-            async with asyncio.timeout(cut_at + LEASE_S + 10 - time.monotonic()):
-                await on_a.ended.wait()
-            let_go_s = time.monotonic() - cut_at
-            assert isinstance(on_a.error, grpc.aio.AioRpcError)
-            failure = parse(on_a.error)
-            assert failure.code is grpc.StatusCode.UNAVAILABLE
-            assert failure.reason == "REPLICA_UNAVAILABLE"
-            assert failure.metadata["session_id"] == session_id
-            last = int(failure.metadata["last_sequence"])
-            assert sequences(on_a.events()) == list(range(1, last + 1))
-            assert not any(x.kind == "turn_ended" for x in on_a.events())
-            # The whole answer reached A's client before it was let go.
-            shown = "".join(
-                x.response.text_delta.text for x in on_a.received if x.kind == "text_delta"
-            )
-            assert shown.endswith(ANSWER), shown
-            assert await r.a.health_status() == NOT_SERVING
+        # The cut side: A lets its client go, retryable, with where to resume.
+        async with asyncio.timeout(cut_at + LEASE_S + 10 - time.monotonic()):
+            await on_a.ended.wait()
+        let_go_s = time.monotonic() - cut_at
+        last = let_go(on_a, session_id)
+        assert not any(x.kind == "turn_ended" for x in on_a.events())
+        # The whole answer reached A's client before it was let go.
+        shown = "".join(x.response.text_delta.text for x in on_a.received if x.kind == "text_delta")
+        assert shown.endswith(ANSWER), shown
+        assert await r.a.health_status() == NOT_SERVING
 
-            # The gateway's move: reopen on B after what A delivered.
-            resumed = ChatStream.open(r.b, r.alice)
-            resumed.attach(session_id, after_sequence=last)
-            await resumed.opened()
-            again = await resumed.turn_ended(turn_id)
-            assert again.response.turn_ended.reason == END.TURN_END_REASON_INTERRUPTED
-            got = sequences(resumed.events())
-            assert got == list(range(last + 1, got[-1] + 1))
+        # The gateway's move: reopen on B after what A delivered.
+        resumed = ChatStream.open(r.b, r.alice)
+        resumed.attach(session_id, after_sequence=last)
+        await resumed.opened()
+        again = await resumed.turn_ended(turn_id)
+        assert again.response.turn_ended.reason == END.TURN_END_REASON_INTERRUPTED
+        got = sequences(resumed.events())
+        assert got == list(range(last + 1, got[-1] + 1))
 
-            # The cut mends: A stores nothing late, its ending is refused.
-            net.mend(net.inner_ip)
-            mended_at = time.monotonic()
-            back_s = await r.a.wait_health(SERVING, 5)
-            await _log_line(r.a, REFUSED, 15)
-            refused_s = time.monotonic() - mended_at
+        # The cut mends: A stores nothing late, its ending is refused.
+        net.mend(net.inner_ip)
+        mended_at = time.monotonic()
+        back_s = await r.a.wait_health(SERVING, 5)
+        await _log_line(r.a, REFUSED, 15)
+        refused_s = time.monotonic() - mended_at
 
-            # One end, B's; the answer A streamed in the cut is not stored; the tool
-            # round before the cut is; every call answered; each tool ran once.
-            turn = await r.b.get_turn(r.alice, session_id, turn_id)
-            assert (turn.state, turn.end_reason) == (
-                res.TURN_STATE_ENDED,
-                END.TURN_END_REASON_INTERRUPTED,
-            )
-            messages = await r.b.messages(r.alice, session_id)
-            of_turn = [m for m in messages if m.turn_id == turn_id]
-            texts = [m.text for m in of_turn if m.kind == res.MESSAGE_KIND_ASSISTANT]
-            assert texts == ["Reading the plan and recording a note."], texts
-            calls = [m.tool_call_id for m in of_turn if m.kind == res.MESSAGE_KIND_TOOL_CALL]
-            results = [m.tool_call_id for m in of_turn if m.kind == res.MESSAGE_KIND_TOOL_RESULT]
-            assert len(calls) == 2 and sorted(results) == sorted(calls)
-            assert len(r.stack.calls_for("CreateKnowledgeEntry")) == 1
-            assert list(r.stack.writes.values()) == [1]
-            assert len(r.stack.calls_for("ListItems")) == 1
+        # One end, B's; the answer A streamed in the cut is not stored; the tool
+        # round before the cut is; every call answered; each tool ran once.
+        turn = await r.b.get_turn(r.alice, session_id, turn_id)
+        assert (turn.state, turn.end_reason) == (
+            res.TURN_STATE_ENDED,
+            END.TURN_END_REASON_INTERRUPTED,
+        )
+        messages = await r.b.messages(r.alice, session_id)
+        of_turn = [m for m in messages if m.turn_id == turn_id]
+        texts = [m.text for m in of_turn if m.kind == res.MESSAGE_KIND_ASSISTANT]
+        assert texts == ["Reading the plan and recording a note."], texts
+        calls = [m.tool_call_id for m in of_turn if m.kind == res.MESSAGE_KIND_TOOL_CALL]
+        results = [m.tool_call_id for m in of_turn if m.kind == res.MESSAGE_KIND_TOOL_RESULT]
+        assert len(calls) == 2 and sorted(results) == sorted(calls)
+        assert len(r.stack.calls_for("CreateKnowledgeEntry")) == 1
+        assert list(r.stack.writes.values()) == [1]
+        assert len(r.stack.calls_for("ListItems")) == 1
 
-            # Both streams on B go on; A serves its next turn.
-            resumed.say("and now?", "m2")
-            second = await resumed.wait_kind("message_accepted")
-            ended = await resumed.turn_ended(second.response.turn_id)
-            assert ended.response.turn_ended.reason == END.TURN_END_REASON_COMPLETED
-            on_a_again = ChatStream.open(r.a, r.alice)
-            on_a_again.attach(session_id, after_sequence=sequences(resumed.events())[-1])
-            await on_a_again.opened()
-            on_a_again.say("and on A?", "m3")
-            third = await on_a_again.wait_kind("message_accepted")
-            await on_a_again.turn_ended(third.response.turn_id)
-            await watcher.turn_ended(third.response.turn_id)
-            assert [e.kind for e in watcher.events()].count("turn_ended") == 3
-            watched = sequences(watcher.events())
-            assert watched == list(range(1, watched[-1] + 1))
-            texts = [m.text for m in await r.b.messages(r.alice, session_id)]
-            for said in ("please record a note", "and now?", "and on A?"):
-                assert texts.count(said) == 1, texts
-            for stream in (watcher, resumed, on_a_again):
-                await stream.close()
-            print(
-                f"\nsplit brain, owner cut: B ended the turn {taken_over_s:.1f} s after the "
-                f"cut (lease {LEASE_S:g} s, sweep {SWEEP_S:g} s); A's stream ended after "
-                f"{let_go_s:.1f} s; A SERVING {back_s:.2f} s and its late ending refused "
-                f"{refused_s:.1f} s after the mend"
-            )
+        # Both streams on B go on; A serves its next turn.
+        resumed.say("and now?", "m2")
+        second = await resumed.wait_kind("message_accepted")
+        ended = await resumed.turn_ended(second.response.turn_id)
+        assert ended.response.turn_ended.reason == END.TURN_END_REASON_COMPLETED
+        on_a_again = ChatStream.open(r.a, r.alice)
+        on_a_again.attach(session_id, after_sequence=sequences(resumed.events())[-1])
+        await on_a_again.opened()
+        on_a_again.say("and on A?", "m3")
+        third = await on_a_again.wait_kind("message_accepted")
+        await on_a_again.turn_ended(third.response.turn_id)
+        await watcher.turn_ended(third.response.turn_id)
+        assert [e.kind for e in watcher.events()].count("turn_ended") == 3
+        watched = sequences(watcher.events())
+        assert watched == list(range(1, watched[-1] + 1))
+        texts = [m.text for m in await r.b.messages(r.alice, session_id)]
+        for said in ("please record a note", "and now?", "and on A?"):
+            assert texts.count(said) == 1, texts
+        for stream in (watcher, resumed, on_a_again):
+            await stream.close()
+        print(
+            f"\nsplit brain, owner cut: B ended the turn {taken_over_s:.1f} s after the "
+            f"cut (lease {LEASE_S:g} s, sweep {SWEEP_S:g} s); A's stream ended after "
+            f"{let_go_s:.1f} s; A SERVING {back_s:.2f} s and its late ending refused "
+            f"{refused_s:.1f} s after the mend"
+        )
