@@ -40,6 +40,7 @@ from ballet_common.grpc.status import from_status, parse
 from tests.faults.net import silent_database
 from tests.faults.rigs import let_go
 from tests.replicas.support import END, ChatStream, Metadata, Planner, rig
+from tests.replicas.test_back_after_a_stop import DATABASE, NOT_SERVING, SERVER, SERVING
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -54,12 +55,6 @@ SERVING_WITHIN_S = 5.0
 ROUNDS_AT_S = (0.0, 60.0, HOLE_S - RPC_BOUND_S - 10.0)
 #: planner.lease_s, the default.
 LEASE_S = 15.0
-SERVING = health_pb2.HealthCheckResponse.SERVING
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-#: The defaults, stated where the rig would otherwise shorten them (health every 0.2 s,
-#: 5 pooled connections).
-SERVER = {"health_check_interval_s": 2.0}
-DATABASE = {"pool_size": 10}
 
 ANSWER = " ".join(f"step{n}" for n in range(1, 25)) + "."
 SCENARIO = {

@@ -25,6 +25,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import grpc
@@ -36,7 +37,16 @@ from grpc_health.v1 import health_pb2
 from ballet_common.grpc.status import from_status
 from service.core.turn import ending as endings
 from tests.pg import PgCluster
-from tests.replicas.support import ChatStream, Metadata, Planner, Rig, rig, sequences
+from tests.replicas.support import (
+    ChatStream,
+    Metadata,
+    Planner,
+    Received,
+    Rig,
+    rig,
+    sequences,
+)
+from tests.replicas.test_database_outage import SCENARIO as OUTAGE_SCENARIO
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -46,26 +56,21 @@ STOPS_S = (20.0, 45.0)
 BACK_WITHIN_S = 1.0
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-#: The defaults, stated where the rig would otherwise shorten them.
+#: The defaults, stated where the rig would otherwise shorten them (health every 0.2 s,
+#: 5 pooled connections).
 SERVER = {"health_check_interval_s": 2.0}
 DATABASE = {"pool_size": 10}
 
 ANSWER = " ".join(f"part{n}" for n in range(1, 21)) + "."
+#: The outage test's rules (a held tool call, then an answer), with a streamed answer.
 SCENARIO = {
     "rules": [
-        {
-            "match": {"last_role": "human", "last_text_regex": "^look"},
-            "reply": {
-                "text": "Looking it up.",
-                "tool_calls": [{"name": "get_item", "arguments": {"item_id": "PAN-8"}}],
-            },
-        },
-        {"match": {"last_role": "tool"}, "reply": {"text": "Found it."}},
+        *OUTAGE_SCENARIO["rules"][:2],
         {
             "match": {"last_role": "human", "last_text_regex": "^tell"},
             "reply": {"text": ANSWER, "chunk_chars": 6, "delay_ms": 100},
         },
-        {"match": {"last_role": "human"}, "reply": {"text": "Noted."}},
+        *OUTAGE_SCENARIO["rules"][2:],
     ]
 }
 
@@ -120,6 +125,11 @@ async def acknowledged(
             await stream.close()
         await asyncio.sleep(0.02)
     raise AssertionError(f"{planner.name}: {text!r} not acknowledged within 30 s")
+
+
+def caught_up(got: list[Received], last: int) -> bool:
+    """Whether the replay ``got`` reaches sequence ``last``."""
+    return sequences(got)[-1:] == [last]
 
 
 async def serving_at(planner: Planner) -> float:
@@ -210,7 +220,7 @@ async def test_every_replica_serves_and_acknowledges_within_a_second_of_the_data
             replay = ChatStream.open(r.a, r.alice)
             replay.attach(session_id)
             last = (await replay.opened()).session_opened.session.last_sequence
-            await replay.wait_for(lambda got, last=last: sequences(got)[-1:] == [last])
+            await replay.wait_for(partial(caught_up, last=last))
             ended_events += [
                 x.response.turn_ended for x in replay.received if x.kind == "turn_ended"
             ]
