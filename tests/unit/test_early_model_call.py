@@ -1,0 +1,200 @@
+"""The early model call (decision 0380): a turn's first model call opened while its start
+commits, taken over once the start is durable, cancelled when it is not.
+
+The start's commit is held by a store that parks ``start_turn`` until the test lets it
+go (or fails it), so "the model call is in flight while the start commits" is a state the
+test waits for, never a race.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from service.core.errors import FailedPrecondition, StoreUnavailable
+from service.core.fanout import Hub, StreamQueue
+from service.core.model import EventKind, SessionEvent, TextDelta, TurnState
+from service.core.ports import ModelChunk, ModelRequest, TurnStart, TurnStartOutcome
+from tests.memory_store import MemoryStore
+from tests.unit.fakes import ScriptedGateway
+from service.core.turn import TurnService
+from tests.unit.test_turn import Rig, make_rig
+
+WAIT_S = 10.0
+
+
+class HeldStart(MemoryStore):
+    """A memory store whose next ``start_turn`` waits for ``let_go`` (or fails with
+    ``fail``), after saying it has begun (``begun``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hold = False
+        self.begun = asyncio.Event()
+        self.let_go = asyncio.Event()
+        self.fail: BaseException | None = None
+
+    async def start_turn(self, start: TurnStart) -> TurnStartOutcome:
+        if self.hold:
+            self.hold = False
+            self.begun.set()
+            await self.let_go.wait()
+            if self.fail is not None:
+                raise self.fail
+        return await super().start_turn(start)
+
+
+class ClosingGateway(ScriptedGateway):
+    """A scripted gateway that records which of its streams were closed before their
+    end (a cancelled model call)."""
+
+    def __init__(self, script: Any) -> None:
+        super().__init__(script)
+        self.cancelled: list[ModelRequest] = []
+        self.first_sent = asyncio.Event()
+
+    async def stream(self, request: ModelRequest) -> AsyncIterator[ModelChunk]:
+        finished = False
+        try:
+            async for chunk in super().stream(request):
+                self.first_sent.set()
+                yield chunk
+            finished = True
+        finally:
+            if not finished:
+                self.cancelled.append(request)
+
+
+def answer(_: ModelRequest) -> dict[str, Any]:
+    return {"chunks": ["Hello ", "there."], "usage": (100, 5)}
+
+
+def held_rig(script: Any = answer) -> tuple[Rig, HeldStart, ClosingGateway]:
+    """``make_rig``'s turn service over a ``HeldStart`` store and a ``ClosingGateway``."""
+    base = make_rig(script)
+    store = HeldStart()
+    store.add_session(base.session)
+    gateway = ClosingGateway(script)
+    hub = Hub(store.events_after)
+    deps = replace(base.service._deps, store=store, gateway=gateway, hub=hub)
+    rig = Rig(TurnService(deps), store, gateway, base.backends, hub, base.clock, base.session)
+    return rig, store, gateway
+
+
+def last_sequence(store: MemoryStore) -> int:
+    return store.sessions["s1"].last_sequence
+
+
+def drain(queue: StreamQueue) -> list[object]:
+    """What a stream was sent so far, in order (events and deltas)."""
+    items: list[object] = []
+    while queue._items:
+        items.append(queue._items.popleft()[0])
+    return items
+
+
+async def test_a_later_turn_streams_its_first_model_call_while_its_start_commits() -> None:
+    rig, store, gateway = held_rig()
+    await rig.run("first")  # keeps the session's context and the prompt in memory
+    assert len(gateway.requests) == 1
+    queue = rig.hub.attach(rig.session.session_id, "alice", last_sequence(store))
+
+    store.hold = True
+    sending = asyncio.ensure_future(rig.send("second"))
+    async with asyncio.timeout(WAIT_S):
+        await store.begun.wait()
+        await gateway.first_sent.wait()
+    # The model answers while the start is not durable: nothing of it reaches a stream.
+    assert len(gateway.requests) == 2
+    assert drain(queue) == []
+    assert not sending.done()
+
+    store.let_go.set()
+    turn_id = await sending
+    turn = await rig.service.wait_for_end(turn_id)
+    assert turn.state is TurnState.ENDED
+    # Taken over: no second request for the turn's first model call, none cancelled.
+    assert len(gateway.requests) == 2
+    assert gateway.cancelled == []
+    sent = drain(queue)
+    kinds = [item.kind if isinstance(item, SessionEvent) else "delta" for item in sent]
+    assert kinds[:2] == [EventKind.MESSAGE_ACCEPTED, EventKind.TURN_STARTED]
+    assert "delta" in kinds
+    assert kinds[-1] is EventKind.TURN_ENDED
+    deltas = [item.text for item in sent if isinstance(item, TextDelta)]
+    assert "".join(deltas) == "Hello there."
+    messages = store.messages["s1"]
+    assert [m.text for m in messages][-2:] == ["second", "Hello there."]
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        StoreUnavailable("the database is unavailable"),
+        FailedPrecondition("another turn is running", reason="TURN_IN_PROGRESS"),
+    ],
+    ids=["the-commit-fails", "the-start-is-refused"],
+)
+async def test_a_start_that_is_not_stored_cancels_the_call_in_flight_and_sends_nothing(
+    failure: BaseException,
+) -> None:
+    block = asyncio.Event()
+
+    def script(request: ModelRequest) -> dict[str, Any]:
+        # The second turn's answer stays open after its first delta.
+        return {"chunks": ["partial"], "block": block, "usage": (100, 5)}
+
+    rig, store, gateway = held_rig(script)
+    block.set()
+    await rig.run("first")
+    block.clear()
+    events_before = list(store.events["s1"])
+    queue = rig.hub.attach(rig.session.session_id, "alice", last_sequence(store))
+
+    store.hold = True
+    store.fail = failure
+    sending = asyncio.ensure_future(rig.send("second"))
+    async with asyncio.timeout(WAIT_S):
+        await store.begun.wait()
+        await gateway.first_sent.wait()
+    assert len(gateway.requests) == 2
+    store.let_go.set()
+    with pytest.raises(type(failure)):
+        await sending
+
+    async with asyncio.timeout(WAIT_S):
+        while not gateway.cancelled:
+            await asyncio.sleep(0)
+    assert gateway.cancelled == [gateway.requests[1]]
+    # Nothing of the cancelled call was sent, and nothing was stored for the message.
+    assert drain(queue) == []
+    assert store.events["s1"] == events_before
+    assert rig.service.running == 0
+
+
+async def test_the_first_turn_of_a_session_and_a_retried_message_open_no_early_call() -> None:
+    rig, store, gateway = held_rig()
+    store.hold = True
+    sending = asyncio.ensure_future(rig.send("first", request_id="r-1"))
+    async with asyncio.timeout(WAIT_S):
+        await store.begun.wait()
+    # The prompt is not in memory before the first turn: nothing is asked of the model
+    # until the start is durable.
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert gateway.requests == []
+    store.let_go.set()
+    await rig.service.wait_for_end(await sending)
+    assert len(gateway.requests) == 1
+
+    # The same request id again: a duplicate, answered from the store, no model call.
+    duplicate = await rig.accept("first", request_id="r-1")
+    assert duplicate.duplicate
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert len(gateway.requests) == 1
+    assert gateway.cancelled == []
