@@ -19,9 +19,9 @@ from service.core.errors import FailedPrecondition, StoreUnavailable
 from service.core.fanout import Hub, StreamQueue
 from service.core.model import EventKind, SessionEvent, TextDelta, TurnState
 from service.core.ports import ModelChunk, ModelRequest, TurnStart, TurnStartOutcome
+from service.core.turn import TurnService
 from tests.memory_store import MemoryStore
 from tests.unit.fakes import ScriptedGateway
-from service.core.turn import TurnService
 from tests.unit.test_turn import Rig, make_rig
 
 WAIT_S = 10.0
@@ -55,6 +55,7 @@ class ClosingGateway(ScriptedGateway):
     def __init__(self, script: Any) -> None:
         super().__init__(script)
         self.cancelled: list[ModelRequest] = []
+        self.closed_early = asyncio.Event()
         self.first_sent = asyncio.Event()
 
     async def stream(self, request: ModelRequest) -> AsyncIterator[ModelChunk]:
@@ -67,6 +68,7 @@ class ClosingGateway(ScriptedGateway):
         finally:
             if not finished:
                 self.cancelled.append(request)
+                self.closed_early.set()
 
 
 def answer(_: ModelRequest) -> dict[str, Any]:
@@ -167,8 +169,7 @@ async def test_a_start_that_is_not_stored_cancels_the_call_in_flight_and_sends_n
         await sending
 
     async with asyncio.timeout(WAIT_S):
-        while not gateway.cancelled:
-            await asyncio.sleep(0)
+        await gateway.closed_early.wait()
     assert gateway.cancelled == [gateway.requests[1]]
     # Nothing of the cancelled call was sent, and nothing was stored for the message.
     assert drain(queue) == []
