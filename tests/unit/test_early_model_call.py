@@ -199,3 +199,34 @@ async def test_the_first_turn_of_a_session_and_a_retried_message_open_no_early_c
         await asyncio.sleep(0)
     assert len(gateway.requests) == 1
     assert gateway.cancelled == []
+
+
+async def test_a_turn_stopped_before_its_first_model_call_cancels_the_early_one() -> None:
+    block = asyncio.Event()
+
+    def script(request: ModelRequest) -> dict[str, Any]:
+        return {"chunks": ["partial"], "block": block, "usage": (100, 5)}
+
+    rig, store, gateway = held_rig(script)
+    block.set()
+    await rig.run("first")
+    block.clear()
+    queue = rig.hub.attach(rig.session.session_id, "alice", last_sequence(store))
+
+    store.hold = True
+    sending = asyncio.ensure_future(rig.send("second"))
+    async with asyncio.timeout(WAIT_S):
+        await store.begun.wait()
+        await gateway.first_sent.wait()
+    # A shutdown while the start commits: the turn is stored, then stops at once.
+    await rig.service.stop(0.0)
+    store.let_go.set()
+    turn_id = await sending
+    async with asyncio.timeout(WAIT_S):
+        await rig.service.wait_for_end(turn_id)
+        await gateway.closed_early.wait()
+    assert gateway.cancelled == [gateway.requests[1]]
+    sent = drain(queue)
+    assert not [item for item in sent if isinstance(item, TextDelta)]
+    kinds = [item.kind for item in sent if isinstance(item, SessionEvent)]
+    assert kinds == [EventKind.MESSAGE_ACCEPTED, EventKind.TURN_STARTED, EventKind.TURN_ENDED]

@@ -45,6 +45,9 @@ from service.core.turn.state import TurnHandle, TurnRun
 
 log = logging.getLogger(__name__)
 
+#: Cancelled early calls being closed.
+_CLOSING: set[asyncio.Task[None]] = set()
+
 
 def turn_request(
     deps: TurnDependencies,
@@ -194,6 +197,9 @@ class EarlyCall:
         self._closing = asyncio.get_running_loop().create_task(
             self._close_after_first(), name="early model call cancelled"
         )
+        # Held until done: the event loop keeps only weak references to tasks.
+        _CLOSING.add(self._closing)
+        self._closing.add_done_callback(_CLOSING.discard)
 
     @property
     def cancelled(self) -> bool:

@@ -200,10 +200,6 @@ class TurnLoop:
                 await self._finish(End(endings.failed("INTERNAL", "internal error")))
         finally:
             timer.cancel()
-            if handle.early is not None:
-                # The turn ended before its first model call.
-                handle.early.cancel()
-                handle.early = None
             self._deps.hub.clear_answer(handle.session_id)
 
     # ------------------------------------------------------------------ the machine
@@ -218,6 +214,8 @@ class TurnLoop:
                 if self._on_step is not None:
                     self._on_step(step)
                 if isinstance(step, End):
+                    # Ended before its first model call: the early one goes (0380).
+                    self._handle.drop_early()
                     return step
                 if isinstance(step, Prepare):
                     step = await self._prepare()

@@ -270,6 +270,10 @@ async def _stream_answer(
         if not task.done():
             task.cancel()
             await asyncio.wait({task})
+        if early is not None:
+            # Closed by its iterator once started; a stream cancelled before it started
+            # is closed here.
+            early.cancel()
     stopped = task.cancelled()
     failure: ModelFailure | None = None
     outcome = "stopped" if stopped else "ok"

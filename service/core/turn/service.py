@@ -461,6 +461,8 @@ class TurnService:
         def ended(_: asyncio.Task[None]) -> None:
             self._handles.pop(turn_id, None)
             self._tasks.pop(turn_id, None)
+            # A run cancelled before its first model call (decision 0380).
+            handle.drop_early()
             handle.done.set()
 
         task.add_done_callback(ended)

@@ -41,6 +41,12 @@ class TurnHandle:
         self.done = asyncio.Event()
         self._on_stop: list[Callable[[], object]] = []
 
+    def drop_early(self) -> None:
+        """Cancel the early model call when nothing took it over (decision 0380)."""
+        early, self.early = self.early, None
+        if early is not None:
+            early.cancel()
+
     def request_stop(self, ending: Ending) -> None:
         """Ask the loop to end the turn with ``ending`` at its next step (at once while
         the model streams or tools run)."""
