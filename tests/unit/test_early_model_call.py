@@ -18,7 +18,13 @@ import pytest
 from service.core.errors import FailedPrecondition, StoreUnavailable
 from service.core.fanout import Hub, StreamQueue
 from service.core.model import EventKind, SessionEvent, TextDelta, TurnState
-from service.core.ports import ModelChunk, ModelRequest, TurnStart, TurnStartOutcome
+from service.core.ports import (
+    ModelChunk,
+    ModelRequest,
+    SkillDocument,
+    TurnStart,
+    TurnStartOutcome,
+)
 from service.core.turn import TurnService
 from tests.memory_store import MemoryStore
 from tests.unit.fakes import ScriptedGateway
@@ -230,3 +236,27 @@ async def test_a_turn_stopped_before_its_first_model_call_cancels_the_early_one(
     assert not [item for item in sent if isinstance(item, TextDelta)]
     kinds = [item.kind for item in sent if isinstance(item, SessionEvent)]
     assert kinds == [EventKind.MESSAGE_ACCEPTED, EventKind.TURN_STARTED, EventKind.TURN_ENDED]
+
+
+async def test_an_early_call_the_turn_would_not_make_is_cancelled_and_made_again() -> None:
+    rig, store, gateway = held_rig()
+    rig.backends.skill = SkillDocument("demo-planning", "1.0.0", "Always estimate.")
+    await rig.run("first")
+    store.hold = True
+    sending = asyncio.ensure_future(rig.send("second"))
+    async with asyncio.timeout(WAIT_S):
+        await store.begun.wait()
+    # While the start commits, the project's skill changes and the directory's answers
+    # expire: the turn's prompt differs from the early call's.
+    rig.backends.skill = SkillDocument("demo-planning", "1.0.1", "Never estimate.")
+    rig.service._prompts._directory._cache.clear()
+    store.let_go.set()
+    turn = await rig.service.wait_for_end(await sending)
+    assert turn.state is TurnState.ENDED
+    async with asyncio.timeout(WAIT_S):
+        await gateway.closed_early.wait()
+    early, made = gateway.requests[1:]
+    assert gateway.cancelled == [early]
+    assert "Always estimate." in early.system_context
+    assert "Never estimate." in made.system_context
+    assert store.messages["s1"][-1].text == "Hello there."
