@@ -105,6 +105,32 @@ def drain(queue: StreamQueue) -> list[object]:
     return items
 
 
+async def second_turn_in_flight(
+    fail: BaseException | None = None,
+) -> tuple[Rig, HeldStart, ClosingGateway, StreamQueue, asyncio.Future[str]]:
+    """A rig whose session had one turn, a stream attached, and a second message sent
+    whose start is held (failing with ``fail`` once let go) while its early model call
+    has sent its first delta and stays open."""
+    block = asyncio.Event()
+
+    def script(request: ModelRequest) -> dict[str, Any]:
+        return {"chunks": ["partial"], "block": block, "usage": (100, 5)}
+
+    rig, store, gateway = held_rig(script)
+    block.set()
+    await rig.run("first")
+    block.clear()
+    queue = rig.hub.attach(rig.session.session_id, "alice", last_sequence(store))
+    store.hold = True
+    store.fail = fail
+    sending = asyncio.ensure_future(rig.send("second"))
+    async with asyncio.timeout(WAIT_S):
+        await store.begun.wait()
+        await gateway.first_sent.wait()
+    assert len(gateway.requests) == 2
+    return rig, store, gateway, queue, sending
+
+
 async def test_a_later_turn_streams_its_first_model_call_while_its_start_commits() -> None:
     rig, store, gateway = held_rig()
     await rig.run("first")  # keeps the session's context and the prompt in memory
@@ -150,26 +176,9 @@ async def test_a_later_turn_streams_its_first_model_call_while_its_start_commits
 async def test_a_start_that_is_not_stored_cancels_the_call_in_flight_and_sends_nothing(
     failure: BaseException,
 ) -> None:
-    block = asyncio.Event()
-
-    def script(request: ModelRequest) -> dict[str, Any]:
-        # The second turn's answer stays open after its first delta.
-        return {"chunks": ["partial"], "block": block, "usage": (100, 5)}
-
-    rig, store, gateway = held_rig(script)
-    block.set()
-    await rig.run("first")
-    block.clear()
+    rig, store, gateway, queue, sending = await second_turn_in_flight(failure)
+    # (The start is held: nothing of the second message is stored yet.)
     events_before = list(store.events["s1"])
-    queue = rig.hub.attach(rig.session.session_id, "alice", last_sequence(store))
-
-    store.hold = True
-    store.fail = failure
-    sending = asyncio.ensure_future(rig.send("second"))
-    async with asyncio.timeout(WAIT_S):
-        await store.begun.wait()
-        await gateway.first_sent.wait()
-    assert len(gateway.requests) == 2
     store.let_go.set()
     with pytest.raises(type(failure)):
         await sending
@@ -208,22 +217,7 @@ async def test_the_first_turn_of_a_session_and_a_retried_message_open_no_early_c
 
 
 async def test_a_turn_stopped_before_its_first_model_call_cancels_the_early_one() -> None:
-    block = asyncio.Event()
-
-    def script(request: ModelRequest) -> dict[str, Any]:
-        return {"chunks": ["partial"], "block": block, "usage": (100, 5)}
-
-    rig, store, gateway = held_rig(script)
-    block.set()
-    await rig.run("first")
-    block.clear()
-    queue = rig.hub.attach(rig.session.session_id, "alice", last_sequence(store))
-
-    store.hold = True
-    sending = asyncio.ensure_future(rig.send("second"))
-    async with asyncio.timeout(WAIT_S):
-        await store.begun.wait()
-        await gateway.first_sent.wait()
+    rig, store, gateway, queue, sending = await second_turn_in_flight()
     # A shutdown while the start commits: the turn is stored, then stops at once.
     await rig.service.stop(0.0)
     store.let_go.set()

@@ -108,54 +108,17 @@ class EarlyCall:
         """Open the first model stream of ``turn`` (not stored yet) for ``message`` in
         ``session``, or None when a part of its request is not in memory or the turn
         might not start with a model call (module docstring). Never raises and never
-        waits: a failure to build the request is logged at DEBUG and gives None."""
+        waits: a failure to build the request (a bug) is logged and gives None."""
         try:
-            return cls._start(deps, prompts, conversations, turn, session, acting, message)
+            handle = TurnHandle(turn, session, acting, 0)
+            request = _request(deps, prompts, conversations, handle, message)
         except Exception as error:  # an optimisation: never a reason for a send to fail
-            log.debug("no early model call", exc_info=error)
+            log.error("the early model call's request failed: %s", type(error).__name__)
+            log.debug("the early model call's failure", exc_info=error)
             return None
-
-    @classmethod
-    def _start(
-        cls,
-        deps: TurnDependencies,
-        prompts: PromptSource,
-        conversations: Conversations,
-        turn: Turn,
-        session: Session,
-        acting: Acting,
-        message: Message,
-    ) -> EarlyCall | None:
-        snapshot = deps.store.kept_context(session.session_id)
-        if snapshot is None or snapshot.session.summary or snapshot.session.running_turn_id:
+        if request is None:
             return None
-        prompt = prompts.kept(acting, snapshot.session.project_id)
-        if prompt is None:
-            return None
-        kept = snapshot.session
-        handle = TurnHandle(turn, kept, acting, 0)
-        state = TurnRun(
-            handle=handle,
-            events=EventBuilder(kept.session_id, turn.turn_id, turn.human_id, deps.clock),
-            session=kept,
-            summary_up_to=kept.summary_up_to,
-            messages=[*snapshot.messages, message],
-            # What the start's commit adds to the kept context (the store's cache does
-            # the same): the message's tokens as pending.
-            context=ContextEstimate(
-                kept.context.base_tokens,
-                kept.context.pending_tokens + messages_tokens([message]),
-            ),
-        )
-        estimate = Compactor(deps, state, _never_commits).request_tokens(prompt)
-        if estimate > deps.settings.compact_at_tokens:
-            return None
-        cap = output_cap(deps, state, Purpose.TURN, estimate)
-        if not isinstance(cap, int):
-            return None
-        request = turn_request(deps, conversations, state, prompt, estimate=estimate, cap=cap)
-        started = deps.clock.monotonic()
-        return cls(request, deps.gateway.stream(request), started)
+        return cls(request, deps.gateway.stream(request), deps.clock.monotonic())
 
     def take(self, request: ModelRequest) -> EarlyCall | None:
         """This call, taken over by the loop, when ``request`` is the request it was
@@ -217,6 +180,45 @@ class EarlyCall:
             # Read, so that a failure nobody waits for is not reported as lost.
             self._first.exception()
         await _close(self._stream)
+
+
+def _request(
+    deps: TurnDependencies,
+    prompts: PromptSource,
+    conversations: Conversations,
+    handle: TurnHandle,
+    message: Message,
+) -> ModelRequest | None:
+    """The first request of ``handle``'s turn for ``message``, built from what is in
+    memory; None when it cannot be (``EarlyCall.start``)."""
+    turn, acting = handle.turn, handle.acting
+    snapshot = deps.store.kept_context(handle.session_id)
+    if snapshot is None or snapshot.session.summary or snapshot.session.running_turn_id:
+        return None
+    prompt = prompts.kept(acting, snapshot.session.project_id)
+    if prompt is None:
+        return None
+    kept = snapshot.session
+    state = TurnRun(
+        handle=handle,
+        events=EventBuilder(kept.session_id, turn.turn_id, turn.human_id, deps.clock),
+        session=kept,
+        summary_up_to=kept.summary_up_to,
+        messages=[*snapshot.messages, message],
+        # What the start's commit adds to the kept context (the store's cache does
+        # the same): the message's tokens as pending.
+        context=ContextEstimate(
+            kept.context.base_tokens,
+            kept.context.pending_tokens + messages_tokens([message]),
+        ),
+    )
+    estimate = Compactor(deps, state, _never_commits).request_tokens(prompt)
+    if estimate > deps.settings.compact_at_tokens:
+        return None
+    cap = output_cap(deps, state, Purpose.TURN, estimate)
+    if not isinstance(cap, int):
+        return None
+    return turn_request(deps, conversations, state, prompt, estimate=estimate, cap=cap)
 
 
 async def _first_chunk(stream: AsyncIterator[ModelChunk]) -> ModelChunk | None:
