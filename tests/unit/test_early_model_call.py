@@ -106,14 +106,17 @@ def drain(queue: StreamQueue) -> list[object]:
 
 
 async def second_turn_in_flight(
-    fail: BaseException | None = None,
+    fail: BaseException | None = None, *, held: bool = True
 ) -> tuple[Rig, HeldStart, ClosingGateway, StreamQueue, asyncio.Future[str]]:
     """A rig whose session had one turn, a stream attached, and a second message sent
     whose start is held (failing with ``fail`` once let go) while its early model call
-    has sent its first delta and stays open."""
+    has sent its first delta; ``held``: the answer then stays open, else it ends as
+    ``answer``."""
     block = asyncio.Event()
 
     def script(request: ModelRequest) -> dict[str, Any]:
+        if not held:
+            return answer(request)
         return {"chunks": ["partial"], "block": block, "usage": (100, 5)}
 
     rig, store, gateway = held_rig(script)
@@ -132,18 +135,9 @@ async def second_turn_in_flight(
 
 
 async def test_a_later_turn_streams_its_first_model_call_while_its_start_commits() -> None:
-    rig, store, gateway = held_rig()
-    await rig.run("first")  # keeps the session's context and the prompt in memory
-    assert len(gateway.requests) == 1
-    queue = rig.hub.attach(rig.session.session_id, "alice", last_sequence(store))
-
-    store.hold = True
-    sending = asyncio.ensure_future(rig.send("second"))
-    async with asyncio.timeout(WAIT_S):
-        await store.begun.wait()
-        await gateway.first_sent.wait()
+    # The first turn keeps the session's context and the prompt in memory.
+    rig, store, gateway, queue, sending = await second_turn_in_flight(held=False)
     # The model answers while the start is not durable: nothing of it reaches a stream.
-    assert len(gateway.requests) == 2
     assert drain(queue) == []
     assert not sending.done()
 
