@@ -78,6 +78,19 @@ def local_ports(server_port: int) -> set[int]:
     return ports
 
 
+def unacknowledged(port: int) -> int:
+    """Segments sent and not yet acknowledged, summed over this host's TCP
+    connections from or to ``127.0.0.1:port`` (``ss -i``'s ``unacked``): 0 once every
+    connection of a port that was silenced has caught up after the heal."""
+    listed = subprocess.run(
+        ["ss", "-Htin", f"( sport = :{port} or dport = :{port} )"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return sum(int(n) for n in re.findall(r"\bunacked:(\d+)", listed))
+
+
 class LoopbackHole:
     """DROP rules on ``lo``; ``close`` (or leaving ``loopback_hole``) removes them all."""
 

@@ -13,7 +13,6 @@ import sqlite3
 import stat
 import subprocess
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -129,22 +128,51 @@ async def test_the_devstack_refuses_a_devstack_db_that_is_not_a_database(tmp_pat
     assert (data_dir / "devstack.db").read_bytes() == junk
 
 
-def test_a_secret_created_by_racing_processes_is_never_read_half_written(tmp_path: Path) -> None:
-    # Two replicas starting at once on one data directory race to create the dev keys:
-    # the loser must read the winner's whole key, never an empty or partial file.
-    for attempt in range(30):
-        path = tmp_path / f"key-{attempt}"
-        barrier = threading.Barrier(6)
+def race_to_create(path: Path, contents: list[bytes]) -> tuple[list[bool], set[bytes]]:
+    """One writer thread a content, all calling ``create_private_file(path, ...)`` at once,
+    while a reader reads ``path`` as fast as it can: what each writer got, and every
+    content the reader saw."""
+    created: list[bool] = []
+    seen: set[bytes] = set()
+    start, done = threading.Barrier(len(contents) + 1), threading.Event()
 
-        def create_and_read(
-            index: int, path: Path = path, barrier: threading.Barrier = barrier
-        ) -> bytes:
-            barrier.wait()
-            create_private_file(path, f"{index:064d}\n".encode())
-            return path.read_bytes()
+    def write(content: bytes) -> None:
+        start.wait()
+        created.append(create_private_file(path, content))
 
-        with ThreadPoolExecutor(6) as pool:
-            read = list(pool.map(create_and_read, range(6)))
-        assert len(set(read)) == 1 and len(read[0]) == 65, read
+    def read() -> None:
+        start.wait()
+        while not done.is_set():
+            try:
+                seen.add(path.read_bytes())
+            except FileNotFoundError:
+                continue
+
+    reader = threading.Thread(target=read)
+    writers = [threading.Thread(target=write, args=(content,)) for content in contents]
+    reader.start()
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join()
+    done.set()
+    reader.join()
+    return created, seen
+
+
+def test_processes_racing_to_create_a_secret_never_read_it_empty_or_half_written(
+    tmp_path: Path,
+) -> None:
+    """Two replicas starting together on one data directory both create the dev page-token
+    key: the loser must read the winner's whole key, never an empty file (one did, and
+    refused to start with "no page token key"). Eight writers of 1 MiB race each round
+    while a reader looks at the file as fast as it can."""
+    contents = [f"{writer:02d}".encode() * (1 << 19) for writer in range(8)]
+    for round_ in range(10):
+        path = tmp_path / f"round-{round_}" / "secret"
+        created, seen = race_to_create(path, contents)
+        assert created.count(True) == 1
+        assert path.read_bytes() in contents
+        assert seen <= set(contents), "a reader saw the file empty or half written"
         assert mode(path) == 0o600
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"key-{n}" for n in range(30))
+        assert [entry.name for entry in path.parent.iterdir()] == ["secret"]
