@@ -15,7 +15,13 @@ import pytest
 
 from service.core import conversation, prompts
 from service.core.context import SUMMARY_TAG, to_model_messages
-from service.core.errors import FailedPrecondition, InvalidArgument, ModelFailure, ToolFailure
+from service.core.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    ModelFailure,
+    StoreUnavailable,
+    ToolFailure,
+)
 from service.core.estimate import message_tokens
 from service.core.fanout import Hub
 from service.core.model import (
@@ -441,6 +447,42 @@ async def test_expired_lease_is_swept_interrupted_with_outcome_unknown_results()
         if m.tool_call_id == "call_dead" and m.kind is MessageKind.TOOL_RESULT
     ]
     assert "outcome is unknown" in json.loads(result[0].tool_result)["error"]["message"]
+
+
+async def test_a_sweeper_back_from_its_own_outage_gives_the_owners_a_lease_first() -> None:
+    # Every replica lost the database, so every lease expired meanwhile; the owners are
+    # alive and renew, or store what their humans saw, once it answers (decision 0371).
+    rig = make_rig(one_round, lease_s=15.0)
+    turn_id = await rig.send("go")
+    await rig.service.wait_for_end(turn_id)
+    other = replace(
+        rig.store.turns[turn_id],
+        turn_id="turn_other",
+        state=TurnState.RUNNING,
+        end_reason=None,
+        owner="r-other",
+        request_id="other",
+        lease_expires_at=rig.clock.now(),
+    )
+    rig.store.turns["turn_other"] = other
+    rig.clock.advance(1)
+    reachable = rig.store.running_turns
+
+    async def unreachable(**_: Any) -> list[Any]:
+        raise StoreUnavailable("the database did not answer")
+
+    rig.store.running_turns = unreachable  # type: ignore[method-assign]
+    with pytest.raises(StoreUnavailable):
+        await rig.service.sweep()
+    rig.store.running_turns = reachable  # type: ignore[method-assign]
+    assert await rig.service.sweep() == 0
+    rig.clock.advance(14)
+    assert await rig.service.sweep() == 0
+    assert rig.store.turns["turn_other"].state is TurnState.RUNNING
+    # A lease after the answer, an owner that did not renew is gone: swept.
+    rig.clock.advance(1.5)
+    assert await rig.service.sweep() == 1
+    assert rig.store.turns["turn_other"].end_reason is TurnEndReason.INTERRUPTED
 
 
 # ---------------------------------------------------------------------- compaction
