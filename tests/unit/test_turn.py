@@ -405,22 +405,26 @@ async def test_a_second_message_while_a_turn_runs_is_refused() -> None:
     await rig.service.wait_for_end(turn_id)
 
 
+def running_elsewhere(rig: Rig, like: str, turn_id: str, owner: str) -> None:
+    """Store ``turn_id``, a copy of the ended turn ``like`` running on replica ``owner``
+    whose lease expires now."""
+    rig.store.turns[turn_id] = replace(
+        rig.store.turns[like],
+        turn_id=turn_id,
+        state=TurnState.RUNNING,
+        end_reason=None,
+        owner=owner,
+        request_id=turn_id,
+        lease_expires_at=rig.clock.now(),
+    )
+
+
 async def test_expired_lease_is_swept_interrupted_with_outcome_unknown_results() -> None:
     rig = make_rig(one_round)
     turn_id = await rig.send("go")
     # Simulate a dead owner: another replica's running turn with a stored tool call.
     await rig.service.wait_for_end(turn_id)
-    turn = rig.store.turns[turn_id]
-    dead = replace(
-        turn,
-        turn_id="turn_dead",
-        state=TurnState.RUNNING,
-        end_reason=None,
-        owner="r-dead",
-        request_id="dead",
-        lease_expires_at=rig.clock.now(),
-    )
-    rig.store.turns["turn_dead"] = dead
+    running_elsewhere(rig, turn_id, "turn_dead", "r-dead")
     call = replace(
         next(m for m in rig.store.messages["s1"] if m.kind is MessageKind.TOOL_CALL),
         turn_id="turn_dead",
@@ -455,16 +459,7 @@ async def test_a_sweeper_back_from_its_own_outage_gives_the_owners_a_lease_first
     rig = make_rig(one_round, lease_s=15.0)
     turn_id = await rig.send("go")
     await rig.service.wait_for_end(turn_id)
-    other = replace(
-        rig.store.turns[turn_id],
-        turn_id="turn_other",
-        state=TurnState.RUNNING,
-        end_reason=None,
-        owner="r-other",
-        request_id="other",
-        lease_expires_at=rig.clock.now(),
-    )
-    rig.store.turns["turn_other"] = other
+    running_elsewhere(rig, turn_id, "turn_other", "r-other")
     rig.clock.advance(1)
     reachable = rig.store.running_turns
 
