@@ -33,8 +33,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -45,7 +46,7 @@ from ballet.planner.v1 import resources_pb2 as res
 from ballet_common.tokens import Trust, dev_secret
 from devstack.gateway import GatewayServicer, ScriptedProvider, add_gateway_service
 from tests.faults.loopback import LoopbackHole, local_ports, loopback_hole, unacknowledged
-from tests.replicas.support import END, ChatStream, Received, rig
+from tests.replicas.support import END, ChatStream, Received, Rig, rig
 
 pytestmark = pytest.mark.postgres
 
@@ -72,19 +73,51 @@ SCENARIO = {
 }
 
 
+@dataclass
+class Stack:
+    """The rig, its gateway on a port of its own, and alice's stream on A's session,
+    after one turn (every connection up)."""
+
+    r: Rig
+    gateway: GatewayServicer
+    gateway_port: int
+    stream: ChatStream
+    session_id: str
+
+
 @asynccontextmanager
-async def gateway_alone(data_dir: Path) -> AsyncIterator[tuple[GatewayServicer, int]]:
-    """The scripted gateway on a loopback port of its own (the devstack's trust: the dev
-    secret of ``data_dir``)."""
-    server = grpc.aio.server()
+async def gateway_apart(
+    tmp_path: Path, pg_url: str, dependencies: Mapping[str, object]
+) -> AsyncIterator[Stack]:
+    """The rig, with the scripted gateway on a loopback port of its own (the devstack's
+    trust: the dev secret of the rig's data directory) and ``dependencies`` as more keys
+    of ``[dependencies]``."""
+    data_dir = tmp_path / "data"
     await asyncio.to_thread(data_dir.mkdir, parents=True, exist_ok=True)
-    servicer = add_gateway_service(
+    server = grpc.aio.server()
+    gateway = add_gateway_service(
         server, ScriptedProvider(SCENARIO), trust=Trust.dev(dev_secret(data_dir))
     )
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:
-        yield servicer, port
+        async with rig(
+            tmp_path,
+            pg_url,
+            {"rules": []},
+            more_tables={
+                "dependencies": dict(dependencies),
+                "dependencies.gateway": {"address": f"127.0.0.1:{port}"},
+            },
+        ) as r:
+            session_id = await r.a.create_session(r.alice, "create-silent")
+            stream = ChatStream.open(r.a, r.alice)
+            stream.attach(session_id)
+            await stream.opened()
+            first = await _turn(stream, "hello", "m0", 1)
+            await stream.turn_ended(first)
+            yield Stack(r, gateway, port, stream, session_id)
+            await stream.close()
     finally:
         await server.stop(0)
 
@@ -109,29 +142,14 @@ async def _ended(stream: ChatStream, turn_id: str, since: float, limit_s: float)
 async def test_a_silent_tracker_or_gateway_fails_the_call_within_its_deadline(
     tmp_path: Path, pg_url: str
 ) -> None:
-    async with (
-        gateway_alone(tmp_path / "data") as (gateway, gateway_port),
-        rig(
-            tmp_path,
-            pg_url,
-            {"rules": []},
-            more_tables={
-                "dependencies": {
-                    "tool_call_s": TOOL_CALL_S,
-                    "model_first_delta_s": FIRST_DELTA_S,
-                    "model_idle_s": IDLE_S,
-                },
-                "dependencies.gateway": {"address": f"127.0.0.1:{gateway_port}"},
-            },
-        ) as r,
-    ):
+    async with gateway_apart(
+        tmp_path,
+        pg_url,
+        {"tool_call_s": TOOL_CALL_S, "model_first_delta_s": FIRST_DELTA_S, "model_idle_s": IDLE_S},
+    ) as apart:
+        r, gateway, gateway_port = apart.r, apart.gateway, apart.gateway_port
+        stream, session_id = apart.stream, apart.session_id
         tracker_port = _port(r.stack.address)
-        session_id = await r.a.create_session(r.alice, "create-silent")
-        stream = ChatStream.open(r.a, r.alice)
-        stream.attach(session_id)
-        await stream.opened()
-        first = await _turn(stream, "hello", "m0", 1)
-        await stream.turn_ended(first)  # the connections are up
 
         measured: dict[str, float] = {}
         with loopback_hole() as hole:
@@ -192,7 +210,6 @@ async def test_a_silent_tracker_or_gateway_fails_the_call_within_its_deadline(
         assert asked in (made, [m for m in made if m != "are you there?"]), asked
         assert len(r.stack.calls_for("CreateKnowledgeEntry")) <= 1
         assert dict(r.stack.writes) in ({}, {write_id: 1}), dict(r.stack.writes)
-        await stream.close()
         print(
             f"\nsilent devstack: a write failed {measured['tool']:.1f} s after the hole "
             f"(deadline {TOOL_CALL_S:g} s); a call {measured['first']:.1f} s (first output "
@@ -243,21 +260,9 @@ DEFAULT_FIRST_DELTA_S = 180.0
 async def test_a_gateway_silent_past_the_channels_user_timeout_fails_unavailable(
     tmp_path: Path, pg_url: str
 ) -> None:
-    async with (
-        gateway_alone(tmp_path / "data") as (gateway, gateway_port),
-        rig(
-            tmp_path,
-            pg_url,
-            {"rules": []},
-            more_tables={"dependencies.gateway": {"address": f"127.0.0.1:{gateway_port}"}},
-        ) as r,
-    ):
-        session_id = await r.a.create_session(r.alice, "create-silent-long")
-        stream = ChatStream.open(r.a, r.alice)
-        stream.attach(session_id)
-        await stream.opened()
-        first = await _turn(stream, "hello", "m0", 1)
-        await stream.turn_ended(first)  # the connection is up
+    async with gateway_apart(tmp_path, pg_url, {}) as apart:
+        r, gateway, gateway_port = apart.r, apart.gateway, apart.gateway_port
+        stream, session_id = apart.stream, apart.session_id
 
         with loopback_hole() as hole:
             hole.drop_port(gateway_port)
@@ -289,7 +294,6 @@ async def test_a_gateway_silent_past_the_channels_user_timeout_fails_unavailable
         # reached the gateway; each of the others once.
         asked = [_last_text(request) for request in gateway.requests]
         assert asked == ["hello", "and now?"], asked
-        await stream.close()
         print(
             f"\nsilent gateway, default deadlines: the call failed MODEL_UNAVAILABLE "
             f"{failed_s:.1f} s into the silence (TCP user timeout {CHANNEL_USER_TIMEOUT_S:g} s, "

@@ -44,7 +44,7 @@ from ballet.planner.v1 import resources_pb2 as res
 from grpc_health.v1 import health_pb2
 
 from tests.faults.rigs import let_go, silent_rig
-from tests.replicas.support import END, ChatStream, Planner, Received, sequences
+from tests.replicas.support import END, ChatStream, Metadata, Planner, Received, Rig, sequences
 from tests.replicas.test_crash_recovery import SCENARIO as CRASH_SCENARIO
 
 pytestmark = pytest.mark.postgres
@@ -100,18 +100,41 @@ async def _log_line(planner: Planner, texts: tuple[str, ...], limit_s: float) ->
         await asyncio.sleep(0.1)
 
 
+async def _on_both(r: Rig, request_id: str) -> tuple[str, ChatStream, ChatStream]:
+    """A new session of alice's, with a stream open on A and one on B."""
+    session_id = await r.a.create_session(r.alice, request_id)
+    on_a, on_b = ChatStream.open(r.a, r.alice), ChatStream.open(r.b, r.alice)
+    for stream in (on_a, on_b):
+        stream.attach(session_id)
+        await stream.opened()
+    return session_id, on_a, on_b
+
+
+async def _let_go_within_bound(
+    stream: ChatStream, session_id: str, cut_at: float
+) -> tuple[int, float]:
+    """Wait (within the lease plus 10 s of the cut) for the cut replica to let ``stream``
+    go; returns its ``last_sequence`` and the seconds since the cut."""
+    async with asyncio.timeout(cut_at + LEASE_S + 10 - time.monotonic()):
+        await stream.ended.wait()
+    return let_go(stream, session_id), time.monotonic() - cut_at
+
+
+async def _reopen(planner: Planner, meta: Metadata, session_id: str, after: int) -> ChatStream:
+    """The gateway's move: reopen the stream on ``planner`` after what it got."""
+    stream = ChatStream.open(planner, meta)
+    stream.attach(session_id, after_sequence=after)
+    await stream.opened()
+    return stream
+
+
 async def test_the_owner_cut_from_the_database_hands_its_turn_and_clients_to_the_other(
     tmp_path: Path,
 ) -> None:
     async with silent_rig(
         tmp_path, SCENARIO, planner={"lease_s": LEASE_S, "sweep_interval_s": SWEEP_S}, split=True
     ) as (r, net):
-        session_id = await r.a.create_session(r.alice, "create-owner-cut")
-        on_a, watcher = ChatStream.open(r.a, r.alice), ChatStream.open(r.b, r.alice)
-        on_a.attach(session_id)
-        watcher.attach(session_id)
-        await on_a.opened()
-        await watcher.opened()
+        session_id, on_a, watcher = await _on_both(r, "create-owner-cut")
         on_a.say("please record a note", "m1")
         accepted = await on_a.wait_kind("message_accepted")
         turn_id = accepted.response.turn_id
@@ -128,10 +151,7 @@ async def test_the_owner_cut_from_the_database_hands_its_turn_and_clients_to_the
         assert ended_on_b.response.turn_ended.reason == END.TURN_END_REASON_INTERRUPTED
 
         # The cut side: A lets its client go, retryable, with where to resume.
-        async with asyncio.timeout(cut_at + LEASE_S + 10 - time.monotonic()):
-            await on_a.ended.wait()
-        let_go_s = time.monotonic() - cut_at
-        last = let_go(on_a, session_id)
+        last, let_go_s = await _let_go_within_bound(on_a, session_id, cut_at)
         assert not any(x.kind == "turn_ended" for x in on_a.events())
         # The whole answer reached A's client before it was let go.
         shown = "".join(x.response.text_delta.text for x in on_a.received if x.kind == "text_delta")
@@ -139,9 +159,7 @@ async def test_the_owner_cut_from_the_database_hands_its_turn_and_clients_to_the
         assert await r.a.health_status() == NOT_SERVING
 
         # The gateway's move: reopen on B after what A delivered.
-        resumed = ChatStream.open(r.b, r.alice)
-        resumed.attach(session_id, after_sequence=last)
-        await resumed.opened()
+        resumed = await _reopen(r.b, r.alice, session_id, last)
         again = await resumed.turn_ended(turn_id)
         assert again.response.turn_ended.reason == END.TURN_END_REASON_INTERRUPTED
         got = sequences(resumed.events())
@@ -206,12 +224,7 @@ async def test_the_cut_follower_lets_its_client_go_and_the_turn_on_the_other_goe
     async with silent_rig(
         tmp_path, SCENARIO, planner={"lease_s": LEASE_S, "sweep_interval_s": SWEEP_S}, split=True
     ) as (r, net):
-        session_id = await r.a.create_session(r.alice, "create-follower-cut")
-        on_a, on_b = ChatStream.open(r.a, r.alice), ChatStream.open(r.b, r.alice)
-        on_a.attach(session_id)
-        on_b.attach(session_id)
-        await on_a.opened()
-        await on_b.opened()
+        session_id, on_a, on_b = await _on_both(r, "create-follower-cut")
         on_b.say("answer slowly", "m1")
         accepted = await on_b.wait_kind("message_accepted")
         turn_id = accepted.response.turn_id
@@ -220,14 +233,8 @@ async def test_the_cut_follower_lets_its_client_go_and_the_turn_on_the_other_goe
 
         net.cut(net.inner_ip)  # A's way to the database only
         cut_at = time.monotonic()
-        async with asyncio.timeout(LEASE_S + 10):
-            await on_a.ended.wait()
-        let_go_s = time.monotonic() - cut_at
-        last = let_go(on_a, session_id)
-
-        resumed = ChatStream.open(r.b, r.alice)
-        resumed.attach(session_id, after_sequence=last)
-        await resumed.opened()
+        last, let_go_s = await _let_go_within_bound(on_a, session_id, cut_at)
+        resumed = await _reopen(r.b, r.alice, session_id, last)
         ended = await resumed.turn_ended(turn_id, timeout_s=15)
         assert ended.response.turn_ended.reason == END.TURN_END_REASON_COMPLETED
         await on_b.turn_ended(turn_id)
