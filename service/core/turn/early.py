@@ -227,6 +227,9 @@ def _request(
 
 
 async def _first_chunk(stream: AsyncIterator[ModelChunk]) -> ModelChunk | None:
+    # One pass of the event loop first: the start's statement, scheduled in the same
+    # pass as this task, goes to the database before the request is encoded and sent.
+    await asyncio.sleep(0)
     return await anext(stream, None)
 
 
