@@ -127,6 +127,7 @@ async def second_turn_in_flight(
     queue = rig.hub.attach(rig.session.session_id, "alice", last_sequence(store))
     store.hold = True
     store.fail = fail
+    gateway.first_sent.clear()
     sending = asyncio.ensure_future(rig.send("second"))
     async with asyncio.timeout(WAIT_S):
         await store.begun.wait()
