@@ -25,6 +25,7 @@ from service.core.ports import (
     TurnStart,
     TurnStartOutcome,
 )
+from service.core.tracing import NULL_SPAN
 from service.core.turn import TurnService
 from tests.memory_store import MemoryStore
 from tests.unit.fakes import ScriptedGateway
@@ -126,6 +127,7 @@ async def second_turn_in_flight(
     queue = rig.hub.attach(rig.session.session_id, "alice", last_sequence(store))
     store.hold = True
     store.fail = fail
+    gateway.first_sent.clear()
     sending = asyncio.ensure_future(rig.send("second"))
     async with asyncio.timeout(WAIT_S):
         await store.begun.wait()
@@ -248,3 +250,30 @@ async def test_an_early_call_the_turn_would_not_make_is_cancelled_and_made_again
     assert "Always estimate." in early.system_context
     assert "Never estimate." in made.system_context
     assert store.messages["s1"][-1].text == "Hello there."
+
+
+class Traced:
+    """A tracer under which every message arrives with a span current."""
+
+    def span(self, *_: object, **__: object) -> Any:
+        return NULL_SPAN
+
+    def current(self) -> object:
+        return "a span"
+
+
+async def test_a_traced_message_opens_no_early_call() -> None:
+    rig, store, gateway = held_rig()
+    await rig.run("first")
+    object.__setattr__(rig.service._deps, "tracer", Traced())
+    store.hold = True
+    sending = asyncio.ensure_future(rig.send("second"))
+    async with asyncio.timeout(WAIT_S):
+        await store.begun.wait()
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert len(gateway.requests) == 1
+    store.let_go.set()
+    await rig.service.wait_for_end(await sending)
+    assert len(gateway.requests) == 2
+    assert gateway.cancelled == []

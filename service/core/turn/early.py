@@ -19,9 +19,10 @@ cancelled call is the model's work up to the cancellation, metered to the projec
 message that failed to store, or was not a new turn, can be charged a few input tokens.
 
 No early call is made when any of its parts is not in memory (a context the store would
-read, a prompt the directory would read) or when the turn could not start with a model
+read, a prompt the directory would read), when the turn could not start with a model
 call (a summary to build the system-side context from, an estimate over the compaction
-threshold, a turn of the session running here).
+threshold, a turn of the session running here), or when the message is traced (the
+gateway call stays the child of the loop's model-call span, decision 0190).
 """
 
 from __future__ import annotations
@@ -191,6 +192,10 @@ def _request(
 ) -> ModelRequest | None:
     """The first request of ``handle``'s turn for ``message``, built from what is in
     memory; None when it cannot be (``EarlyCall.start``)."""
+    if deps.tracer.current() is not None:
+        # Traced: the gateway call stays the child of its model call's span (0190),
+        # which the loop opens.
+        return None
     turn, acting = handle.turn, handle.acting
     snapshot = deps.store.kept_context(handle.session_id)
     if snapshot is None or snapshot.session.summary or snapshot.session.running_turn_id:
@@ -222,6 +227,9 @@ def _request(
 
 
 async def _first_chunk(stream: AsyncIterator[ModelChunk]) -> ModelChunk | None:
+    # One pass of the event loop first: the start's statement, scheduled in the same
+    # pass as this task, goes to the database before the request is encoded and sent.
+    await asyncio.sleep(0)
     return await anext(stream, None)
 
 
