@@ -51,6 +51,7 @@ from ballet_common.grpc.status import RpcFailure, parse
 from ballet_common.tokens import Trust, dev_secret
 from devstack.gateway import GatewayServicer, ScriptedProvider, add_gateway_service
 from tests.faults.loopback import LoopbackHole, local_ports, loopback_hole, unacknowledged
+from tests.faults.net import require_root_network
 from tests.replicas.support import END, ChatStream, Received, Rig, rig
 
 pytestmark = pytest.mark.postgres
@@ -98,6 +99,7 @@ async def gateway_apart(
     """The rig, with the scripted gateway on a loopback port of its own (the devstack's
     trust: the dev secret of the rig's data directory) and ``dependencies`` as more keys
     of ``[dependencies]``."""
+    require_root_network()  # before anything starts
     data_dir = tmp_path / "data"
     await asyncio.to_thread(data_dir.mkdir, parents=True, exist_ok=True)
     server = grpc.aio.server()
