@@ -2,9 +2,14 @@
 and is cut from the database by DROP rules while B still reaches it; both keep their
 clients.
 
-``test_split_brain.py`` cuts a replica that runs no turn (its client is let go and
-resumes on the other). Here the cut replica owns the running turn: its tool round is
-stored and the model is streaming the answer when the cut comes. Then:
+The directions of a split brain, across the suite: ``test_split_brain.py`` cuts a
+replica that runs no turn (its client is let go and resumes on the other); the first
+case here cuts the replica that owns the running turn (its clients and the turn move to
+the other); the second cuts a replica whose client follows a turn the other runs (the
+turn goes on; the client resumes on the other and misses nothing).
+
+The owner cut: its tool round is stored and the model is streaming the answer when the
+cut comes. Then:
 
 - B's sweeper takes the turn over once A's lease has expired and closes it
   ``INTERRUPTED``; a client watching the session on B sees that end within the lease
@@ -18,6 +23,11 @@ stored and the model is streaming the answer when the cut comes. Then:
   turn has one end, B's;
 - every tool ran once; the human's messages, acknowledged, are all stored; A is SERVING
   again at once and its next turn runs.
+
+The follower cut: B runs the turn and streams its answer through the cut; A's client
+is let go within the lease plus 10 s, reopens on B after its ``last_sequence`` and gets
+the rest of the turn, so that what it got on A and on B together is what B's own client
+got, each event once.
 
 Bounds are shortened by configuration (a 4 s lease, a 1 s sweep, a 3 s unit deadline,
 a 2 s TCP user timeout).
@@ -34,7 +44,7 @@ from ballet.planner.v1 import resources_pb2 as res
 from grpc_health.v1 import health_pb2
 
 from tests.faults.rigs import let_go, silent_rig
-from tests.replicas.support import END, ChatStream, Planner, Received, sequences
+from tests.replicas.support import END, ChatStream, Metadata, Planner, Received, Rig, sequences
 from tests.replicas.test_crash_recovery import SCENARIO as CRASH_SCENARIO
 
 pytestmark = pytest.mark.postgres
@@ -49,8 +59,14 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 #: A's lease (and hence the mend) can: A's ending is then retried through the cut.
 ANSWER = "The plan, read and recorded: done."
 #: The crash test's turn (a read and a write, then an answer), the answer streamed slowly.
+#: An answer of about 4 s, streamed by the replica that is not cut.
+SLOW = "Streamed by the other replica, piece by piece."
 SCENARIO = {
     "rules": [
+        {
+            "match": {"last_role": "human", "last_text_regex": "slowly"},
+            "reply": {"text": SLOW, "chunk_chars": 4, "delay_ms": 350},
+        },
         *CRASH_SCENARIO["rules"][:2],
         {
             "match": {"last_role": "tool"},
@@ -84,18 +100,41 @@ async def _log_line(planner: Planner, texts: tuple[str, ...], limit_s: float) ->
         await asyncio.sleep(0.1)
 
 
+async def _on_both(r: Rig, request_id: str) -> tuple[str, ChatStream, ChatStream]:
+    """A new session of alice's, with a stream open on A and one on B."""
+    session_id = await r.a.create_session(r.alice, request_id)
+    on_a, on_b = ChatStream.open(r.a, r.alice), ChatStream.open(r.b, r.alice)
+    for stream in (on_a, on_b):
+        stream.attach(session_id)
+        await stream.opened()
+    return session_id, on_a, on_b
+
+
+async def _let_go_within_bound(
+    stream: ChatStream, session_id: str, cut_at: float
+) -> tuple[int, float]:
+    """Wait (within the lease plus 10 s of the cut) for the cut replica to let ``stream``
+    go; returns its ``last_sequence`` and the seconds since the cut."""
+    async with asyncio.timeout(cut_at + LEASE_S + 10 - time.monotonic()):
+        await stream.ended.wait()
+    return let_go(stream, session_id), time.monotonic() - cut_at
+
+
+async def _reopen(planner: Planner, meta: Metadata, session_id: str, after: int) -> ChatStream:
+    """The gateway's move: reopen the stream on ``planner`` after what it got."""
+    stream = ChatStream.open(planner, meta)
+    stream.attach(session_id, after_sequence=after)
+    await stream.opened()
+    return stream
+
+
 async def test_the_owner_cut_from_the_database_hands_its_turn_and_clients_to_the_other(
     tmp_path: Path,
 ) -> None:
     async with silent_rig(
         tmp_path, SCENARIO, planner={"lease_s": LEASE_S, "sweep_interval_s": SWEEP_S}, split=True
     ) as (r, net):
-        session_id = await r.a.create_session(r.alice, "create-owner-cut")
-        on_a, watcher = ChatStream.open(r.a, r.alice), ChatStream.open(r.b, r.alice)
-        on_a.attach(session_id)
-        watcher.attach(session_id)
-        await on_a.opened()
-        await watcher.opened()
+        session_id, on_a, watcher = await _on_both(r, "create-owner-cut")
         on_a.say("please record a note", "m1")
         accepted = await on_a.wait_kind("message_accepted")
         turn_id = accepted.response.turn_id
@@ -112,10 +151,7 @@ async def test_the_owner_cut_from_the_database_hands_its_turn_and_clients_to_the
         assert ended_on_b.response.turn_ended.reason == END.TURN_END_REASON_INTERRUPTED
 
         # The cut side: A lets its client go, retryable, with where to resume.
-        async with asyncio.timeout(cut_at + LEASE_S + 10 - time.monotonic()):
-            await on_a.ended.wait()
-        let_go_s = time.monotonic() - cut_at
-        last = let_go(on_a, session_id)
+        last, let_go_s = await _let_go_within_bound(on_a, session_id, cut_at)
         assert not any(x.kind == "turn_ended" for x in on_a.events())
         # The whole answer reached A's client before it was let go.
         shown = "".join(x.response.text_delta.text for x in on_a.received if x.kind == "text_delta")
@@ -123,9 +159,7 @@ async def test_the_owner_cut_from_the_database_hands_its_turn_and_clients_to_the
         assert await r.a.health_status() == NOT_SERVING
 
         # The gateway's move: reopen on B after what A delivered.
-        resumed = ChatStream.open(r.b, r.alice)
-        resumed.attach(session_id, after_sequence=last)
-        await resumed.opened()
+        resumed = await _reopen(r.b, r.alice, session_id, last)
         again = await resumed.turn_ended(turn_id)
         assert again.response.turn_ended.reason == END.TURN_END_REASON_INTERRUPTED
         got = sequences(resumed.events())
@@ -181,4 +215,40 @@ async def test_the_owner_cut_from_the_database_hands_its_turn_and_clients_to_the
             f"cut (lease {LEASE_S:g} s, sweep {SWEEP_S:g} s); A's stream ended after "
             f"{let_go_s:.1f} s; A SERVING {back_s:.2f} s and its late ending refused "
             f"{refused_s:.1f} s after the mend"
+        )
+
+
+async def test_the_cut_follower_lets_its_client_go_and_the_turn_on_the_other_goes_on(
+    tmp_path: Path,
+) -> None:
+    async with silent_rig(
+        tmp_path, SCENARIO, planner={"lease_s": LEASE_S, "sweep_interval_s": SWEEP_S}, split=True
+    ) as (r, net):
+        session_id, on_a, on_b = await _on_both(r, "create-follower-cut")
+        on_b.say("answer slowly", "m1")
+        accepted = await on_b.wait_kind("message_accepted")
+        turn_id = accepted.response.turn_id
+        await on_a.wait_kind("turn_started")  # A follows the session
+        await on_b.wait_kind("text_delta")
+
+        net.cut(net.inner_ip)  # A's way to the database only
+        cut_at = time.monotonic()
+        last, let_go_s = await _let_go_within_bound(on_a, session_id, cut_at)
+        resumed = await _reopen(r.b, r.alice, session_id, last)
+        ended = await resumed.turn_ended(turn_id, timeout_s=15)
+        assert ended.response.turn_ended.reason == END.TURN_END_REASON_COMPLETED
+        await on_b.turn_ended(turn_id)
+        # What the client got on A, then on B, is what B's own client got: once, in order.
+        assert sequences(on_a.events()) + sequences(resumed.events()) == sequences(on_b.events())
+        messages = await r.b.messages(r.alice, session_id)
+        assert [m.text for m in messages] == ["answer slowly", SLOW]
+
+        net.mend(net.inner_ip)
+        back_s = await r.a.wait_health(SERVING, 5)
+        for stream in (on_b, resumed):
+            await stream.close()
+        print(
+            f"\nsplit brain, follower cut: A's stream ended {let_go_s:.1f} s after the cut "
+            f"(lease {LEASE_S:g} s); the turn on B completed; A SERVING {back_s:.2f} s after "
+            "the mend"
         )
