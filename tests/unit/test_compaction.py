@@ -43,7 +43,12 @@ from service.core.context import (
     data_block,
 )
 from service.core.errors import ToolFailure
-from service.core.estimate import declarations_tokens, messages_tokens, text_tokens
+from service.core.estimate import (
+    CALIBRATION_MAX,
+    declarations_tokens,
+    messages_tokens,
+    text_tokens,
+)
 from service.core.fanout import Hub
 from service.core.model import EventKind, Message, MessageKind, Session, TurnEndReason, Usage
 from service.core.ports import (
