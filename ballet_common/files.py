@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import sqlite3
 import stat
 from pathlib import Path
@@ -56,29 +57,35 @@ def private_directory(path: Path) -> Path:
 def create_private_file(path: Path, content: bytes = b"") -> bool:
     """Create ``path`` with mode ``0600`` holding ``content``, unless it already exists.
 
-    The directory is made with ``private_directory``. Creation is exclusive
-    (``O_CREAT | O_EXCL``), so two processes racing to create a secret never both write
-    one: the loser gets False and reads the winner's. Returns True when this call created
-    the file. Raises ``OSError`` when it cannot be created.
+    The directory is made with ``private_directory``. The content is written and synced
+    under a temporary name in the same directory first, then linked to ``path`` with
+    ``link(2)``, which is atomic and fails when ``path`` exists. So two processes racing
+    to create a secret never both write one, and no process ever reads ``path`` empty or
+    half written (two replicas starting together on one data directory did): the loser
+    gets False and reads the winner's whole file. Returns True when this call created the
+    file. Raises ``OSError`` when it cannot be created.
     """
-    private_directory(path.parent)
+    directory = private_directory(path.parent)
+    if path.exists():
+        return False
+    temporary = directory / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
+        try:
+            os.fchmod(fd, PRIVATE_FILE_MODE)
+            view = memoryview(content)
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.link(temporary, path)
     except FileExistsError:
         return False
-    try:
-        os.fchmod(fd, PRIVATE_FILE_MODE)
-        view = memoryview(content)
-        while view:
-            written = os.write(fd, view)
-            view = view[written:]
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
+    finally:
         with contextlib.suppress(OSError):
-            os.unlink(path)
-        raise
-    os.close(fd)
+            os.unlink(temporary)
     return True
 
 

@@ -222,7 +222,8 @@ class ServerSettings:
         20.0,
         ge=1,
         doc="Seconds to wait for a keepalive ping's answer before the connection is closed "
-        "and its streams freed.",
+        "and its streams freed; gRPC also makes it the connections' TCP user timeout, so a "
+        "stream with data in flight to a vanished client is freed this long after.",
     )
     min_ping_interval_s: float = _key(
         5.0,

@@ -81,6 +81,18 @@ class ProjectDirectory:
         self._keep(key, skill)
         return skill
 
+    def kept_project(self, acting: Acting, project_id: str) -> ProjectInfo | None:
+        """The project as ``project`` would answer it from memory now, else None (no
+        read, no wait: the early model call, decision 0380)."""
+        found = self._cached(("project", acting.organization_id, acting.human_id, project_id))
+        return found if isinstance(found, ProjectInfo) else None
+
+    def kept_skill(self, acting: Acting, project_id: str, name: str) -> SkillDocument | None:
+        """The skill as ``skill`` would answer it from memory now, else None."""
+        key = (f"skill:{name}", acting.organization_id, acting.human_id, project_id)
+        found = self._cached(key)
+        return found if isinstance(found, SkillDocument) else None
+
     def _cached(self, key: _Key) -> ProjectInfo | SkillDocument | None:
         hit = self._cache.get(key)
         if hit is None or hit[0] <= self._clock.monotonic():

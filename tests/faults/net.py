@@ -9,7 +9,9 @@ reason, or fails them where ``BALLET_REQUIRE_FAULTS=1`` or ``CI`` says they must
 
 from __future__ import annotations
 
+import fcntl
 import os
+import random
 import shutil
 import subprocess
 import tempfile
@@ -47,6 +49,18 @@ def require_root_network() -> None:
         pytest.skip(f"the fault suite needs root and iptables: {missing}")
 
 
+@contextmanager
+def _subnet_lock() -> Iterator[None]:
+    """An exclusive lock, across the processes of this machine, on choosing a subnet."""
+    path = Path(tempfile.gettempdir()) / "ballet-faults-subnets.lock"
+    with path.open("a") as file:
+        fcntl.flock(file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(file, fcntl.LOCK_UN)
+
+
 def _sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, capture_output=True, text=True, check=check)
 
@@ -72,12 +86,29 @@ class Namespace:
         _sh("ip", "netns", "add", self.name)
         _sh("ip", "link", "add", self.outer, "type", "veth", "peer", "name", self.inner)
         _sh("ip", "link", "set", self.inner, "netns", self.name)
-        _sh("ip", "addr", "add", f"{self.host_ip}/24", "dev", self.outer)
+        with _subnet_lock():
+            # Suites that run at once on this machine must not share a subnet: another
+            # subnet when this one is on an interface already (under a lock that every
+            # suite of this version takes).
+            self._free_subnet()
+            _sh("ip", "addr", "add", f"{self.host_ip}/24", "dev", self.outer)
         _sh("ip", "link", "set", self.outer, "up")
         self.run("ip", "addr", "add", f"{self.inner_ip}/24", "dev", self.inner)
         self.run("ip", "addr", "add", f"{self.other_ip}/24", "dev", self.inner)
         self.run("ip", "link", "set", self.inner, "up")
         self.run("ip", "link", "set", "lo", "up")
+
+    def _free_subnet(self) -> None:
+        used = _sh("ip", "-4", "-o", "addr", "show").stdout
+        second = int(self.host_ip.split(".")[1])
+        for _ in range(256):
+            subnet = self.host_ip.rsplit(".", 1)[0]
+            if f"inet {subnet}." not in used:
+                return
+            subnet = f"10.{second}.{random.randrange(256)}"
+            self.host_ip, self.inner_ip = f"{subnet}.1", f"{subnet}.2"
+            self.other_ip = f"{subnet}.3"
+        raise RuntimeError(f"no free subnet in 10.{second}.0.0/16 for a fault namespace")
 
     def run(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         """Run ``argv`` inside the namespace."""

@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 from ballet.planner.v1 import resources_pb2 as res
 
-from tests.faults.net import silent_database
-from tests.faults.test_split_brain import DATABASE
-from tests.replicas.support import END, ChatStream, rig
+from tests.faults.rigs import silent_rig
+from tests.replicas.support import END, ChatStream
 
 pytestmark = pytest.mark.postgres
 
@@ -36,38 +35,32 @@ HOLE_S = 12.0
 async def test_an_answer_streamed_in_a_hole_is_in_the_transcript_after_it(
     tmp_path: Path,
 ) -> None:
-    with silent_database() as (cluster, net):
-        async with rig(
-            tmp_path,
-            cluster.url("postgres"),
-            SCENARIO,
-            # No takeover during the hole: the turn is still this replica's when it heals.
-            planner={"lease_s": 120.0, "sweep_interval_s": 1.0},
-            database=DATABASE,
-        ) as r:
-            session_id = await r.a.create_session(r.alice, "create-kept")
-            stream = ChatStream.open(r.a, r.alice)
-            stream.attach(session_id)
-            await stream.opened()
-            stream.say("tell me", "m1")
-            accepted = await stream.wait_kind("message_accepted")
-            turn_id = accepted.response.turn_id
-            await stream.wait_kind("text_delta")
-            net.silence()
-            opened = time.monotonic()
-            # The whole answer reaches the client through the hole.
-            await stream.wait_for(
-                lambda got: (
-                    "".join(x.response.text_delta.text for x in got if x.kind == "text_delta")
-                    == TEXT
-                ),
-                timeout_s=10,
-            )
-            await asyncio.sleep(max(0.0, HOLE_S - (time.monotonic() - opened)))
-            net.heal()
-            ended = await stream.turn_ended(turn_id, timeout_s=15)
-            assert ended.response.turn_ended.reason == END.TURN_END_REASON_COMPLETED
-            messages = await r.a.messages(r.alice, session_id)
-            answers = [m.text for m in messages if m.kind == res.MESSAGE_KIND_ASSISTANT]
-            assert answers == [TEXT]
-            await stream.close()
+    # No takeover during the hole: the turn is still this replica's when it heals.
+    async with silent_rig(
+        tmp_path, SCENARIO, planner={"lease_s": 120.0, "sweep_interval_s": 1.0}
+    ) as (r, net):
+        session_id = await r.a.create_session(r.alice, "create-kept")
+        stream = ChatStream.open(r.a, r.alice)
+        stream.attach(session_id)
+        await stream.opened()
+        stream.say("tell me", "m1")
+        accepted = await stream.wait_kind("message_accepted")
+        turn_id = accepted.response.turn_id
+        await stream.wait_kind("text_delta")
+        net.silence()
+        opened = time.monotonic()
+        # The whole answer reaches the client through the hole.
+        await stream.wait_for(
+            lambda got: (
+                "".join(x.response.text_delta.text for x in got if x.kind == "text_delta") == TEXT
+            ),
+            timeout_s=10,
+        )
+        await asyncio.sleep(max(0.0, HOLE_S - (time.monotonic() - opened)))
+        net.heal()
+        ended = await stream.turn_ended(turn_id, timeout_s=15)
+        assert ended.response.turn_ended.reason == END.TURN_END_REASON_COMPLETED
+        messages = await r.a.messages(r.alice, session_id)
+        answers = [m.text for m in messages if m.kind == res.MESSAGE_KIND_ASSISTANT]
+        assert answers == [TEXT]
+        await stream.close()

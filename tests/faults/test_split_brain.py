@@ -14,13 +14,12 @@ import asyncio
 import time
 from pathlib import Path
 
-import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from ballet_common.grpc.status import parse
-from tests.faults.net import silent_database
-from tests.replicas.support import ChatStream, rig, sequences
+from tests.faults.rigs import DATABASE as DATABASE
+from tests.faults.rigs import let_go, silent_rig
+from tests.replicas.support import ChatStream, sequences
 
 pytestmark = pytest.mark.postgres
 
@@ -28,65 +27,45 @@ LEASE_S = 4.0
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SCENARIO = {"rules": [{"match": {"last_role": "human"}, "reply": {"text": "Noted."}}]}
-DATABASE = {
-    "unit_timeout_s": 3.0,
-    "tcp_user_timeout_s": 2.0,
-    "keepalives_idle_s": 1,
-    "keepalives_interval_s": 1,
-    "connect_timeout_s": 2,
-    "pool_timeout_s": 3.0,
-}
 
 
 async def test_the_cut_replica_lets_its_clients_go_and_they_resume_on_the_other(
     tmp_path: Path,
 ) -> None:
-    with silent_database() as (cluster, net):
-        async with rig(
-            tmp_path,
-            cluster.url("postgres"),
-            SCENARIO,
-            planner={"lease_s": LEASE_S, "sweep_interval_s": 1.0},
-            database=DATABASE,
-            b_database_url=cluster.url("postgres", net.other_ip),
-        ) as r:
-            session_id = await r.a.create_session(r.alice, "create-split")
-            first = ChatStream.open(r.a, r.alice)
-            first.attach(session_id)
-            await first.opened()
-            first.say("before the cut", "m1")
-            accepted = await first.wait_kind("message_accepted")
-            await first.turn_ended(accepted.response.turn_id)
+    async with silent_rig(
+        tmp_path, SCENARIO, planner={"lease_s": LEASE_S, "sweep_interval_s": 1.0}, split=True
+    ) as (r, net):
+        session_id = await r.a.create_session(r.alice, "create-split")
+        first = ChatStream.open(r.a, r.alice)
+        first.attach(session_id)
+        await first.opened()
+        first.say("before the cut", "m1")
+        accepted = await first.wait_kind("message_accepted")
+        await first.turn_ended(accepted.response.turn_id)
 
-            net.cut(net.inner_ip)  # A's way to the database only
-            cut_at = time.monotonic()
-            not_serving_s = await r.a.wait_health(NOT_SERVING, 10)
-            async with asyncio.timeout(LEASE_S + 10):
-                await first.ended.wait()
-            ended_s = time.monotonic() - cut_at
-            assert isinstance(first.error, grpc.aio.AioRpcError)
-            failure = parse(first.error)
-            assert failure.code is grpc.StatusCode.UNAVAILABLE
-            assert failure.reason == "REPLICA_UNAVAILABLE"
-            last = int(failure.metadata["last_sequence"])
-            got = sequences(first.events())
-            assert got == list(range(1, last + 1))
+        net.cut(net.inner_ip)  # A's way to the database only
+        cut_at = time.monotonic()
+        not_serving_s = await r.a.wait_health(NOT_SERVING, 10)
+        async with asyncio.timeout(LEASE_S + 10):
+            await first.ended.wait()
+        ended_s = time.monotonic() - cut_at
+        last = let_go(first, session_id)
 
-            # The gateway's move: reopen on B after what it got.
-            second = ChatStream.open(r.b, r.alice)
-            second.attach(session_id, after_sequence=last)
-            await second.opened()
-            second.say("after the cut", "m2")
-            again = await second.wait_kind("message_accepted")
-            await second.turn_ended(again.response.turn_id)
-            resumed = sequences(second.events())
-            assert resumed[0] == last + 1 and resumed == list(range(last + 1, resumed[-1] + 1))
+        # The gateway's move: reopen on B after what it got.
+        second = ChatStream.open(r.b, r.alice)
+        second.attach(session_id, after_sequence=last)
+        await second.opened()
+        second.say("after the cut", "m2")
+        again = await second.wait_kind("message_accepted")
+        await second.turn_ended(again.response.turn_id)
+        resumed = sequences(second.events())
+        assert resumed[0] == last + 1 and resumed == list(range(last + 1, resumed[-1] + 1))
 
-            net.mend(net.inner_ip)
-            back_s = await r.a.wait_health(SERVING, 5)
-            await second.close()
-            print(
-                f"\nsplit brain: A NOT_SERVING after {not_serving_s:.1f} s, its stream ended "
-                f"after {ended_s:.1f} s (lease {LEASE_S:g} s); A SERVING {back_s:.2f} s "
-                "after the heal"
-            )
+        net.mend(net.inner_ip)
+        back_s = await r.a.wait_health(SERVING, 5)
+        await second.close()
+        print(
+            f"\nsplit brain: A NOT_SERVING after {not_serving_s:.1f} s, its stream ended "
+            f"after {ended_s:.1f} s (lease {LEASE_S:g} s); A SERVING {back_s:.2f} s "
+            "after the heal"
+        )

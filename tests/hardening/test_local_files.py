@@ -12,11 +12,12 @@ import re
 import sqlite3
 import stat
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
 
-from ballet_common.files import DatabaseFileError, check_sqlite_file
+from ballet_common.files import DatabaseFileError, check_sqlite_file, create_private_file
 from ballet_common.tokens import dev_secret
 from devstack.server import DevStack, DevStackConfig
 from tests.hardening.support import PlannerProcess, _wait_serving, planner_command
@@ -125,3 +126,53 @@ async def test_the_devstack_refuses_a_devstack_db_that_is_not_a_database(tmp_pat
     with pytest.raises(DatabaseFileError, match=r"devstack\.db is not a SQLite database"):
         await DevStack.start(DevStackConfig(data_dir=data_dir, address="127.0.0.1:0"))
     assert (data_dir / "devstack.db").read_bytes() == junk
+
+
+def race_to_create(path: Path, contents: list[bytes]) -> tuple[list[bool], set[bytes]]:
+    """One writer thread a content, all calling ``create_private_file(path, ...)`` at once,
+    while a reader reads ``path`` as fast as it can: what each writer got, and every
+    content the reader saw."""
+    created: list[bool] = []
+    seen: set[bytes] = set()
+    start, done = threading.Barrier(len(contents) + 1), threading.Event()
+
+    def write(content: bytes) -> None:
+        start.wait()
+        created.append(create_private_file(path, content))
+
+    def read() -> None:
+        start.wait()
+        while not done.is_set():
+            try:
+                seen.add(path.read_bytes())
+            except FileNotFoundError:
+                continue
+
+    reader = threading.Thread(target=read)
+    writers = [threading.Thread(target=write, args=(content,)) for content in contents]
+    reader.start()
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join()
+    done.set()
+    reader.join()
+    return created, seen
+
+
+def test_processes_racing_to_create_a_secret_never_read_it_empty_or_half_written(
+    tmp_path: Path,
+) -> None:
+    """Two replicas starting together on one data directory both create the dev page-token
+    key: the loser must read the winner's whole key, never an empty file (one did, and
+    refused to start with "no page token key"). Eight writers of 1 MiB race each round
+    while a reader looks at the file as fast as it can."""
+    contents = [f"{writer:02d}".encode() * (1 << 19) for writer in range(8)]
+    for round_ in range(10):
+        path = tmp_path / f"round-{round_}" / "secret"
+        created, seen = race_to_create(path, contents)
+        assert created.count(True) == 1
+        assert path.read_bytes() in contents
+        assert seen <= set(contents), "a reader saw the file empty or half written"
+        assert mode(path) == 0o600
+        assert [entry.name for entry in path.parent.iterdir()] == ["secret"]

@@ -2,7 +2,8 @@
 
 The hot path's psycopg pool reconnects on its own backoff (1, 2, 4, 8, 16 s between
 tries). PostgreSQL stops long enough for that backoff to grow, then starts again: every
-unit of work right after (a ping, a session read, several in a row) succeeds at once on
+unit of work right after (a ping, a session read, several in a row, and a stream store's
+unit on the same pool, which met no outage itself: decision 0370) succeeds at once on
 a connection of its own, without waiting for the pool's next try.
 """
 
@@ -11,13 +12,15 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 
 import pytest
 
 from service.adapters.store import migrate
 from service.adapters.store.database import open_database
 from service.core.errors import StoreUnavailable
-from tests.integration.store_support import REPLICA, new_session, unique
+from service.core.ports import OpenStream
+from tests.integration.store_support import REPLICA, T0, new_session, unique
 from tests.pg import PgCluster
 
 pytestmark = pytest.mark.postgres
@@ -43,9 +46,10 @@ async def test_units_of_work_succeed_at_once_when_the_database_returns(
     await migrate(url)
     database = await open_database(url, replica_id=REPLICA, unit_timeout_s=5)
     try:
-        store = database.sessions
+        store, streams = database.sessions, database.streams
         session_id = unique("s")
         await store.create_session(new_session(session_id))
+        await streams.heartbeat(REPLICA, T0 + timedelta(days=3650))
         cluster.stop("fast")
         with pytest.raises(StoreUnavailable):
             await store.get_session(session_id)
@@ -58,6 +62,12 @@ async def test_units_of_work_succeed_at_once_when_the_database_returns(
         await store.ping()
         for _ in range(5):
             assert await store.get_session(session_id) is not None
+        # The stream store shares the pool but met no outage itself: it goes direct too
+        # (it waited its whole deadline on the pool, whose growth waited on its backoff;
+        # decision 0370).
+        stream = OpenStream(unique("stream"), "alice", REPLICA, T0)
+        assert await streams.open_stream(stream, limit=16, now=T0)
+        await streams.close_streams([stream.stream_id])
         took = time.monotonic() - back
         # The pool's next try is seconds away: only a unit that connects on its own is
         # this quick.

@@ -47,7 +47,11 @@ from service.core.turn import SendRequest, TurnDependencies, TurnService, TurnSe
 from tests.memory_store import MemoryStore
 from tests.unit.fakes import FakeBackends, FakeClock, ScriptedGateway, last_role
 
-SEEDS = (1, 2, 3, 4, 5, 6)
+#: The run of each seed covers every strategy and ending (asserted below); seeds 4 and 5
+#: stopped covering JOINED once first model calls open while their start commits
+#: (decision 0380: turns answer sooner), though their invariants hold; 7 and 8 took
+#: their places.
+SEEDS = (1, 2, 3, 6, 7, 8)
 STEPS = 160
 HUMANS = ("alice", "bob", "carol")
 PROPOSAL = json.dumps(

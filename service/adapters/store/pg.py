@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from datetime import datetime
@@ -129,6 +130,17 @@ def make_pool(
     )
 
 
+@dataclasses.dataclass
+class _Reach:
+    """Whether a pool's database was found unreachable (and the pool has had no
+    connection free since): one per pool, shared by every ``PgHotPath`` on it."""
+
+    unreachable: bool = False
+
+
+_REACH: weakref.WeakKeyDictionary[AsyncConnectionPool[Any], _Reach] = weakref.WeakKeyDictionary()
+
+
 class PgHotPath:
     """The hot units of work on ``pool`` (see the module docstring).
 
@@ -141,7 +153,10 @@ class PgHotPath:
     again (it reconnects in the background, backing off), each unit of work opens a
     connection of its own: a database that is down is reported at once, and one that is
     back is used at once, whatever the pool's backoff (decision 0312: a first success
-    does not send the next unit back to a pool that is still empty).
+    does not send the next unit back to a pool that is still empty). Whether the
+    database was found unreachable belongs to the pool, not to one hot path: the
+    session store's and the stream store's share it (decision 0370), so a unit of work
+    of either never waits on an emptied pool whose growth waits on its backoff.
     """
 
     def __init__(
@@ -151,7 +166,7 @@ class PgHotPath:
         observers: list[StatementObserver] | None = None,
     ) -> None:
         self._pool = pool
-        self._unreachable = False
+        self._reach = _REACH.setdefault(pool, _Reach())
         self._observers = observers if observers is not None else []
         self._checking: asyncio.Task[None] | None = None
 
@@ -198,6 +213,14 @@ class PgHotPath:
                 if not checked_out:
                     self._unreachable = True
             self._unreachable = False
+
+    @property
+    def _unreachable(self) -> bool:
+        return self._reach.unreachable
+
+    @_unreachable.setter
+    def _unreachable(self, value: bool) -> None:
+        self._reach.unreachable = value
 
     def _check_idle(self) -> None:
         # The idle connections of a server that went away are broken too: drop them now

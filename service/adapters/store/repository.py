@@ -418,6 +418,10 @@ class SqlSessionStore:
             return ready
         return self.units_of_work.run(self._load_context(session_id), read=True)
 
+    def kept_context(self, session_id: str) -> ContextSnapshot | None:
+        """The context cache's snapshot of the session (decision 0113), or None; no I/O."""
+        return self._cache.get(session_id)
+
     async def _load_context(self, session_id: str) -> ContextSnapshot | None:
         snapshot = await self._read_context(session_id)
         if snapshot is None:

@@ -301,6 +301,12 @@ class SessionStore(Protocol):
         task.)"""
         ...
 
+    def kept_context(self, session_id: str) -> ContextSnapshot | None:
+        """What ``load_context`` would answer now from memory, when this process holds
+        the session's context provably current; else None. Never reads the database and
+        never waits (the early model call, decision 0380)."""
+        ...
+
     async def start_turn(self, start: TurnStart) -> TurnStartOutcome:
         """Store the human message and open the turn, in one transaction.
 

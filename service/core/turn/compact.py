@@ -198,9 +198,8 @@ class Compactor:
         fit; every answer is checked before the next chunk builds on it."""
         deps, state = self._deps, self._state
         instructions = deps.settings.summary_instructions or prompts.summary_instructions()
-        reserved = (
-            compaction_request_tokens(compaction_system_prompt(instructions, "", ""))
-            + max(SUMMARY_ROOM_TOKENS, text_tokens(plan.previous_summary))
+        reserved = compaction_request_tokens(compaction_system_prompt(instructions, "", "")) + max(
+            SUMMARY_ROOM_TOKENS, text_tokens(plan.previous_summary)
         )
         chunks = chunk_blocks(
             render_transcript(plan.messages),

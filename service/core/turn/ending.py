@@ -94,6 +94,8 @@ def promotion(deps: TurnDependencies) -> Promotion:
         model=settings.model,
         max_rounds=settings.max_rounds,
     )
+
+
 #: An answer stopped at its output cap: a text answer cut there (decision 0291).
 OUTPUT_LIMIT = Ending(Reason.OUTPUT_LIMIT, "OUTPUT_LIMIT", "the answer stopped at its output limit")
 #: A second answer of the turn cut at its output limit inside a tool call (decision 0292).

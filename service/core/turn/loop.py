@@ -38,7 +38,6 @@ from dataclasses import dataclass, field, replace
 from typing import TypeVar, assert_never
 
 from service.core import tracing
-from service.core.context import with_context
 from service.core.conversation import Conversations
 from service.core.errors import PlannerError, StoreConflict, StoreUnavailable
 from service.core.estimate import messages_tokens
@@ -49,9 +48,10 @@ from service.core.tools.cut import cut_text, utf8_size
 from service.core.tracing import NULL_SPAN, Span, SpanRef
 from service.core.turn import ending as endings
 from service.core.turn.compact import Compactor
+from service.core.turn.early import turn_request
 from service.core.turn.ending import Ending, OnPromoted, close_stored_turn, closing_commit
 from service.core.turn.events import EventBuilder
-from service.core.turn.model_call import model_request, output_cap, stream_answer
+from service.core.turn.model_call import output_cap, stream_answer
 from service.core.turn.prompt import Prompt, PromptSource
 from service.core.turn.settings import TurnDependencies
 from service.core.turn.state import Answer, PendingCall, TurnHandle, TurnRun
@@ -214,6 +214,8 @@ class TurnLoop:
                 if self._on_step is not None:
                     self._on_step(step)
                 if isinstance(step, End):
+                    # Ended before its first model call: the early one goes (0380).
+                    self._handle.drop_early()
                     return step
                 if isinstance(step, Prepare):
                     step = await self._prepare()
@@ -301,19 +303,17 @@ class TurnLoop:
         cap = output_cap(self._deps, state, Purpose.TURN, estimate)
         if isinstance(cap, Ending):
             return End(cap)
-        request = model_request(
-            self._deps,
-            state,
-            purpose=Purpose.TURN,
-            credential_ref=prompt.credential_ref,
-            system=prompt.system,
-            system_context=with_context(prompt.context, state.context_block),
-            messages=self._conversations.model_messages(self._handle.session_id, state.messages),
-            tools=self._deps.declarations,
-            max_output_tokens=cap,
-            input_estimate=estimate,
+        request = turn_request(
+            self._deps, self._conversations, state, prompt, estimate=estimate, cap=cap
         )
-        streamed = await stream_answer(self._deps, state, request, relay=True)
+        early, self._handle.early = self._handle.early, None
+        if early is not None:
+            # Opened while the start committed (decision 0380): used only when it is this
+            # very request, else cancelled.
+            early = early.take(request)
+            if early is not None:
+                request = early.request
+        streamed = await stream_answer(self._deps, state, request, relay=True, early=early)
         answer = streamed.answer
         self._compactor.answered(answer.usage)
         if streamed.stopped:

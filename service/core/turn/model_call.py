@@ -19,7 +19,7 @@ import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import assert_never
+from typing import TYPE_CHECKING, assert_never
 
 from service.core import tracing
 from service.core.errors import ModelFailure
@@ -41,6 +41,9 @@ from service.core.turn import ending as endings
 from service.core.turn.ending import Ending
 from service.core.turn.settings import TurnDependencies
 from service.core.turn.state import Answer, PendingCall, TurnRun
+
+if TYPE_CHECKING:
+    from service.core.turn.early import EarlyCall
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +151,12 @@ def model_request(
 
 
 async def stream_answer(
-    deps: TurnDependencies, state: TurnRun, request: ModelRequest, *, relay: bool
+    deps: TurnDependencies,
+    state: TurnRun,
+    request: ModelRequest,
+    *,
+    relay: bool,
+    early: EarlyCall | None = None,
 ) -> Streamed:
     """Stream one answer through the gateway; ``relay`` sends its text deltas to the
     session's streams. Turn-purpose usage is added to the turn's. Never raises but
@@ -164,7 +172,7 @@ async def stream_answer(
     }
     name = f"{tracing.MODEL_CALL_SPAN} {request.model}"
     with deps.tracer.span(name, attributes) as span:
-        streamed = await _stream_answer(deps, state, request, relay=relay)
+        streamed = await _stream_answer(deps, state, request, relay=relay, early=early)
         answer = streamed.answer
         outcome = "stopped" if streamed.stopped else "ok"
         if streamed.failure is not None:
@@ -184,18 +192,28 @@ async def stream_answer(
 
 
 async def _stream_answer(
-    deps: TurnDependencies, state: TurnRun, request: ModelRequest, *, relay: bool
+    deps: TurnDependencies,
+    state: TurnRun,
+    request: ModelRequest,
+    *,
+    relay: bool,
+    early: EarlyCall | None,
 ) -> Streamed:
     handle = state.handle
     answer = Answer(message_id=new_message_id())
     if handle.stopping:
+        if early is not None:
+            early.cancel()
         return Streamed(answer, stopped=True)
-    started = deps.clock.monotonic()
+    # An early call (decision 0380) was opened before the turn was stored: its time
+    # counts from then.
+    started = deps.clock.monotonic() if early is None else early.started
     first_output: list[float] = []
     state.model_requests += 1
+    chunks = deps.gateway.stream(request) if early is None else early.chunks()
 
     async def consume() -> None:
-        async for chunk in deps.gateway.stream(request):
+        async for chunk in chunks:
             if not first_output:
                 first_output.append(deps.clock.monotonic() - started)
             if isinstance(chunk, TextChunk):
@@ -252,6 +270,10 @@ async def _stream_answer(
         if not task.done():
             task.cancel()
             await asyncio.wait({task})
+        if early is not None:
+            # Closed by its iterator once started; a stream cancelled before it started
+            # is closed here.
+            early.cancel()
     stopped = task.cancelled()
     failure: ModelFailure | None = None
     outcome = "stopped" if stopped else "ok"

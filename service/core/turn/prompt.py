@@ -118,6 +118,23 @@ class PromptSource:
             self._built.popitem(last=False)
         return prompt
 
+    def kept(self, acting: Acting, project_id: str) -> Prompt | None:
+        """The prompt ``prompt`` would give now, when it needs no read and no rendering:
+        the directory's answers are in memory and the prompt built from them is kept;
+        else None. Never waits (the early model call, decision 0380)."""
+        project = self._directory.kept_project(acting, project_id)
+        if project is None:
+            return None
+        skill: SkillDocument | None = None
+        if project.planner_skill:
+            skill = self._directory.kept_skill(acting, project_id, project.planner_skill)
+            if skill is None:
+                return None
+        built = self._built.get((acting.organization_id, acting.human_id, project_id))
+        if built is not None and built[0] is project and built[1] is skill:
+            return built[2]
+        return None
+
     def _build(self, project: ProjectInfo, skill: SkillDocument | None) -> Prompt:
         context = project_block(project, skill)
         return Prompt(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -34,6 +35,7 @@ from service.core.ports import Acting, Enqueue, Promoted, StartOutcomeKind, Turn
 from service.core.projects import ProjectDirectory
 from service.core.sessions import check_request_id
 from service.core.turn import ending as endings
+from service.core.turn.early import EarlyCall
 from service.core.turn.ending import Ending, close_stored_turn
 from service.core.turn.events import EventBuilder, Totals
 from service.core.turn.leases import Leases
@@ -54,6 +56,9 @@ _START_ATTEMPTS = 3
 #: 1 s), and, of those, the last ones for closing from the store the runs that did not.
 STOP_MARGIN_S = 1.0
 CLOSE_MARGIN_S = 0.5
+#: Sessions whose last request id is kept, so that a retried message opens no early
+#: model call (decision 0380).
+_KEPT_REQUEST_IDS = 10_000
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,8 @@ class TurnService:
             directory, model=settings.model, declarations=deps.declarations
         )
         self._conversations = Conversations()
+        #: Per session, the request id of the turn last started here (decision 0380).
+        self._last_requests: OrderedDict[str, str] = OrderedDict()
         self._handles: dict[str, TurnHandle] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._accepting_tasks: set[asyncio.Task[Accepted]] = set()
@@ -262,17 +269,44 @@ class TurnService:
                 owner=self._deps.replica_id,
                 lease_expires_at=now + timedelta(seconds=settings.lease_s),
             )
-            outcome = await self._deps.store.start_turn(
-                TurnStart(
-                    turn=turn,
-                    project_id=session.project_id,
-                    message=accepted.message,
-                    events=[accepted, events.turn_started(settings.model, settings.max_rounds)],
-                    limits=settings.running_limits,
-                    now=now,
-                    enqueue=enqueue,
-                )
+            acting = Acting(
+                human_id=request.human_id,
+                organization_id=request.organization_id,
+                token=request.token,
+                session_id=session.session_id,
             )
+            # The first model call, opened now and taken over by the turn once the start
+            # is durable; cancelled if it is not (decision 0380).
+            early = None
+            if self._last_requests.get(session.session_id) != request.request_id:
+                # (A retry of the message last sent here is a duplicate: no model call.)
+                early = EarlyCall.start(
+                    self._deps,
+                    self._prompts,
+                    self._conversations,
+                    turn=turn,
+                    session=session,
+                    acting=acting,
+                    message=accepted.message,
+                )
+            try:
+                outcome = await self._deps.store.start_turn(
+                    TurnStart(
+                        turn=turn,
+                        project_id=session.project_id,
+                        message=accepted.message,
+                        events=[accepted, events.turn_started(settings.model, settings.max_rounds)],
+                        limits=settings.running_limits,
+                        now=now,
+                        enqueue=enqueue,
+                    )
+                )
+            except BaseException:
+                if early is not None:
+                    early.cancel()
+                raise
+            if early is not None and outcome.kind is not StartOutcomeKind.STARTED:
+                early.cancel()
             if outcome.kind is StartOutcomeKind.EXPIRED_TURN:
                 await self._close(outcome.turn, endings.LEASE_EXPIRED, lease_expired_before=now)
                 continue
@@ -290,18 +324,24 @@ class TurnService:
                         handle.join_pending = True
                 return Accepted(outcome.turn, outcome.events[0], duplicate=False)
             stored = list(outcome.events)
-            acting = Acting(
-                human_id=request.human_id,
-                organization_id=request.organization_id,
-                token=request.token,
-                session_id=session.session_id,
-            )
+            self._remember_request(session.session_id, request.request_id)
+            handle = TurnHandle(outcome.turn, session, acting, stored[0].sequence)
+            handle.early = early
             # Launched before the events are published: the turn's first steps (and its
             # model call) run before the streams' writers wake for these events.
-            self._launch(TurnHandle(outcome.turn, session, acting, stored[0].sequence))
+            self._launch(handle)
             StoreThenTell.of(self._deps).tell(stored, outcome.turn)
             return Accepted(outcome.turn, stored[0], duplicate=False)
         raise FailedPrecondition("a turn is still closing; try again", reason="TURN_IN_PROGRESS")
+
+    def _remember_request(self, session_id: str, request_id: str) -> None:
+        """Keep the request id of the turn last started in ``session_id`` (at most
+        ``_KEPT_REQUEST_IDS`` sessions): a retry of it opens no early model call."""
+        requests = self._last_requests
+        requests.pop(session_id, None)
+        requests[session_id] = request_id
+        if len(requests) > _KEPT_REQUEST_IDS:
+            requests.popitem(last=False)
 
     async def wait_for_end(self, turn_id: str) -> Turn:
         """Wait until a turn has ended and return it (unary ``SendMessage``); the
@@ -427,6 +467,8 @@ class TurnService:
         def ended(_: asyncio.Task[None]) -> None:
             self._handles.pop(turn_id, None)
             self._tasks.pop(turn_id, None)
+            # A run cancelled before its first model call (decision 0380).
+            handle.drop_early()
             handle.done.set()
 
         task.add_done_callback(ended)

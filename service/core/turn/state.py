@@ -7,11 +7,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from service.core.model import ContextEstimate, Message, Session, Turn, Usage
 from service.core.ports import Acting, FinishReason, TurnPatch
 from service.core.turn.ending import Ending
 from service.core.turn.events import EventBuilder, Totals
+
+if TYPE_CHECKING:
+    from service.core.turn.early import EarlyCall
 
 
 class TurnHandle:
@@ -31,8 +35,17 @@ class TurnHandle:
         #: A JOIN message waits to join the next model request (decision 0303): set by
         #: the service (this replica), the cancel signal or the lease renewal.
         self.join_pending = False
+        #: The turn's first model call, opened while its start committed (decision
+        #: 0380): the loop takes it over or cancels it.
+        self.early: EarlyCall | None = None
         self.done = asyncio.Event()
         self._on_stop: list[Callable[[], object]] = []
+
+    def drop_early(self) -> None:
+        """Cancel the early model call when nothing took it over (decision 0380)."""
+        early, self.early = self.early, None
+        if early is not None:
+            early.cancel()
 
     def request_stop(self, ending: Ending) -> None:
         """Ask the loop to end the turn with ``ending`` at its next step (at once while
