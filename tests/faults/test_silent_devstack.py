@@ -6,6 +6,9 @@ The gateway is served on a port of its own, so each can be silenced alone. Bound
 shortened by configuration (a 3 s tool deadline, a 6 s first-output and a 3 s idle
 deadline for the model; 15, 180 and 90 s by default):
 
+- the tracker silent: a ``CreateSession`` whose project check is not cached fails
+  ``UNAVAILABLE``/``DEPENDENCY_UNAVAILABLE`` within the project deadline (2 s; 5 s by
+  default) and its retry after the heal creates the session once;
 - the tracker silent during a write tool call: the call fails ``DEADLINE_EXCEEDED``
   within the tool deadline, the model gets that error result (saying the write may have
   happened: the request may still reach the tracker when the hole heals) and the turn
@@ -41,11 +44,14 @@ from pathlib import Path
 import grpc
 import pytest
 from ballet.llm.v1 import gateway_pb2
+from ballet.planner.v1 import planner_service_pb2
 from ballet.planner.v1 import resources_pb2 as res
 
+from ballet_common.grpc.status import RpcFailure, parse
 from ballet_common.tokens import Trust, dev_secret
 from devstack.gateway import GatewayServicer, ScriptedProvider, add_gateway_service
 from tests.faults.loopback import LoopbackHole, local_ports, loopback_hole, unacknowledged
+from tests.faults.net import require_root_network
 from tests.replicas.support import END, ChatStream, Received, Rig, rig
 
 pytestmark = pytest.mark.postgres
@@ -53,6 +59,7 @@ pytestmark = pytest.mark.postgres
 TOOL_CALL_S = 3.0
 FIRST_DELTA_S = 6.0
 IDLE_S = 3.0
+PROJECT_LOOKUP_S = 2.0
 #: Past a deadline: the turn's commit and the event's way to the client, loaded machine.
 SLACK_S = 2.5
 NOTE = {"kind": "note", "title": "Silent tracker", "body": "Written into a black hole."}
@@ -92,6 +99,7 @@ async def gateway_apart(
     """The rig, with the scripted gateway on a loopback port of its own (the devstack's
     trust: the dev secret of the rig's data directory) and ``dependencies`` as more keys
     of ``[dependencies]``."""
+    require_root_network()  # before anything starts
     data_dir = tmp_path / "data"
     await asyncio.to_thread(data_dir.mkdir, parents=True, exist_ok=True)
     server = grpc.aio.server()
@@ -145,10 +153,16 @@ async def test_a_silent_tracker_or_gateway_fails_the_call_within_its_deadline(
     async with gateway_apart(
         tmp_path,
         pg_url,
-        {"tool_call_s": TOOL_CALL_S, "model_first_delta_s": FIRST_DELTA_S, "model_idle_s": IDLE_S},
+        {
+            "tool_call_s": TOOL_CALL_S,
+            "model_first_delta_s": FIRST_DELTA_S,
+            "model_idle_s": IDLE_S,
+            "project_lookup_s": PROJECT_LOOKUP_S,
+        },
     ) as apart:
         r, gateway, gateway_port = apart.r, apart.gateway, apart.gateway_port
         stream, session_id = apart.stream, apart.session_id
+        bob = (("authorization", f"Bearer {r.stack.token('bob')}"),)
         tracker_port = _port(r.stack.address)
 
         measured: dict[str, float] = {}
@@ -157,6 +171,19 @@ async def test_a_silent_tracker_or_gateway_fails_the_call_within_its_deadline(
             hole.drop_port(tracker_port)
             opened = time.monotonic()
             turn = await _turn(stream, "write a note", "m1", 2)
+            # Meanwhile an RPC that must ask the tracker (bob's project check is not
+            # cached) fails within the project deadline, without a client deadline.
+            measured["project"], failure = await _fails(
+                r.a.stub.CreateSession(
+                    planner_service_pb2.CreateSessionRequest(request_id="bob-1", project_id="demo"),
+                    metadata=bob,
+                )
+            )
+            assert (failure.code, failure.reason) == (
+                grpc.StatusCode.UNAVAILABLE,
+                "DEPENDENCY_UNAVAILABLE",
+            ), failure
+            assert measured["project"] <= PROJECT_LOOKUP_S + SLACK_S, measured
             finished = await stream.wait_kind("tool_call_finished", timeout_s=TOOL_CALL_S + 10)
             measured["tool"] = finished.at - opened
             result = finished.response.tool_call_finished.message
@@ -167,7 +194,17 @@ async def test_a_silent_tracker_or_gateway_fails_the_call_within_its_deadline(
             write_id = result.tool_call_id
             ended = await _ended(stream, turn, opened, TOOL_CALL_S + SLACK_S)
             assert ended.response.turn_ended.reason == END.TURN_END_REASON_COMPLETED
-            hole.heal()
+            await _caught_up(hole, tracker_port, opened)
+            # Bob's retry, the same request id, creates his session, once.
+            created = await r.a.stub.CreateSession(
+                planner_service_pb2.CreateSessionRequest(request_id="bob-1", project_id="demo"),
+                metadata=bob,
+                timeout=PROJECT_LOOKUP_S + 10,
+            )
+            listed = await r.a.stub.ListSessions(
+                planner_service_pb2.ListSessionsRequest(project_id="demo"), metadata=bob, timeout=10
+            )
+            assert [x.session_id for x in listed.sessions] == [created.session.session_id]
 
             # The gateway silent before a call.
             hole.drop_port(gateway_port)
@@ -211,7 +248,8 @@ async def test_a_silent_tracker_or_gateway_fails_the_call_within_its_deadline(
         assert len(r.stack.calls_for("CreateKnowledgeEntry")) <= 1
         assert dict(r.stack.writes) in ({}, {write_id: 1}), dict(r.stack.writes)
         print(
-            f"\nsilent devstack: a write failed {measured['tool']:.1f} s after the hole "
+            f"\nsilent devstack: a project check failed {measured['project']:.1f} s (deadline "
+            f"{PROJECT_LOOKUP_S:g} s) and a write {measured['tool']:.1f} s after the hole "
             f"(deadline {TOOL_CALL_S:g} s); a call {measured['first']:.1f} s (first output "
             f"{FIRST_DELTA_S:g} s), its channel caught up {measured['channel']:.1f} s after "
             f"the heal; a streaming answer {measured['idle']:.1f} s (idle {IDLE_S:g} s), its "
@@ -231,6 +269,14 @@ def _failed(ended: Received, reason: str) -> None:
 def _last_text(request: gateway_pb2.GenerateRequest) -> str:
     last = request.messages[-1]
     return "(a tool result)" if last.HasField("tool_result") else str(last.text)
+
+
+async def _fails(call: object) -> tuple[float, RpcFailure]:
+    """How long ``call`` (an RPC without a client deadline) took to fail, and how."""
+    started = time.monotonic()
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await call  # type: ignore[misc]
+    return time.monotonic() - started, parse(raised.value)
 
 
 async def _caught_up(hole: LoopbackHole, port: int, opened: float) -> float:

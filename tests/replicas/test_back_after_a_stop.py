@@ -6,14 +6,15 @@ Two ``ballet-planner serve`` processes on a private PostgreSQL with the default 
 flight on each replica (A streams an answer, B waits on a tool call the devstack holds),
 then PostgreSQL stops (``pg_ctl stop``, fast) and starts again on the same port and
 data. Both stops outlast the lease, so the replicas let their Chat clients go
-(``REPLICA_UNAVAILABLE``) during them.
+(``REPLICA_UNAVAILABLE``) during them, and every lease expires.
 
 Measured from the moment the database accepts connections again (a client of the
 test's own polls it every 20 ms): each replica is SERVING, and a message sent to each on
 a freshly opened Chat stream is acknowledged, within 1 s (the bound
-``docs/spec/limits.md`` states). The turns in flight end on what happened: no ending
-says the replica stopped ("the replica running the turn stopped" is start-up's, for a
-replica that did). Nothing acknowledged is lost.
+``docs/spec/limits.md`` states). The turns in flight end on what happened, by their
+owners: A's ``COMPLETED`` with the answer its client saw, B's ``FAILED``/
+``DATABASE_UNAVAILABLE``; no ending says a replica stopped ("the replica running the
+turn stopped" is start-up's, for a replica that did). Nothing acknowledged is lost.
 
 Takes about 1.5 minutes (65 s of stops).
 """
@@ -184,6 +185,18 @@ async def one_stop(
     }
     for stream in (on_a, on_b):
         await stream.close()
+    # Each by its owner, which is alive (no sweeper takes a turn over right after an
+    # outage of its own, decision 0371): A's answer streamed during the stop is kept, B's
+    # tool result could not be stored.
+    assert ended["a"].end_reason == res.TURN_END_REASON_COMPLETED, ended["a"]
+    assert ended["b"].end_reason == res.TURN_END_REASON_FAILED, ended["b"]
+    assert ended["b"].error_info.reason == "DATABASE_UNAVAILABLE", ended["b"]
+    answers = [
+        m.text
+        for m in await a.messages(alice, sessions["a"])
+        if m.kind == res.MESSAGE_KIND_ASSISTANT and m.turn_id == turns["a"]
+    ]
+    assert answers == [ANSWER], answers
     return {
         "not_serving_s": [round(x, 2) for x in not_serving],
         "serving_s": [round(x, 2) for x in waits[:2]],

@@ -48,7 +48,7 @@ from service.core.model import (
 )
 from service.core.ports import RunningLimits, SummaryUpdate, TurnCommit, TurnPatch, TurnStart
 from tests.pg import PgServer
-from tests.service.turn_support import Rig, events, reset, start_rig, stop_rig
+from tests.service.turn_support import QUIET_UPKEEP, Rig, events, reset, start_rig, stop_rig
 
 COMPACT_AT = 1000
 INPUT_MAX = 4096
@@ -365,7 +365,9 @@ class CountingProvider:
 async def pg_rig(tmp_path: Path, pg_cluster: PgServer) -> AsyncIterator[Rig]:
     name = f"compaction_{uuid.uuid4().hex[:12]}"
     pg_cluster.create_database(name)
-    started = await start_rig(tmp_path / "stack", database_url=pg_cluster.url(name))
+    started = await start_rig(
+        tmp_path / "stack", database_url=pg_cluster.url(name), settings=QUIET_UPKEEP
+    )
     try:
         yield started
     finally:

@@ -34,6 +34,7 @@ from service.core import prompts
 from tests.pg import PgServer
 from tests.service.planner_support import reason_of
 from tests.service.turn_support import (
+    QUIET_UPKEEP,
     Rig,
     error_reason,
     event_message,
@@ -498,7 +499,7 @@ async def test_t1_a_one_round_turn_counted(tmp_path: Path) -> None:
 
     Commits are counted from ``send_message`` to ``turn_ended``: what the turn costs, not
     what opening the stream costs."""
-    rig = await start_rig(tmp_path / "stack")
+    rig = await start_rig(tmp_path / "stack", settings=QUIET_UPKEEP)
     try:
         rig.scenario(call_then_answer({"name": "list_items", "arguments": {}}))
         session_id = (await rig.create_session()).session_id

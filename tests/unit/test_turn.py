@@ -15,7 +15,13 @@ import pytest
 
 from service.core import conversation, prompts
 from service.core.context import SUMMARY_TAG, to_model_messages
-from service.core.errors import FailedPrecondition, InvalidArgument, ModelFailure, ToolFailure
+from service.core.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    ModelFailure,
+    StoreUnavailable,
+    ToolFailure,
+)
 from service.core.estimate import message_tokens
 from service.core.fanout import Hub
 from service.core.model import (
@@ -399,22 +405,26 @@ async def test_a_second_message_while_a_turn_runs_is_refused() -> None:
     await rig.service.wait_for_end(turn_id)
 
 
+def running_elsewhere(rig: Rig, like: str, turn_id: str, owner: str) -> None:
+    """Store ``turn_id``, a copy of the ended turn ``like`` running on replica ``owner``
+    whose lease expires now."""
+    rig.store.turns[turn_id] = replace(
+        rig.store.turns[like],
+        turn_id=turn_id,
+        state=TurnState.RUNNING,
+        end_reason=None,
+        owner=owner,
+        request_id=turn_id,
+        lease_expires_at=rig.clock.now(),
+    )
+
+
 async def test_expired_lease_is_swept_interrupted_with_outcome_unknown_results() -> None:
     rig = make_rig(one_round)
     turn_id = await rig.send("go")
     # Simulate a dead owner: another replica's running turn with a stored tool call.
     await rig.service.wait_for_end(turn_id)
-    turn = rig.store.turns[turn_id]
-    dead = replace(
-        turn,
-        turn_id="turn_dead",
-        state=TurnState.RUNNING,
-        end_reason=None,
-        owner="r-dead",
-        request_id="dead",
-        lease_expires_at=rig.clock.now(),
-    )
-    rig.store.turns["turn_dead"] = dead
+    running_elsewhere(rig, turn_id, "turn_dead", "r-dead")
     call = replace(
         next(m for m in rig.store.messages["s1"] if m.kind is MessageKind.TOOL_CALL),
         turn_id="turn_dead",
@@ -441,6 +451,33 @@ async def test_expired_lease_is_swept_interrupted_with_outcome_unknown_results()
         if m.tool_call_id == "call_dead" and m.kind is MessageKind.TOOL_RESULT
     ]
     assert "outcome is unknown" in json.loads(result[0].tool_result)["error"]["message"]
+
+
+async def test_a_sweeper_back_from_its_own_outage_gives_the_owners_a_lease_first() -> None:
+    # Every replica lost the database, so every lease expired meanwhile; the owners are
+    # alive and renew, or store what their humans saw, once it answers (decision 0371).
+    rig = make_rig(one_round, lease_s=15.0)
+    turn_id = await rig.send("go")
+    await rig.service.wait_for_end(turn_id)
+    running_elsewhere(rig, turn_id, "turn_other", "r-other")
+    rig.clock.advance(1)
+    reachable = rig.store.running_turns
+
+    async def unreachable(**_: Any) -> list[Any]:
+        raise StoreUnavailable("the database did not answer")
+
+    rig.store.running_turns = unreachable  # type: ignore[method-assign]
+    with pytest.raises(StoreUnavailable):
+        await rig.service.sweep()
+    rig.store.running_turns = reachable  # type: ignore[method-assign]
+    assert await rig.service.sweep() == 0
+    rig.clock.advance(14)
+    assert await rig.service.sweep() == 0
+    assert rig.store.turns["turn_other"].state is TurnState.RUNNING
+    # A lease after the answer, an owner that did not renew is gone: swept.
+    rig.clock.advance(1.5)
+    assert await rig.service.sweep() == 1
+    assert rig.store.turns["turn_other"].end_reason is TurnEndReason.INTERRUPTED
 
 
 # ---------------------------------------------------------------------- compaction

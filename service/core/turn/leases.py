@@ -6,6 +6,12 @@ of ``lease_s``. A sweeper on every replica closes turns whose lease expired
 lease holds. A renewal that finds the turn gone or taken over stops its run without
 storing anything more; one that finds a cancel flag (a notification missed while the
 listener reconnected) stops it ``CANCELLED``.
+
+A sweeper that could not reach the database itself closes nothing for ``lease_s`` after
+it answers again (decision 0371): the leases that expired meanwhile belong to owners who
+may only have lost the database too, and who, being alive, renew them or store their
+turns' ends (what their humans saw) within that time. A replica cut alone from the
+database (its peers still reach it) is swept as before: its peers saw no outage.
 """
 
 from __future__ import annotations
@@ -38,6 +44,10 @@ class Leases:
         self._handles = handles
         self._on_promoted = on_promoted
         self._tasks: list[asyncio.Task[None]] = []
+        # The sweeper's own view of the database (decision 0371): a sweep failed since
+        # the last answer; no closing before this monotonic time.
+        self._unanswered = False
+        self._hold_until = 0.0
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -55,11 +65,27 @@ class Leases:
     async def sweep(self) -> int:
         """Close every running turn whose lease expired and that no run here holds;
         returns how many this call closed (replicas race for the same turns; one wins
-        each). Raises ``StoreUnavailable``."""
+        each). Closes nothing for ``lease_s`` after a failed sweep's database answers
+        again (see the module docstring). Raises ``StoreUnavailable``."""
         deps = self._deps
         now = deps.clock.now()
         closed = 0
-        for turn in await deps.store.running_turns(lease_expired_before=now):
+        try:
+            expired = await deps.store.running_turns(lease_expired_before=now)
+        except StoreUnavailable:
+            self._unanswered = True
+            raise
+        if self._unanswered:
+            # Back from an outage of our own: the owners get a lease's length to renew.
+            self._unanswered = False
+            self._hold_until = deps.clock.monotonic() + deps.settings.lease_s
+            log.info(
+                "the database answers again: expired leases are swept after %g s",
+                deps.settings.lease_s,
+            )
+        if deps.clock.monotonic() < self._hold_until:
+            return 0
+        for turn in expired:
             if turn.turn_id in self._handles:
                 continue
             if await close_stored_turn(

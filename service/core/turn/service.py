@@ -3,10 +3,12 @@
 
 ``send_message`` stores the human message and opens the turn in one transaction, then
 runs the turn as a task of its own, so a client that disconnects does not stop it (a
-disconnect is not a cancel). The commit and the launch that must follow it run in a task
-this service owns: a caller cancelled between the two cannot leave a stored turn that
-never runs. ``cancel`` stops a turn on whichever replica runs it; ``wait_for_end`` serves
-unary ``SendMessage``; ``stop`` is the graceful shutdown.
+disconnect is not a cancel). The turn's first model call is opened while that
+transaction commits, and handed to the turn once it is durable (decision 0380). The
+commit and the launch that must follow it run in a task this service owns: a caller
+cancelled between the two cannot leave a stored turn that never runs. ``cancel`` stops a
+turn on whichever replica runs it; ``wait_for_end`` serves unary ``SendMessage``; ``stop``
+is the graceful shutdown.
 """
 
 from __future__ import annotations
