@@ -30,6 +30,7 @@ from service.core.errors import (
     StoreUnavailable,
     Unavailable,
 )
+from service.core.estimate import TokenCalibration
 from service.core.ids import new_turn_id, request_hash
 from service.core.model import EventKind, OnBusy, Session, SessionEvent, Turn, TurnState
 from service.core.ports import Acting, Enqueue, Promoted, StartOutcomeKind, TurnStart
@@ -201,6 +202,11 @@ class TurnService:
     def running(self) -> int:
         """Turns running in this process."""
         return len(self._handles)
+
+    @property
+    def calibration(self) -> TokenCalibration:
+        """What this process learned of the model's token count (decision 0350)."""
+        return self._deps.calibration
 
     # ------------------------------------------------------------------ requests
 

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from service.core.estimate import TokenCalibration
 from service.core.fanout import Hub
 from service.core.model import TurnEndReason, Usage
 from service.core.ports import (
@@ -198,3 +199,6 @@ class TurnDependencies:
     projects: ProjectDirectory | None = None
     #: The models whose dropped tools were logged already: once each (decision 0297).
     warned_endpoints: set[str] = field(default_factory=set)
+    #: The model's input tokens per estimated token, learned from its reported usage
+    #: (decision 0350).
+    calibration: TokenCalibration = field(default_factory=TokenCalibration)
