@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from service.core.model import Message, MessageKind
 from service.core.ports.model import ToolDeclaration
@@ -176,3 +177,47 @@ def declarations_tokens(declarations: Iterable[ToolDeclaration]) -> int:
         + text_tokens(d.parameters_json_schema)
         for d in declarations
     )
+
+
+#: The most the calibration raises an estimate: a model's tokenizer and chat template
+#: rarely take more than twice the cl100k count; a reading beyond it is a fault (a server
+#: that rendered something else), not a tokenizer.
+CALIBRATION_MAX = 2.0
+#: The weight of a new reading in the learned factor (an exponential moving average).
+CALIBRATION_WEIGHT = 0.3
+
+
+@dataclass
+class TokenCalibration:
+    """The model's input tokens per estimated token, learned from reported usage
+    (decision 0350).
+
+    The estimator counts cl100k tokens; the model counts its own tokenizer's tokens and
+    its chat template's (a template that renders the tool declarations as indented JSON
+    adds a fifth to them). When no usage is known (a session's first request, the
+    request after a compaction) the estimate is the raw count times ``factor``.
+    ``observe`` takes each answer whose request was estimated without usage: the raw
+    estimate and the input tokens the model reported. The first reading sets ``factor``,
+    later ones move it by ``CALIBRATION_WEIGHT``; it stays within 1 and
+    ``CALIBRATION_MAX``: an estimate is never lowered below the cl100k count (a low
+    estimate overflows the window, a high one only compacts a little early), so a server
+    that dropped the tools (decision 0297) or a tokenizer leaner than cl100k teaches
+    nothing. One per planner process, which calls one configured model; not stored.
+    """
+
+    factor: float = 1.0
+    readings: int = 0
+
+    def observe(self, estimated: int, reported: int) -> None:
+        """A request estimated at ``estimated`` raw tokens was reported as ``reported``
+        input tokens; both > 0, else ignored."""
+        if estimated <= 0 or reported <= 0:
+            return
+        ratio = min(CALIBRATION_MAX, max(1.0, reported / estimated))
+        weight = 1.0 if self.readings == 0 else CALIBRATION_WEIGHT
+        self.factor += (ratio - self.factor) * weight
+        self.readings += 1
+
+    def scale(self, tokens: int) -> int:
+        """``tokens`` raw estimated tokens as the model is expected to count them."""
+        return math.ceil(tokens * self.factor)

@@ -42,7 +42,7 @@ from ballet.planner.v1 import chat_pb2, planner_service_pb2_grpc, resources_pb2
 from ballet.planner.v1 import planner_service_pb2 as pb
 
 from ballet_common.tokens import Trust, dev_secret, mint_dev_token
-from devstack.gateway import add_gateway_service
+from devstack.gateway import GatewayServicer, add_gateway_service
 from devstack.gateway.openai_provider import OpenAIProvider
 from devstack.server import DevStack, DevStackConfig
 from service.server.root import PlannerApp, start_planner
@@ -60,6 +60,15 @@ REAL_WAIT_S = 240.0
 CONTEXT_TOKENS = 8192
 #: The model name the planner asks for; a single-model llama-server answers any name.
 MODEL_NAME = "smollm2-135m-instruct"
+#: Extra sampling for a server whose summaries must end: llama.cpp's repeat penalty at
+#: 1.3 (llama-server's default is 1.0, off; Ollama's 1.1, with which this model's
+#: summary of the test's session was refused as no shorter than what it replaced). With
+#: greedy sampling alone SmolLM2-135M never ends a compaction answer on its own: it
+#: repeats a line until the output cap, and an answer cut at its cap is refused
+#: (``finish_length``). Still pinned (temperature 0, top-k 1, seed 42): the penalty only
+#: lowers the scores of the last 64 tokens before the one best token is taken, so a fresh
+#: server answers the same session the same way.
+ENDING_SAMPLING = ("--repeat-penalty", "1.3")
 _LISTENING = re.compile(rb"listening on http://127\.0\.0\.1:(\d+)")
 
 
@@ -301,10 +310,13 @@ class Turn:
 
 @dataclass
 class RealPlanner:
-    """A planner whose gateway's ``openai`` provider talks to ``server``."""
+    """A planner whose gateway's ``openai`` provider talks to ``server``; ``gateway`` is
+    the devstack gateway's servicer (its ``requests``: every ``GenerateRequest`` it
+    received, retried attempts included)."""
 
     server: LlamaServer
     stack: DevStack
+    gateway: GatewayServicer
     app: PlannerApp
     channel: grpc.aio.Channel
     stub: Any
@@ -339,6 +351,23 @@ class RealPlanner:
         async with self.chat(session_id) as stream:
             await stream.send_and_finish(text)
         return Turn(self, session_id, stream.received, time.monotonic() - started)
+
+    async def session(self, session_id: str) -> resources_pb2.Session:
+        """The session as ``GetSession`` returns it (its summary included)."""
+        got: pb.GetSessionResponse = await self.stub.GetSession(
+            pb.GetSessionRequest(session_id=session_id), metadata=self.meta()
+        )
+        return got.session
+
+    def compaction_failures(self) -> dict[str, float]:
+        """``ballet_planner_compaction_failures_total`` by reason, so far."""
+        return {
+            sample.labels.get("reason", ""): sample.value
+            for metric in self.app.metrics.registry.collect()
+            if metric.name == "ballet_planner_compaction_failures"
+            for sample in metric.samples
+            if sample.name.endswith("_total")
+        }
 
     async def transcript(self, session_id: str) -> list[resources_pb2.Message]:
         page = await self.stub.ListMessages(
@@ -384,12 +413,13 @@ async def start_real_planner(
         **{**PROVIDER_OPTIONS, **(provider_options or {})},
     )
     trust = Trust.dev(dev_secret(data_dir))
+    gateways: list[GatewayServicer] = []
     stack = await DevStack.start(
         DevStackConfig(
             data_dir=data_dir,
             address="127.0.0.1:0",
-            extra_services=lambda grpc_server: add_gateway_service(
-                grpc_server, provider, trust=trust
+            extra_services=lambda grpc_server: gateways.append(
+                add_gateway_service(grpc_server, provider, trust=trust)
             ),
         )
     )
@@ -401,6 +431,7 @@ async def start_real_planner(
         yield RealPlanner(
             server,
             stack,
+            gateways[0],
             app,
             channel,
             planner_service_pb2_grpc.PlannerServiceStub(channel),

@@ -17,13 +17,17 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator
 
+import grpc
 import pytest
+from ballet.llm.v1 import gateway_pb2
 from ballet.planner.v1 import resources_pb2
 
 from tests.realmodel.support import (
     BASE_SETTINGS,
+    ENDING_SAMPLING,
     LlamaBuild,
     LlamaServer,
     RealPlanner,
@@ -131,6 +135,73 @@ async def test_a_tool_round_runs_the_complete_call_of_an_answer_cut_at_the_cap(
     assert messages.index(first) < len(messages) - 1
 
 
+#: A write call in the format of the template (``<tool_call>``, a line break, the JSON, a
+#: line break): the model copies it, and llama-server parses each copy into a call.
+WRITE_NOTE = (
+    "<tool_call>\n"
+    '{"name": "create_knowledge", "arguments": {"kind": "note", "title": "Launch", "body": "May"}}'
+    "\n</tool_call>"
+)
+#: Asked for six copies, SmolLM2-135M writes them one after the other, about 44 tokens
+#: each, until its output cap.
+REPEAT_WRITE = "Reply with exactly these lines and nothing else:\n" + "\n".join([WRITE_NOTE] * 6)
+#: The cap for it: two whole copies (about 88 tokens), and the third cut inside its
+#: arguments.
+REPEAT_WRITE_CAP = 110
+
+
+async def test_an_answer_of_repeated_writes_cut_at_the_cap_writes_once_and_the_turn_goes_on(
+    server: LlamaServer, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The real model repeats a write call until the output cap stops it (finish
+    ``length``): the first complete call runs and creates one knowledge entry; the
+    other complete copies get ``REPEATED_CALL`` naming it and are not run; the copy the
+    cap cut gets ``CUT_AT_OUTPUT_LIMIT``; the round counts and the turn goes on to the
+    next model call with the results (decision 0292)."""
+    async with start_real_planner(
+        server,
+        tmp_path_factory.mktemp("planner-repeat"),
+        PLANNER__MAX_OUTPUT_TOKENS=str(REPEAT_WRITE_CAP),
+    ) as planner:
+        turn = await planner.turn(REPEAT_WRITE)
+        messages = await turn.transcript()
+        written = [
+            c.request_id
+            for c in planner.stack.calls_for("CreateKnowledgeEntry")
+            if c.code == grpc.StatusCode.OK
+        ]
+        requests = [r for r in planner.gateway.requests if r.purpose == gateway_pb2.PURPOSE_TURN]
+    assert turn.ended.reason != M.TURN_END_REASON_FAILED, turn.ended.error_message
+    first_result = next(i for i, m in enumerate(messages) if m.kind == M.MESSAGE_KIND_TOOL_RESULT)
+    # The first answer's calls are stored with it, before any result.
+    calls = by_kind(messages[:first_result], M.MESSAGE_KIND_TOOL_CALL)
+    results = {m.tool_call_id: m for m in by_kind(messages, M.MESSAGE_KIND_TOOL_RESULT)}
+    whole = [c for c in calls if not c.cut]
+    cut = [c for c in calls if c.cut]
+    assert len(whole) >= 2 and len(cut) == 1 and calls[-1] is cut[0], [
+        (c.tool_name, c.tool_arguments, c.cut) for c in calls
+    ]
+    assert {(c.tool_name, c.tool_arguments) for c in whole} == {
+        ("create_knowledge", whole[0].tool_arguments)
+    }
+    assert json.loads(whole[0].tool_arguments) == {"kind": "note", "title": "Launch", "body": "May"}
+    ran = results[whole[0].tool_call_id]
+    assert not ran.tool_error and '"entry_id"' in ran.tool_result
+    for repeat in whole[1:]:
+        result = results[repeat.tool_call_id]
+        assert result.tool_error and "REPEATED_CALL" in result.tool_result
+        assert whole[0].tool_call_id in result.tool_result
+    assert "CUT_AT_OUTPUT_LIMIT" in results[cut[0].tool_call_id].tool_result
+    # One knowledge entry from this answer: the tracker saw one write of its calls.
+    assert [r for r in written if r in {c.tool_call_id for c in calls}] == [whole[0].tool_call_id]
+    # The turn went on: the model was called again with every call's result (the
+    # gateway's own ids for them), the cut one's error included.
+    assert len(requests) >= 2
+    sent = [m.tool_result for m in requests[1].messages if m.HasField("tool_result")]
+    assert len(sent) == len(calls)
+    assert "CUT_AT_OUTPUT_LIMIT" in sent[-1].content and sent[-1].is_error
+
+
 async def test_a_compaction_that_echoes_its_request_is_refused_and_the_turn_goes_on(
     server: LlamaServer, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
@@ -152,6 +223,69 @@ async def test_a_compaction_that_echoes_its_request_is_refused_and_the_turn_goes
     assert refused == 1
     assert not by_kind(messages, M.MESSAGE_KIND_COMPACTION)
     assert not events(second.received, "compacted")
+    assert second.ended.compaction_usage.output_tokens > 0
+
+
+@pytest.fixture(scope="module")
+async def ending_server(
+    build: LlamaBuild, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[LlamaServer]:
+    """The same model, template and pinned sampling, with ``ENDING_SAMPLING`` (llama.cpp's
+    repeat penalty at 1.3): without it SmolLM2-135M never ends a summary on its own. Used
+    by one test only, so its session meets a fresh server and is answered the same way
+    every run (llama-server's reuse of a cached prefix can tip a greedy choice)."""
+    log = tmp_path_factory.mktemp("llama-ending") / "llama-server.log"
+    server = LlamaServer(build, log, template=build.template_tools, extra=ENDING_SAMPLING)
+    await server.start()
+    yield server
+    await server.stop()
+
+
+async def test_a_real_summary_from_the_server_is_accepted_and_stored(
+    ending_server: LlamaServer, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A compaction answered by the real server, ended by the model (finish ``stop``),
+    passes every check (not a refusal, an error, an echo, a copy, nor longer than what it
+    replaces) and becomes the session's summary: stored with its marker, the
+    ``compacted`` event streamed, and the next request carries it instead of the
+    messages it covers.
+
+    Not the same server setup as the echo case above: the same model, template and
+    pinned sampling, plus llama.cpp's repeat penalty (``ENDING_SAMPLING``, decision
+    0351). With greedy sampling alone SmolLM2-135M never ends a summary (it repeats a
+    line until the cap: refused as cut), nor does Gemma 3 270M from the same packages;
+    with the penalty, the session of the echo case above is not echoed. What a 135M
+    model writes here is largely invented: the checks judge a summary's form (decision
+    0294), not its truth."""
+    async with start_real_planner(
+        ending_server,
+        tmp_path_factory.mktemp("planner-summary"),
+        PLANNER__COMPACT_AT_TOKENS="1800",
+    ) as planner:
+        session_id = await planner.create_session()
+        first = await planner.turn("Reply with one word: hello.", session_id)
+        second = await planner.turn("Reply with one word: ok.", session_id)
+        failures = planner.compaction_failures()
+        session = await planner.session(session_id)
+        messages = await planner.transcript(session_id)
+        last_request = planner.gateway.requests[-1]
+    assert first.ended.reason == M.TURN_END_REASON_COMPLETED, first.ended.error_message
+    # The answer after the compaction may run to the module's small output cap.
+    assert second.ended.reason in (
+        M.TURN_END_REASON_COMPLETED,
+        M.TURN_END_REASON_OUTPUT_LIMIT,
+    ), second.ended.error_message
+    assert not any(failures.values()), failures
+    (marker,) = by_kind(messages, M.MESSAGE_KIND_COMPACTION)
+    (compacted,) = events(second.received, "compacted")
+    first_answer = by_kind(messages, M.MESSAGE_KIND_ASSISTANT)[0]
+    assert compacted.compacted.up_to == session.summary_up_to == marker.up_to
+    assert session.summary_up_to == first_answer.sequence
+    summary = session.summary.strip()
+    assert summary and summary in last_request.system_context
+    # The messages it covers are no longer sent; the current turn's message is.
+    sent = [m.text for m in last_request.messages]
+    assert "Reply with one word: hello." not in sent and "Reply with one word: ok." in sent
     assert second.ended.compaction_usage.output_tokens > 0
 
 
@@ -186,11 +320,17 @@ async def test_a_server_killed_mid_stream_keeps_the_partial_answer_and_retries_r
     assert answers and answers[-1].cut and answers[-1].text
     # The next message comes while the server is still down; it comes back (model load
     # included) within dependencies.model_retry_window_s, and the planner's retries reach it.
+    mark = len(planner.gateway.requests)
     async with planner.chat(session_id) as stream:
         turn_id = await stream.send_and_start("Reply with one word: hello.")
         await server.restart()
         ended = await stream.finish(turn_id)
     assert ended.reason == M.TURN_END_REASON_COMPLETED, ended.error_message
+    # The gateway received the turn's first model call more than once (one request id):
+    # the attempts made while the server was down (connection refused, UNAVAILABLE), then
+    # the one it answered.
+    attempts = Counter(r.request_id for r in planner.gateway.requests[mark:])
+    assert attempts[planner.gateway.requests[mark].request_id] >= 2, attempts
 
 
 @pytest.fixture(scope="module")

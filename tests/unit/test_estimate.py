@@ -15,8 +15,11 @@ from pathlib import Path
 import pytest
 
 from service.core.estimate import (
+    CALIBRATION_MAX,
+    CALIBRATION_WEIGHT,
     MESSAGE_OVERHEAD_TOKENS,
     TOOL_CALL_OVERHEAD_TOKENS,
+    TokenCalibration,
     declarations_tokens,
     message_tokens,
     text_tokens,
@@ -79,3 +82,26 @@ def test_the_twelve_tool_declarations_are_well_over_a_thousand_tokens() -> None:
     """The fixed part of every request the estimate must never leave out
     (docs/spec/compaction.md); lean since decision 0295 (about 1,700 estimated)."""
     assert 1_200 < declarations_tokens(declarations()) < 2_300
+
+
+def test_the_calibration_learns_the_models_count_between_one_and_twice_the_estimate() -> None:
+    """Decision 0350: the first reading sets the factor, later ones move it by
+    ``CALIBRATION_WEIGHT``; it never goes below 1 (a low estimate overflows the window)
+    nor above ``CALIBRATION_MAX``."""
+    calibration = TokenCalibration()
+    assert calibration.scale(1_000) == 1_000
+    calibration.observe(2_000, 2_700)
+    assert calibration.factor == pytest.approx(1.35)
+    assert calibration.scale(2_000) == 2_700
+    calibration.observe(1_000, 1_000)
+    assert calibration.factor == pytest.approx(1.35 + (1.0 - 1.35) * CALIBRATION_WEIGHT)
+    # A server that dropped the tools reports far less: it pulls towards 1, never below.
+    dropped = TokenCalibration()
+    dropped.observe(2_000, 600)
+    assert dropped.factor == 1.0
+    # A reading beyond twice the estimate is capped; nothing reported teaches nothing.
+    wild = TokenCalibration()
+    wild.observe(1_000, 9_000)
+    wild.observe(0, 500)
+    wild.observe(500, 0)
+    assert (wild.factor, wild.readings) == (CALIBRATION_MAX, 1)

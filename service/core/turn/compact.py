@@ -18,7 +18,9 @@ the turn's compaction usage (the gateway metered the calls); the model call proc
 uncompacted and no further compaction is tried in the same turn.
 
 ``answered`` compares each answer's reported input tokens with the estimate made without
-reported usage for its request, for ``ballet_planner_context_estimate_ratio``.
+reported usage for its request, for ``ballet_planner_context_estimate_ratio``, and
+teaches the replica's ``TokenCalibration`` the model's count (decision 0350): such an
+estimate is the raw one times what was learned.
 """
 
 from __future__ import annotations
@@ -143,6 +145,9 @@ class Compactor:
         estimated = self._state.request_estimate
         if usage is not None and usage.input_tokens > 0 and estimated is not None:
             self._deps.observer.context_estimated("turn", estimated, usage.input_tokens)
+            raw = self._state.request_raw_estimate
+            if raw is not None:
+                self._deps.calibration.observe(raw, usage.input_tokens)
 
     # ------------------------------------------------------------------ the context
 
@@ -157,12 +162,19 @@ class Compactor:
 
     def _estimate(self, prompt: Prompt) -> int:
         """The estimate of the next request (docs/spec/compaction.md), remembered for ``answered``
-        when no usage went into it."""
+        when no usage went into it; then it is calibrated to the model's count (decision
+        0350)."""
         state = self._state
         fixed = prompt.fixed_tokens + state.context_block_tokens
         estimated = estimate_tokens(state.context, fixed_tokens=fixed)
-        state.request_estimate = estimated if state.context.base_tokens is None else None
-        return estimated
+        if state.context.base_tokens is not None:
+            state.request_estimate = state.request_raw_estimate = None
+            return estimated
+        # Nothing reported went into it: counted in the model's tokens as learned from
+        # its earlier answers (decision 0350).
+        state.request_raw_estimate = estimated
+        state.request_estimate = self._deps.calibration.scale(estimated)
+        return state.request_estimate
 
     # ------------------------------------------------------------------ the compaction
 

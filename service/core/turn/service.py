@@ -3,10 +3,12 @@
 
 ``send_message`` stores the human message and opens the turn in one transaction, then
 runs the turn as a task of its own, so a client that disconnects does not stop it (a
-disconnect is not a cancel). The commit and the launch that must follow it run in a task
-this service owns: a caller cancelled between the two cannot leave a stored turn that
-never runs. ``cancel`` stops a turn on whichever replica runs it; ``wait_for_end`` serves
-unary ``SendMessage``; ``stop`` is the graceful shutdown.
+disconnect is not a cancel). The turn's first model call is opened while that
+transaction commits, and handed to the turn once it is durable (decision 0380). The
+commit and the launch that must follow it run in a task this service owns: a caller
+cancelled between the two cannot leave a stored turn that never runs. ``cancel`` stops a
+turn on whichever replica runs it; ``wait_for_end`` serves unary ``SendMessage``; ``stop``
+is the graceful shutdown.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from service.core.errors import (
     StoreUnavailable,
     Unavailable,
 )
+from service.core.estimate import TokenCalibration
 from service.core.ids import new_turn_id, request_hash
 from service.core.model import EventKind, OnBusy, Session, SessionEvent, Turn, TurnState
 from service.core.ports import Acting, Enqueue, Promoted, StartOutcomeKind, TurnStart
@@ -199,6 +202,11 @@ class TurnService:
     def running(self) -> int:
         """Turns running in this process."""
         return len(self._handles)
+
+    @property
+    def calibration(self) -> TokenCalibration:
+        """What this process learned of the model's token count (decision 0350)."""
+        return self._deps.calibration
 
     # ------------------------------------------------------------------ requests
 

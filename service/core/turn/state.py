@@ -157,7 +157,8 @@ class TurnRun:
     after a compaction (the summary and the pending changesets, decision 0172), with
     its estimated ``context_block_tokens``; ``request_estimate`` is the estimate of the
     next request when it was made without reported usage (for the estimator's error
-    metric), else None. The compaction step keeps these three.
+    metric), else None, and ``request_raw_estimate`` the same before the calibration
+    (what the calibration learns from, decision 0350). The compaction step keeps these.
     """
 
     handle: TurnHandle
@@ -175,6 +176,7 @@ class TurnRun:
     context_block: str = ""
     context_block_tokens: int = 0
     request_estimate: int | None = None
+    request_raw_estimate: int | None = None
     credential_expired: bool = False
     versions: TurnPatch = field(default_factory=TurnPatch)
     #: Whether the turn's streams were sent a delta yet (its time to first delta).
