@@ -153,6 +153,9 @@ class LineSource:
             try:
                 line: str | None = input(prompt)
             except EOFError:
+                # Ctrl-D leaves the cursor after the prompt: what follows starts a line.
+                sys.stdout.write("\n")
+                sys.stdout.flush()
                 line = None
             except (OSError, ValueError):  # the terminal went away
                 line = None

@@ -276,6 +276,12 @@ class Interactive:
         if line.startswith("/"):
             command, _, argument = line.partition(" ")
             if command in ("/quit", "/exit"):
+                if client.busy and client.session is not None:
+                    # Leaving does not cancel: say where the answer goes on.
+                    client.note(
+                        "the running turn goes on on the planner; /cancel first to stop "
+                        f"it, or see its answer later with --session {client.session.session_id}"
+                    )
                 return False
             await self._command(command, argument.strip())
             if not client.busy:

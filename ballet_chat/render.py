@@ -311,12 +311,15 @@ def ended_ok(ended: chat_pb2.TurnEnded) -> bool:
 def describe_turn_end(ended: chat_pb2.TurnEnded) -> str:
     """``[COMPLETED: 1 round, 812 tokens]`` (tokens when the model reported usage), with
     the error of a failed turn; a turn whose answer called no tool (no round of tool
-    calls) reads ``[COMPLETED: answered without tools]``, not "0 rounds", which read as
-    "nothing happened"."""
+    calls) reads ``[COMPLETED: answered without tools]``, and one that ended otherwise
+    before any tool call ``[CANCELLED: no tool called]``, never "0 rounds", which read as
+    "nothing happened" (also after an answer that streamed)."""
     reason = resources_pb2.TurnEndReason.Name(ended.reason).removeprefix("TURN_END_REASON_")
     tokens = ended.usage.input_tokens + ended.usage.output_tokens
     if ended.rounds == 0 and ended.reason == resources_pb2.TURN_END_REASON_COMPLETED:
         text = f"[{reason}: answered without tools"
+    elif ended.rounds == 0:
+        text = f"[{reason}: no tool called"
     else:
         text = f"[{reason}: {plural(ended.rounds, 'round')}"
     text += f", {plural(tokens, 'token')}" if tokens else ""

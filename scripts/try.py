@@ -5,7 +5,8 @@
 2. Starts ``ballet-planner dev`` with its defaults (planner ``127.0.0.1:50051``, devstack
    ``127.0.0.1:50052``, metrics ``127.0.0.1:9464``, state in ``./.ballet-dev``, the
    scripted demo model); arguments are passed to ``dev`` (e.g. ``--address
-   127.0.0.1:0`` for any free port, ``--provider openai``). ``dev`` runs in its own
+   127.0.0.1:0`` for any free port, ``--provider openai``), but ``--session ID``, which
+   goes to the chat (resume that session). ``dev`` runs in its own
    session, so Ctrl-C in the chat reaches the chat only; its output goes to a log file.
 3. Opens ``ballet-planner chat`` as alice in the same terminal, on the address and
    project ``dev`` reported (its ``--ready-file``). Lines piped in are sent one by one, as
@@ -63,11 +64,18 @@ def wait_ready(ready: Path, dev: subprocess.Popen[bytes]) -> dict[str, str] | No
 
 
 def stop(dev: subprocess.Popen[bytes]) -> int:
-    """Stop dev as Ctrl-C does (SIGINT: its turns end, then it stops); returns its code."""
+    """Stop dev as Ctrl-C does (SIGINT: its running turns get their grace to end, then it
+    stops), saying so first, since a turn may hold the stop up for seconds; a Ctrl-C
+    meanwhile is dev's second one (it stops at once). Returns dev's exit code."""
     if dev.poll() is None:
+        say("stopping dev (a running turn may take a few seconds to end; Ctrl-C stops it at once)")
         dev.send_signal(signal.SIGINT)
         try:
-            return dev.wait(STOP_LIMIT_S)
+            try:
+                return dev.wait(STOP_LIMIT_S)
+            except KeyboardInterrupt:
+                dev.send_signal(signal.SIGINT)
+                return dev.wait(STOP_LIMIT_S)
         except subprocess.TimeoutExpired:
             dev.kill()
     return dev.wait()
@@ -77,7 +85,12 @@ def said_after_banner(log: Path) -> list[str]:
     """dev's own lines after its banner (what the stop waited for, "stopped")."""
     text = log.read_text(errors="replace") if log.exists() else ""
     _, _, after = text.partition(BANNER_END)
-    return [line for line in after.splitlines() if line.startswith("ballet-planner dev: ")]
+    return [
+        # Its Ctrl-C hint is stale once it has stopped (stop() gave it up front).
+        line.removesuffix("; press Ctrl-C again to stop at once")
+        for line in after.splitlines()
+        if line.startswith("ballet-planner dev: ")
+    ]
 
 
 def tail(log: Path, lines: int = 15) -> str:
@@ -88,6 +101,22 @@ def tail(log: Path, lines: int = 15) -> str:
 def text_logs(argv: list[str]) -> list[str]:
     """dev's logs go to a file a human reads: text lines, unless the arguments choose."""
     return [] if any(arg.startswith("--log-format") for arg in argv) else ["--log-format", "text"]
+
+
+def chat_arguments(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``argv`` split into dev's arguments and the chat's (``--session ID``, as the chat
+    names it in its hints)."""
+    rest: list[str] = []
+    chat: list[str] = []
+    words = iter(argv)
+    for word in words:
+        if word == "--session":
+            chat += [word, next(words, "")]
+        elif word.startswith("--session="):
+            chat.append(word)
+        else:
+            rest.append(word)
+    return rest, chat
 
 
 def _leave(signum: int, _frame: object) -> None:
@@ -107,6 +136,7 @@ def main(argv: list[str]) -> int:
     except setup.SetupError as error:
         say(str(error))
         return 1
+    argv, resume = chat_arguments(argv)
     planner = python.with_name("ballet-planner")
     work = Path(tempfile.mkdtemp(prefix="ballet-try-"))
     log, ready = work / "dev.log", work / "ready.json"
@@ -153,6 +183,7 @@ def main(argv: list[str]) -> int:
             USER,
             "--data-dir",
             values["data_dir"],
+            *resume,
         ]
         # The terminal's Ctrl-C reaches the chat, which decides what it means; this
         # process waits for the chat to end, then stops dev.

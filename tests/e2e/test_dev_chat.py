@@ -156,7 +156,7 @@ def test_chat_message_exits_nonzero_with_the_reason_said_once(dev: DevProcess) -
     failed = dev.chat("--message", "please fail")
     assert failed.returncode == 1
     assert failed.stderr.count("[FAILED") == 1
-    assert "ballet-planner chat: the turn ended [FAILED: 0 rounds; " in failed.stderr
+    assert "ballet-planner chat: the turn ended [FAILED: no tool called; " in failed.stderr
     assert "FAILED" not in failed.stdout
 
     refused = dev.chat("--message", "x" * 40_000)  # over planner.message_max_bytes
@@ -393,7 +393,7 @@ def test_interactive_chat_in_a_terminal(dev: DevProcess) -> None:
         terminal.expect(SLOW_TEXT[:8])  # the first deltas are on screen
         terminal.send("/cancel")
         terminal.expect(r"\(cancelling\)")
-        ended = terminal.expect(r"\[cut\]\n\[CANCELLED: 0 rounds\]")
+        ended = terminal.expect(r"\[cut\]\n\[CANCELLED: no tool called\]")
         assert SLOW_TEXT not in terminal.output[: ended.start()]  # it stopped mid-answer
         terminal.expect(r"> ")
 
@@ -401,7 +401,7 @@ def test_interactive_chat_in_a_terminal(dev: DevProcess) -> None:
         terminal.expect(SLOW_TEXT[:8])
         terminal.process.send_signal(signal.SIGINT)  # Ctrl-C during a turn cancels it
         terminal.expect(r"\(cancelling the turn; Ctrl-C again quits\)")
-        terminal.expect(r"\[CANCELLED: 0 rounds\]")
+        terminal.expect(r"\[CANCELLED: no tool called\]")
         terminal.expect(r"> ")
 
         terminal.send(f"/open {first.group(1)}")

@@ -155,3 +155,22 @@ def test_try_from_a_clone_installs_everything_it_needs(tmp_path: Path) -> None:
     again = run_try(checkout, venv, timeout=120)
     assert_answered(again, checkout)
     assert "setup:" not in again.stderr  # the rerun installs nothing
+
+
+def test_try_gives_session_to_the_chat_and_the_rest_to_dev() -> None:
+    """The chat's hints say "see the session with --session ID": scripts/try takes that
+    argument for its chat, and passes every other to ``dev``."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        spec = importlib.util.spec_from_file_location("try_script", REPO / "scripts/try.py")
+        assert spec is not None and spec.loader is not None
+        try_script = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(try_script)
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    argv = ["--address", "127.0.0.1:0", "--session", "s-1", "--provider", "openai"]
+    assert try_script.chat_arguments(argv) == (
+        ["--address", "127.0.0.1:0", "--provider", "openai"],
+        ["--session", "s-1"],
+    )
+    assert try_script.chat_arguments(["--session=s-2"]) == ([], ["--session=s-2"])

@@ -154,7 +154,7 @@ def test_a_failed_turn_names_its_reason() -> None:
         error_message="the gateway is down",
     )
     assert describe_turn_end(ended) == (
-        "[FAILED: 0 rounds; MODEL_UNAVAILABLE: the gateway is down]"
+        "[FAILED: no tool called; MODEL_UNAVAILABLE: the gateway is down]"
     )
     max_rounds = chat_pb2.TurnEnded(reason=resources_pb2.TURN_END_REASON_MAX_ROUNDS, rounds=2)
     assert describe_turn_end(max_rounds) == "[MAX_ROUNDS: 2 rounds; send a message to continue]"
