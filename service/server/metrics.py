@@ -70,6 +70,10 @@ class Metrics:
     - ``ballet_planner_tools_not_seen_total``: answers whose reported input tokens were far
       below what the tool declarations alone take: the server likely dropped the tools
       (decision 0297).
+    - ``ballet_planner_early_model_calls_total{outcome}``: first model calls opened while
+      their turn's start committed (decision 0380): ``taken``, ``differed`` (cancelled,
+      the turn made its own) or ``cancelled`` (the start failed or was refused, or the
+      turn ended first); the last two are model calls metered for nothing.
     - ``ballet_planner_turns_total{reason}``: turns ended, by ``TurnEndReason`` value
       (every value exported from the start, at 0);
       ``ballet_planner_turn_failures_total{reason}``: the ``failed`` ones by ErrorInfo
@@ -168,6 +172,13 @@ class Metrics:
             "ballet_planner_tools_not_seen",
             "Answers whose reported input tokens were far below the tool declarations' "
             "size: the model server likely dropped the tools.",
+            registry=registry,
+        )
+        self.early_model_calls = Counter(
+            "ballet_planner_early_model_calls",
+            "First model calls opened while their turn's start committed, by outcome "
+            "(taken, differed, cancelled).",
+            ["outcome"],
             registry=registry,
         )
         self.context_estimate_ratio = Histogram(

@@ -21,6 +21,7 @@ MAX_CHILDREN = 1_000
 #: budget could not pay for it.
 NOT_REFUSALS = frozenset({"model", "budget"})
 
+
 class PrometheusTurnObserver:
     """Records turns (failed ones by ErrorInfo reason, and their time to first delta),
     rounds, tool calls, model calls, tokens and compactions."""
@@ -97,6 +98,9 @@ class PrometheusTurnObserver:
 
     def tools_not_seen(self) -> None:
         self._metrics.tools_not_seen.inc()
+
+    def early_model_call(self, outcome: str) -> None:
+        self._child(self._metrics.early_model_calls, outcome).inc()
 
     def context_estimated(self, purpose: str, estimated: int, reported: int) -> None:
         self._child(self._metrics.context_estimate_ratio, purpose).observe(estimated / reported)

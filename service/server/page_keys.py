@@ -77,8 +77,7 @@ class PageTokenKeys:
                 raise ValueError(f"{self._path}: no page token key")
             if any(len(key) < MIN_KEY_CHARS for key in keys):
                 raise ValueError(
-                    f"{self._path}: every page token key needs at least {MIN_KEY_CHARS} "
-                    "characters"
+                    f"{self._path}: every page token key needs at least {MIN_KEY_CHARS} characters"
                 )
             self._keys = [key.encode() for key in keys]
             self._mtime = mtime

@@ -26,7 +26,9 @@ from service.core.ports import (
     TurnStartOutcome,
 )
 from service.core.tracing import NULL_SPAN
-from service.core.turn import TurnService
+from service.core.turn import NullObserver, TurnService
+from service.server.metrics import Metrics
+from service.server.observer import PrometheusTurnObserver
 from tests.memory_store import MemoryStore
 from tests.unit.fakes import ScriptedGateway
 from tests.unit.test_turn import Rig, make_rig
@@ -82,14 +84,25 @@ def answer(_: ModelRequest) -> dict[str, Any]:
     return {"chunks": ["Hello ", "there."], "usage": (100, 5)}
 
 
+class Outcomes(NullObserver):
+    """The early calls' outcomes, as the metrics see them."""
+
+    def __init__(self) -> None:
+        self.early: list[str] = []
+
+    def early_model_call(self, outcome: str) -> None:
+        self.early.append(outcome)
+
+
 def held_rig(script: Any = answer) -> tuple[Rig, HeldStart, ClosingGateway]:
-    """``make_rig``'s turn service over a ``HeldStart`` store and a ``ClosingGateway``."""
+    """``make_rig``'s turn service over a ``HeldStart`` store and a ``ClosingGateway``;
+    its observer is an ``Outcomes`` (``rig.service._deps.observer``)."""
     base = make_rig(script)
     store = HeldStart()
     store.add_session(base.session)
     gateway = ClosingGateway(script)
     hub = Hub(store.events_after)
-    deps = replace(base.service._deps, store=store, gateway=gateway, hub=hub)
+    deps = replace(base.service._deps, store=store, gateway=gateway, hub=hub, observer=Outcomes())
     rig = Rig(TurnService(deps), store, gateway, base.backends, hub, base.clock, base.session)
     return rig, store, gateway
 
@@ -157,6 +170,7 @@ async def test_a_later_turn_streams_its_first_model_call_while_its_start_commits
     assert kinds[-1] is EventKind.TURN_ENDED
     deltas = [item.text for item in sent if isinstance(item, TextDelta)]
     assert "".join(deltas) == "Hello there."
+    assert outcomes(rig) == ["taken"]
     messages = store.messages["s1"]
     assert [m.text for m in messages][-2:] == ["second", "Hello there."]
 
@@ -186,6 +200,7 @@ async def test_a_start_that_is_not_stored_cancels_the_call_in_flight_and_sends_n
     assert drain(queue) == []
     assert store.events["s1"] == events_before
     assert rig.service.running == 0
+    assert outcomes(rig) == ["cancelled"]
 
 
 async def test_the_first_turn_of_a_session_and_a_retried_message_open_no_early_call() -> None:
@@ -249,6 +264,7 @@ async def test_an_early_call_the_turn_would_not_make_is_cancelled_and_made_again
     assert gateway.cancelled == [early]
     assert "Always estimate." in early.system_context
     assert "Never estimate." in made.system_context
+    assert outcomes(rig) == ["differed"]
     assert store.messages["s1"][-1].text == "Hello there."
 
 
@@ -277,3 +293,22 @@ async def test_a_traced_message_opens_no_early_call() -> None:
     await rig.service.wait_for_end(await sending)
     assert len(gateway.requests) == 2
     assert gateway.cancelled == []
+
+
+def outcomes(rig: Rig) -> list[str]:
+    observer = rig.service._deps.observer
+    assert isinstance(observer, Outcomes)
+    return observer.early
+
+
+def test_the_outcomes_are_exported_by_outcome() -> None:
+    metrics = Metrics()
+    observer = PrometheusTurnObserver(metrics)
+    for outcome in ("taken", "taken", "cancelled", "differed"):
+        observer.early_model_call(outcome)
+    name = "ballet_planner_early_model_calls_total"
+    counts = {
+        outcome: metrics.registry.get_sample_value(name, {"outcome": outcome})
+        for outcome in ("taken", "cancelled", "differed")
+    }
+    assert counts == {"taken": 2.0, "cancelled": 1.0, "differed": 1.0}

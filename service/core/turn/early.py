@@ -41,7 +41,7 @@ from service.core.turn.compact import Compactor
 from service.core.turn.events import EventBuilder
 from service.core.turn.model_call import model_request, output_cap
 from service.core.turn.prompt import Prompt, PromptSource
-from service.core.turn.settings import TurnDependencies
+from service.core.turn.settings import TurnDependencies, TurnObserver
 from service.core.turn.state import TurnHandle, TurnRun
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,13 @@ class EarlyCall:
     docstring. Made by ``start``; owned by the turn service until the turn is launched,
     then by the turn's loop."""
 
-    def __init__(self, request: ModelRequest, stream: AsyncIterator[ModelChunk], started: float):
+    def __init__(
+        self,
+        request: ModelRequest,
+        stream: AsyncIterator[ModelChunk],
+        started: float,
+        observer: TurnObserver | None = None,
+    ):
         #: The request the stream was opened with.
         self.request = request
         #: The clock's ``monotonic()`` when the stream was opened (seconds).
@@ -93,6 +99,8 @@ class EarlyCall:
         )
         self._consumed = False
         self._closing: asyncio.Task[None] | None = None
+        self._observer = observer
+        self._counted = False
 
     @classmethod
     def start(
@@ -119,7 +127,7 @@ class EarlyCall:
             return None
         if request is None:
             return None
-        return cls(request, deps.gateway.stream(request), deps.clock.monotonic())
+        return cls(request, deps.gateway.stream(request), deps.clock.monotonic(), deps.observer)
 
     def take(self, request: ModelRequest) -> EarlyCall | None:
         """This call, taken over by the loop, when ``request`` is the request it was
@@ -129,8 +137,10 @@ class EarlyCall:
             request, request_id=self.request.request_id, deadlines=self.request.deadlines
         )
         if same != self.request:
+            self._count("differed")
             self.cancel()
             return None
+        self._count("taken")
         return self
 
     async def chunks(self) -> AsyncIterator[ModelChunk]:
@@ -157,6 +167,7 @@ class EarlyCall:
         it); its chunks go nowhere. Idempotent; returns at once."""
         if self._consumed or self._closing is not None:
             return
+        self._count("cancelled")
         self._first.cancel()
         self._closing = asyncio.get_running_loop().create_task(
             self._close_after_first(), name="early model call cancelled"
@@ -174,6 +185,11 @@ class EarlyCall:
         """Wait until a cancelled call is closed (tests)."""
         if self._closing is not None:
             await asyncio.wait({self._closing})
+
+    def _count(self, outcome: str) -> None:
+        if self._observer is not None and not self._counted:
+            self._counted = True
+            self._observer.early_model_call(outcome)
 
     async def _close_after_first(self) -> None:
         await asyncio.wait({self._first})

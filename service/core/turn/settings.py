@@ -99,6 +99,13 @@ class TurnObserver(Protocol):
         alone take: the model server likely dropped the tools (decision 0297)."""
         ...
 
+    def early_model_call(self, outcome: str) -> None:
+        """A turn's first model call opened while its start committed (decision 0380)
+        ended its life as ``outcome``: ``taken`` (the turn used it), ``differed`` (the
+        turn's request was another: cancelled, the turn made its own) or ``cancelled``
+        (the start failed or was refused, or the turn ended before its first call)."""
+        ...
+
     def context_estimated(self, purpose: str, estimated: int, reported: int) -> None:
         """A request estimated at ``estimated`` tokens without reported usage was
         reported as ``reported`` input tokens (decision 0171)."""
@@ -142,6 +149,9 @@ class NullObserver:
         pass
 
     def tools_not_seen(self) -> None:
+        pass
+
+    def early_model_call(self, outcome: str) -> None:
         pass
 
     def context_estimated(self, purpose: str, estimated: int, reported: int) -> None:
