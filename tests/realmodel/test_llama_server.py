@@ -7,7 +7,14 @@ package with the repository's tool-capable ChatML template
 devstack gateway's ``openai`` provider, the path ``ballet-planner dev --provider openai``
 takes. Sampling is pinned on the server (temperature 0, top-k 1, seed 42), and each
 case's prompt is one the model follows reliably, so what the model does is repeatable;
-what is checked is what the planner makes of a real server's streams.
+what is checked is what the planner makes of a real server's streams. The accepted
+summary runs on a second server of its own with llama.cpp's repeat penalty added
+(``ENDING_SAMPLING``, decision 0351): with greedy sampling alone the model never ends a
+summary.
+
+Durations on the project's 2-core machine while two whole test suites ran beside it:
+about 6 minutes for the module, of which about 2 for the accepted summary (three long
+prompts on a fresh server) and 1 each for the restart and the repeated writes.
 
 A missing build skips the module outside CI, naming the command that builds it; in CI it
 fails (``BALLET_REQUIRE_LLAMA_SERVER=1``, .ci/run builds it first).
