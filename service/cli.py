@@ -103,12 +103,12 @@ def _serve(args: argparse.Namespace) -> int:
     settings = _settings(args.config, **_database_overrides(args))
     from service.server.logs import configure_logging
     from service.server.root import StartupError
-    from service.server.serving import serve
+    from service.server.serving import event_loop_runner, serve
 
     configure_logging(settings.logging)
     try:
         # 0, or 128 + the signal's number when a second one cut the shutdown short.
-        return asyncio.run(serve(settings, args.ready_file))
+        return event_loop_runner(settings.server.event_loop)(serve(settings, args.ready_file))
     except StartupError as error:
         flag = "; with serve: --database-url" if error.setting == "database.url" else ""
         given = flag if args.database_url else ""

@@ -240,6 +240,12 @@ class ServerSettings:
     health_check_interval_s: float = _key(
         2.0, gt=0, doc="How often the database is pinged for the health status."
     )
+    event_loop: str = _key(
+        "uvloop",
+        choices=("uvloop", "asyncio"),
+        doc="The event loop serve runs on: uvloop (decision 0390), or the standard "
+        "library's asyncio loop.",
+    )
     tls_cert: Path | None = _key(None, doc="PEM certificate chain of the server; enables TLS.")
     tls_key: Path | None = _key(None, doc="PEM private key of tls_cert.")
     tls_ca: Path | None = _key(None, doc="PEM CA bundle for client certificates (mTLS).")

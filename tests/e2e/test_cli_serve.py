@@ -164,6 +164,8 @@ def test_serve_without_configuration(served: Served) -> None:
         assert pool.FindServiceByName("grpc.health.v1.Health")
     log = (served.cwd / "serve.log").read_text()
     assert "dev mode" in log and "SQLite" in log
+    # server.event_loop's default (decision 0390).
+    assert "event loop uvloop)" in log
 
 
 def test_sigterm_turns_health_not_serving_then_exits_within_grace(served: Served) -> None:
