@@ -250,7 +250,7 @@ class ChatStream:
 
     The transport runs ``read`` as the stream's reader task, sends what ``queue.get``
     returns (``echo`` gives the request id of a live ``message_accepted``), asks
-    ``ends_after`` after each session event, and calls ``close`` however the call ends.
+    ``sent`` after each item, and calls ``close`` however the call ends.
     """
 
     def __init__(self, service: ChatService, caller: Caller) -> None:
@@ -261,6 +261,8 @@ class ChatStream:
         self.half_closed = False
         #: The turn started by this stream's last message (half-close waits for it).
         self.waiting_turn = ""
+        # The turn whose turn_ended this stream sent last.
+        self._ended_turn = ""
         # Request ids of messages sent here whose live message_accepted is not out yet.
         self._sending: set[str] = set()
         self._slot: StreamSlot | None = None
@@ -287,15 +289,13 @@ class ChatStream:
             self._slot.release()
         self._service._stream_changed(-1)
 
-    def ends_after(self, item: Outbound) -> bool:
-        """Whether the stream ends cleanly once ``item`` is sent: the client half-closed
-        and this is the end of the turn it was waiting for."""
-        return (
-            isinstance(item, SessionEvent)
-            and item.kind is EventKind.TURN_ENDED
-            and self.half_closed
-            and self.waiting_turn in ("", item.turn_id)
-        )
+    def sent(self, item: Outbound) -> bool:
+        """Note that ``item`` was sent; whether the stream now ends cleanly: the client
+        half-closed and this is the end of the turn it was waiting for."""
+        if not (isinstance(item, SessionEvent) and item.kind is EventKind.TURN_ENDED):
+            return False
+        self._ended_turn = item.turn_id
+        return self.half_closed and self.waiting_turn in ("", item.turn_id)
 
     def echo(self, event: SessionEvent) -> str:
         """The request id to send with a live event: that of a ``message_accepted`` of
@@ -371,7 +371,8 @@ class ChatStream:
 
     async def _half_closed(self) -> None:
         self.half_closed = True
-        if self.session is None or not self.waiting_turn:
+        if self.session is None or not self.waiting_turn or self.waiting_turn == self._ended_turn:
+            # Nothing to wait for, or its end was sent already: no read of the turn.
             self.queue.end(None)
             return
         try:

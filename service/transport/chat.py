@@ -68,7 +68,7 @@ async def chat(
                     await abort(context, item.error)
                 return
             yield response_of(stream, item)
-            if stream.ends_after(item):
+            if stream.sent(item):
                 return
     finally:
         # Everything that must follow the stream happens before the first await, so a

@@ -85,13 +85,20 @@ def on_busy_from_proto(value: resources_pb2.OnBusy.ValueType) -> OnBusy:
     return found
 
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
 def timestamp(value: datetime) -> timestamp_pb2.Timestamp:
-    """A protobuf ``Timestamp`` of ``value`` (naive datetimes are UTC)."""
+    """A protobuf ``Timestamp`` of ``value`` (naive datetimes are UTC), to the
+    microsecond. The same value as ``Timestamp.FromDatetime``, from the offset to the
+    epoch in whole days, seconds and microseconds (exact, and without its calendar
+    arithmetic: every Chat event carries one or two of these)."""
     if value.tzinfo is None:
         value = value.replace(tzinfo=UTC)
-    result = timestamp_pb2.Timestamp()
-    result.FromDatetime(value)
-    return result
+    since = value - _EPOCH
+    return timestamp_pb2.Timestamp(
+        seconds=since.days * 86_400 + since.seconds, nanos=since.microseconds * 1000
+    )
 
 
 def usage_to_proto(usage: Usage) -> resources_pb2.Usage:
