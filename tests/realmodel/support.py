@@ -359,6 +359,16 @@ class RealPlanner:
         )
         return got.session
 
+    def early_model_calls(self) -> dict[str, float]:
+        """``ballet_planner_early_model_calls_total`` by outcome, so far (decision 0380)."""
+        return {
+            sample.labels.get("outcome", ""): sample.value
+            for metric in self.app.metrics.registry.collect()
+            if metric.name == "ballet_planner_early_model_calls"
+            for sample in metric.samples
+            if sample.name.endswith("_total")
+        }
+
     def compaction_failures(self) -> dict[str, float]:
         """``ballet_planner_compaction_failures_total`` by reason, so far."""
         return {

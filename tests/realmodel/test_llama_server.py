@@ -97,6 +97,34 @@ async def test_a_text_answer_is_streamed_and_stored(planner: RealPlanner) -> Non
     assert answers[-1].usage.input_tokens > 0 and answers[-1].usage.output_tokens > 0
 
 
+async def test_a_second_turn_opens_its_model_call_while_its_start_commits(
+    planner: RealPlanner,
+) -> None:
+    """Decision 0380 against a real server: the second turn of a session (its context and
+    prompt kept on this replica) opens its model call before its start is durable; the
+    loop takes that call over (the request it builds is the same), so the server gets one
+    request for the turn, with the first turn and the new message, and its answer is
+    streamed and stored as any other."""
+    first = await planner.turn("Reply with one word: hello.")
+    assert first.ended.reason == M.TURN_END_REASON_COMPLETED, first.ended.error_message
+    before = Counter(planner.early_model_calls())
+    sent = len(planner.gateway.requests)
+
+    second = await planner.turn("Reply with one word: goodbye.", first.session_id)
+
+    assert second.ended.reason == M.TURN_END_REASON_COMPLETED, second.ended.error_message
+    opened = Counter(planner.early_model_calls())
+    opened.subtract(before)
+    assert +opened == Counter({"taken": 1}), opened
+    requests = planner.gateway.requests[sent:]
+    assert len(requests) == 1
+    humans = [m.text for m in requests[0].messages if m.role == gateway_pb2.ROLE_USER]
+    assert humans == ["Reply with one word: hello.", "Reply with one word: goodbye."]
+    answers = by_kind(await second.transcript(), M.MESSAGE_KIND_ASSISTANT)
+    assert len(answers) == 2 and answers[-1].text.strip()
+    assert second.streamed_text == answers[-1].text
+
+
 async def test_an_answer_without_a_server_side_limit_stops_at_the_planners_cap(
     planner: RealPlanner,
 ) -> None:
