@@ -40,12 +40,8 @@ async def test_an_answer_streamed_in_a_hole_is_in_the_transcript_after_it(
         tmp_path, SCENARIO, planner={"lease_s": 120.0, "sweep_interval_s": 1.0}
     ) as (r, net):
         session_id = await r.a.create_session(r.alice, "create-kept")
-        stream = ChatStream.open(r.a, r.alice)
-        stream.attach(session_id)
-        await stream.opened()
-        stream.say("tell me", "m1")
-        accepted = await stream.wait_kind("message_accepted")
-        turn_id = accepted.response.turn_id
+        stream = await ChatStream.opened_on(r.a, r.alice, session_id)
+        turn_id = await stream.accepted("tell me", "m1")
         await stream.wait_kind("text_delta")
         net.silence()
         opened = time.monotonic()

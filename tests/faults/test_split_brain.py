@@ -36,12 +36,8 @@ async def test_the_cut_replica_lets_its_clients_go_and_they_resume_on_the_other(
         tmp_path, SCENARIO, planner={"lease_s": LEASE_S, "sweep_interval_s": 1.0}, split=True
     ) as (r, net):
         session_id = await r.a.create_session(r.alice, "create-split")
-        first = ChatStream.open(r.a, r.alice)
-        first.attach(session_id)
-        await first.opened()
-        first.say("before the cut", "m1")
-        accepted = await first.wait_kind("message_accepted")
-        await first.turn_ended(accepted.response.turn_id)
+        first = await ChatStream.opened_on(r.a, r.alice, session_id)
+        await first.turn_ended(await first.accepted("before the cut", "m1"))
 
         net.cut(net.inner_ip)  # A's way to the database only
         cut_at = time.monotonic()
@@ -52,12 +48,8 @@ async def test_the_cut_replica_lets_its_clients_go_and_they_resume_on_the_other(
         last = let_go(first, session_id)
 
         # The gateway's move: reopen on B after what it got.
-        second = ChatStream.open(r.b, r.alice)
-        second.attach(session_id, after_sequence=last)
-        await second.opened()
-        second.say("after the cut", "m2")
-        again = await second.wait_kind("message_accepted")
-        await second.turn_ended(again.response.turn_id)
+        second = await ChatStream.opened_on(r.b, r.alice, session_id, last)
+        await second.turn_ended(await second.accepted("after the cut", "m2"))
         resumed = sequences(second.events())
         assert resumed[0] == last + 1 and resumed == list(range(last + 1, resumed[-1] + 1))
 

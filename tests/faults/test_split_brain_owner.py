@@ -37,14 +37,16 @@ from __future__ import annotations
 
 import asyncio
 import time
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
 import pytest
 from ballet.planner.v1 import resources_pb2 as res
 from grpc_health.v1 import health_pb2
 
+from tests.faults.net import Namespace
 from tests.faults.rigs import let_go, silent_rig
-from tests.replicas.support import END, ChatStream, Metadata, Planner, Received, Rig, sequences
+from tests.replicas.support import END, ChatStream, Planner, Received, Rig, sequences
 from tests.replicas.test_crash_recovery import SCENARIO as CRASH_SCENARIO
 
 pytestmark = pytest.mark.postgres
@@ -100,6 +102,13 @@ async def _log_line(planner: Planner, texts: tuple[str, ...], limit_s: float) ->
         await asyncio.sleep(0.1)
 
 
+def _split(tmp_path: Path) -> AbstractAsyncContextManager[tuple[Rig, Namespace]]:
+    """The rig, B reaching the database by the namespace's other address."""
+    return silent_rig(
+        tmp_path, SCENARIO, planner={"lease_s": LEASE_S, "sweep_interval_s": SWEEP_S}, split=True
+    )
+
+
 async def _on_both(r: Rig, request_id: str) -> tuple[str, ChatStream, ChatStream]:
     """A new session of alice's, with a stream open on A and one on B."""
     session_id = await r.a.create_session(r.alice, request_id)
@@ -120,24 +129,12 @@ async def _let_go_within_bound(
     return let_go(stream, session_id), time.monotonic() - cut_at
 
 
-async def _reopen(planner: Planner, meta: Metadata, session_id: str, after: int) -> ChatStream:
-    """The gateway's move: reopen the stream on ``planner`` after what it got."""
-    stream = ChatStream.open(planner, meta)
-    stream.attach(session_id, after_sequence=after)
-    await stream.opened()
-    return stream
-
-
 async def test_the_owner_cut_from_the_database_hands_its_turn_and_clients_to_the_other(
     tmp_path: Path,
 ) -> None:
-    async with silent_rig(
-        tmp_path, SCENARIO, planner={"lease_s": LEASE_S, "sweep_interval_s": SWEEP_S}, split=True
-    ) as (r, net):
+    async with _split(tmp_path) as (r, net):
         session_id, on_a, watcher = await _on_both(r, "create-owner-cut")
-        on_a.say("please record a note", "m1")
-        accepted = await on_a.wait_kind("message_accepted")
-        turn_id = accepted.response.turn_id
+        turn_id = await on_a.accepted("please record a note", "m1")
         # The tool round is stored (B saw both results) and the answer streams on A.
         await watcher.wait_kind("tool_call_finished", count=2)
         await on_a.wait_for(_after_tools)
@@ -159,7 +156,7 @@ async def test_the_owner_cut_from_the_database_hands_its_turn_and_clients_to_the
         assert await r.a.health_status() == NOT_SERVING
 
         # The gateway's move: reopen on B after what A delivered.
-        resumed = await _reopen(r.b, r.alice, session_id, last)
+        resumed = await ChatStream.opened_on(r.b, r.alice, session_id, last)
         again = await resumed.turn_ended(turn_id)
         assert again.response.turn_ended.reason == END.TURN_END_REASON_INTERRUPTED
         got = sequences(resumed.events())
@@ -191,17 +188,14 @@ async def test_the_owner_cut_from_the_database_hands_its_turn_and_clients_to_the
         assert len(r.stack.calls_for("ListItems")) == 1
 
         # Both streams on B go on; A serves its next turn.
-        resumed.say("and now?", "m2")
-        second = await resumed.wait_kind("message_accepted")
-        ended = await resumed.turn_ended(second.response.turn_id)
+        ended = await resumed.turn_ended(await resumed.accepted("and now?", "m2"))
         assert ended.response.turn_ended.reason == END.TURN_END_REASON_COMPLETED
-        on_a_again = ChatStream.open(r.a, r.alice)
-        on_a_again.attach(session_id, after_sequence=sequences(resumed.events())[-1])
-        await on_a_again.opened()
-        on_a_again.say("and on A?", "m3")
-        third = await on_a_again.wait_kind("message_accepted")
-        await on_a_again.turn_ended(third.response.turn_id)
-        await watcher.turn_ended(third.response.turn_id)
+        on_a_again = await ChatStream.opened_on(
+            r.a, r.alice, session_id, sequences(resumed.events())[-1]
+        )
+        third = await on_a_again.accepted("and on A?", "m3")
+        await on_a_again.turn_ended(third)
+        await watcher.turn_ended(third)
         assert [e.kind for e in watcher.events()].count("turn_ended") == 3
         watched = sequences(watcher.events())
         assert watched == list(range(1, watched[-1] + 1))
@@ -221,20 +215,16 @@ async def test_the_owner_cut_from_the_database_hands_its_turn_and_clients_to_the
 async def test_the_cut_follower_lets_its_client_go_and_the_turn_on_the_other_goes_on(
     tmp_path: Path,
 ) -> None:
-    async with silent_rig(
-        tmp_path, SCENARIO, planner={"lease_s": LEASE_S, "sweep_interval_s": SWEEP_S}, split=True
-    ) as (r, net):
+    async with _split(tmp_path) as (r, net):
         session_id, on_a, on_b = await _on_both(r, "create-follower-cut")
-        on_b.say("answer slowly", "m1")
-        accepted = await on_b.wait_kind("message_accepted")
-        turn_id = accepted.response.turn_id
+        turn_id = await on_b.accepted("answer slowly", "m1")
         await on_a.wait_kind("turn_started")  # A follows the session
         await on_b.wait_kind("text_delta")
 
         net.cut(net.inner_ip)  # A's way to the database only
         cut_at = time.monotonic()
         last, let_go_s = await _let_go_within_bound(on_a, session_id, cut_at)
-        resumed = await _reopen(r.b, r.alice, session_id, last)
+        resumed = await ChatStream.opened_on(r.b, r.alice, session_id, last)
         ended = await resumed.turn_ended(turn_id, timeout_s=15)
         assert ended.response.turn_ended.reason == END.TURN_END_REASON_COMPLETED
         await on_b.turn_ended(turn_id)

@@ -361,20 +361,18 @@ class RealPlanner:
 
     def early_model_calls(self) -> dict[str, float]:
         """``ballet_planner_early_model_calls_total`` by outcome, so far (decision 0380)."""
-        return {
-            sample.labels.get("outcome", ""): sample.value
-            for metric in self.app.metrics.registry.collect()
-            if metric.name == "ballet_planner_early_model_calls"
-            for sample in metric.samples
-            if sample.name.endswith("_total")
-        }
+        return self._counted("ballet_planner_early_model_calls", "outcome")
 
     def compaction_failures(self) -> dict[str, float]:
         """``ballet_planner_compaction_failures_total`` by reason, so far."""
+        return self._counted("ballet_planner_compaction_failures", "reason")
+
+    def _counted(self, counter: str, label: str) -> dict[str, float]:
+        """The ``counter``'s ``_total`` samples by ``label``, so far."""
         return {
-            sample.labels.get("reason", ""): sample.value
+            sample.labels.get(label, ""): sample.value
             for metric in self.app.metrics.registry.collect()
-            if metric.name == "ballet_planner_compaction_failures"
+            if metric.name == counter
             for sample in metric.samples
             if sample.name.endswith("_total")
         }

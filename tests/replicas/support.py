@@ -544,6 +544,22 @@ class ChatStream:
     async def opened(self, timeout_s: float = 10.0) -> chat_pb2.ChatResponse:
         return (await self.wait_kind("session_opened", timeout_s)).response
 
+    @classmethod
+    async def opened_on(
+        cls, planner: Planner, meta: Metadata, session_id: str, after_sequence: int = 0
+    ) -> ChatStream:
+        """A stream on ``planner`` attached to ``session_id`` after ``after_sequence``,
+        once its open is answered (a gateway's reopen)."""
+        stream = cls.open(planner, meta)
+        stream.attach(session_id, after_sequence=after_sequence)
+        await stream.opened()
+        return stream
+
+    async def accepted(self, text: str, request_id: str) -> str:
+        """Send ``text``; the turn id its ``message_accepted`` names."""
+        self.say(text, request_id)
+        return str((await self.wait_kind("message_accepted")).response.turn_id)
+
     async def turn_ended(self, turn_id: str, timeout_s: float = 10.0) -> Received:
         await self.wait_for(
             lambda got: any(r.kind == "turn_ended" and r.response.turn_id == turn_id for r in got),
