@@ -663,8 +663,10 @@ RESULT_LINE_CHARS = 160
 
 def readable_result(content: str) -> str:
     """A tool result for a human (``{{tool_result_lines}}``): the elements of a JSON
-    object's list one a line, its other fields ``key: value``; text that is not a JSON
-    object as it is (cut to ``TOOL_RESULT_MAX_CHARS``)."""
+    object's list one a line, its other fields ``key: value`` (an object too long for one
+    line, such as an item with its description, a field a line); each line cut at a word
+    to ``RESULT_LINE_CHARS``; text that is not a JSON object as it is (cut to
+    ``TOOL_RESULT_MAX_CHARS``)."""
     try:
         value = json.loads(content)
     except ValueError:
@@ -678,14 +680,25 @@ def readable_result(content: str) -> str:
             if not field_value:
                 lines.append(f"(no {key})")
         elif isinstance(field_value, dict):
-            lines.append(f"{key.replace('_', ' ')}: {_one_line(field_value)}")
-            # Its own lists (a changeset's operations), one element a line below it.
-            lines.extend(
-                f"  - {_one_line(element)}"
-                for inner in field_value.values()
-                if isinstance(inner, list)
-                for element in inner
-            )
+            line = f"{key.replace('_', ' ')}: {_one_line(field_value)}"
+            head, details = _parts(field_value)
+            if len(line) > RESULT_LINE_CHARS and head:
+                # Too long for one line (an item with its description): its fields one a
+                # line, so that each is cut on its own, at a word.
+                lines.append(f"{key.replace('_', ' ')}: {head}")
+                lines.extend(f"  {name}: {value}" for name, value in details)
+            else:
+                lines.append(line)
+            # Its own lists: objects (a changeset's operations) one a line below it, plain
+            # values (an item's blockers) on one line with their name.
+            for name, inner in field_value.items():
+                if not isinstance(inner, list) or not inner:
+                    continue
+                if all(isinstance(element, dict) for element in inner):
+                    lines.extend(f"  - {_one_line(element)}" for element in inner)
+                else:
+                    plain = ", ".join(str(element) for element in inner)
+                    lines.append(f"  {name.replace('_', ' ')}: {plain}")
         elif field_value not in (None, ""):
             lines.append(f"{key.replace('_', ' ')}: {field_value}")
     if len(lines) > RESULT_LINES:
@@ -703,22 +716,40 @@ def _one_line(element: object) -> str:
         ((key, inner),) = element.items()
         if isinstance(inner, dict):
             return f"{key.replace('_', ' ')}: {_one_line(inner)}"
-    rest = dict(element)
-    ident = next((rest.pop(k) for k in list(rest) if k == "id" or k.endswith("_id")), None)
-    title = next((rest.pop(k) for k in ("title", "name", "summary") if k in rest), None)
-    details = ", ".join(
-        f"{k.replace('_', ' ')} {v}"
-        for k, v in rest.items()
-        if isinstance(v, str | int | float) and not isinstance(v, bool) and v != ""
-    )
-    head = ": ".join(str(part) for part in (ident, title) if part not in (None, ""))
+    head, fields = _parts(element)
+    details = ", ".join(f"{name} {value}" for name, value in fields)
     if not head:
         return details or json.dumps(element, ensure_ascii=False)
     return f"{head} ({details})" if details else head
 
 
+def _parts(element: dict[str, object]) -> tuple[str, list[tuple[str, object]]]:
+    """``("PAN-4: Pantry inventory", [("kind", "epic"), ...])``: an object's id and title
+    or name (empty when it has neither), and its other plain fields, named for a
+    human."""
+    rest = dict(element)
+    ident = next((rest.pop(k) for k in list(rest) if k == "id" or k.endswith("_id")), None)
+    title = next((rest.pop(k) for k in ("title", "name", "summary") if k in rest), None)
+    fields: list[tuple[str, object]] = [
+        (k.replace("_", " "), v)
+        for k, v in rest.items()
+        if isinstance(v, str | int | float) and not isinstance(v, bool) and v != ""
+    ]
+    head = ": ".join(str(part) for part in (ident, title) if part not in (None, ""))
+    return head, fields
+
+
 def _cut_line(line: str) -> str:
-    return line if len(line) <= RESULT_LINE_CHARS else line[: RESULT_LINE_CHARS - 1] + "…"
+    """``line`` whole, or cut to ``RESULT_LINE_CHARS`` with an ellipsis, at the last space
+    when one is in the last third (a word is not cut in two)."""
+    line = " ".join(line.split("\n")) if "\n" in line else line
+    if len(line) <= RESULT_LINE_CHARS:
+        return line
+    kept = line[: RESULT_LINE_CHARS - 1]
+    space = kept.rfind(" ")
+    if space >= RESULT_LINE_CHARS * 2 // 3:
+        kept = kept[:space].rstrip(" ,;:")
+    return kept + "…"
 
 
 class _Substitution:

@@ -719,6 +719,33 @@ def test_tool_result_lines_read_as_lines_not_json() -> None:
     )
 
 
+def test_an_item_too_long_for_one_line_is_shown_a_field_a_line_cut_at_a_word() -> None:
+    from devstack.gateway.scripted import RESULT_LINE_CHARS, readable_result
+
+    words = "the refresh token is never used while the app stays open " * 6
+    item = {
+        "item_id": "PAN-9",
+        "kind": "ticket",
+        "title": "Session lifetime bug",
+        "description": f"Sessions expire.\n{words}",
+        "acceptance_criteria": "A session stays alive in the foreground.",
+        "blocked_by_ids": [],
+        "blocks_ids": ["PAN-10", "PAN-11"],
+    }
+    lines = readable_result(json.dumps({"item": item})).splitlines()
+    assert lines[0] == "item: PAN-9: Session lifetime bug"
+    assert lines[1] == "  kind: ticket"
+    described = lines[2]
+    assert described.startswith("  description: Sessions expire. the refresh token")
+    assert described.endswith("…") and len(described) <= RESULT_LINE_CHARS
+    # Cut after a whole word of the text, not inside one.
+    assert described.removesuffix("…").split()[-1] in words.split()
+    assert lines[3:] == [
+        "  acceptance criteria: A session stays alive in the foreground.",
+        "  blocks ids: PAN-10, PAN-11",
+    ]
+
+
 def test_the_demo_scenario_shows_no_raw_tool_json() -> None:
     scenario = (Path(__file__).resolve().parents[2] / "devstack/demo/scenario.json").read_text()
     assert "{{tool_result}}" not in scenario and "raw tool result" not in scenario
