@@ -74,10 +74,9 @@ def make_provider(
         return OpenAIProvider.from_config(config), f"openai at {config.base_url} ({model})"
     try:
         if scenario is not None:
-            scripted = ScriptedProvider.from_file(scenario)
+            scripted = ScriptedProvider.from_file(scenario, name=scripted_model_name(scenario))
             return scripted, f"scripted, scenario {scenario} (re-read when it changes)"
-        return ScriptedProvider(Scenario.load(demo_scenario_path())), (
-            "scripted, the built-in demo scenario (--provider openai for a real model)"
-        )
+        demo = ScriptedProvider(Scenario.load(demo_scenario_path()), name=scripted_model_name(None))
+        return demo, ("scripted, the built-in demo scenario (--provider openai for a real model)")
     except ScenarioError as error:
         raise ProviderSetupError(f"--scenario: {error}") from error

@@ -848,19 +848,24 @@ class ScriptedProvider:
         scenario: a `Scenario`, or JSON-shaped data (a dict with `rules`, or a list of
             rules) validated here.
         sleep: the coroutine used for `delay_ms` (seconds); tests may pass their own.
+        name: the model it says answered, on every finish (`Finish.model`, as a real
+            server names its model or file); empty: none.
 
     Raises:
         ScenarioError: the scenario data is not valid.
     """
 
-    def __init__(self, scenario: ScenarioData, *, sleep: Sleep = asyncio.sleep) -> None:
+    def __init__(
+        self, scenario: ScenarioData, *, sleep: Sleep = asyncio.sleep, name: str = ""
+    ) -> None:
         self._scenario = _as_scenario(scenario)
         self._file: _ScenarioFile | None = None
         self._sleep = sleep
+        self._name = name
 
     @classmethod
     def from_file(
-        cls, path: str | os.PathLike[str], *, sleep: Sleep = asyncio.sleep
+        cls, path: str | os.PathLike[str], *, sleep: Sleep = asyncio.sleep, name: str = ""
     ) -> ScriptedProvider:
         """A provider reading a scenario file, re-read on each request when it changed.
 
@@ -874,7 +879,7 @@ class ScriptedProvider:
         """
         scenario_file = _ScenarioFile(Path(path))
         initial = scenario_file.current()
-        provider = cls(initial, sleep=sleep)
+        provider = cls(initial, sleep=sleep, name=name)
         provider._file = scenario_file
         return provider
 
@@ -954,7 +959,7 @@ class ScriptedProvider:
                 retry_after_s=None if error.retry_after_ms is None else error.retry_after_ms / 1000,
             )
         if reply.truncate_after_deltas is not None:
-            yield FinishChunk(FinishReason.TRUNCATED, reply.usage)
+            yield FinishChunk(FinishReason.TRUNCATED, reply.usage, model=self._name)
             return
         if not deltas and delay_s:
             await self._sleep(delay_s)
@@ -966,7 +971,7 @@ class ScriptedProvider:
                 reason = FinishReason.TOOL_CALLS
             else:
                 reason = FinishReason.STOP
-        yield FinishChunk(reason=reason, usage=reply.usage)
+        yield FinishChunk(reason=reason, usage=reply.usage, model=self._name)
 
 
 def _deltas(reply: Reply, substitute: _Substitution) -> list[tuple[ProviderChunk, bool]]:

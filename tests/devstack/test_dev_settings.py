@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ballet.llm.v1 import gateway_pb2
+
 from devstack.dev import OPENAI_MODEL_VARIABLE, DevOptions, dev_settings
 from devstack.gateway import openai_provider
 from service.config import channels, load_settings
@@ -64,3 +66,28 @@ def test_the_scripted_model_is_asked_for_by_its_name() -> None:
 def test_the_project_is_demo_without_a_tracker_file() -> None:
     assert DevOptions(project_id="beads").project == "demo"
     assert DevOptions(tracker_file=Path("x.jsonl"), project_id="beads").project == "beads"
+
+
+async def test_the_scripted_provider_names_itself_as_the_model_that_answered(
+    tmp_path: Path,
+) -> None:
+    """With ``serve`` and a devstack of its own the planner asks for its configured model
+    (``gpt-4o-mini`` by default); the scripted provider says on each finish that it
+    answered (``Finish.model``), as a real server names its model, so the chat shows
+    ``(answered by scripted demo)`` rather than the configured name alone."""
+    from devstack.gateway.base import FinishChunk
+    from devstack.model import make_provider
+
+    request = gateway_pb2.GenerateRequest(
+        model="gpt-4o-mini",
+        purpose=gateway_pb2.PURPOSE_TURN,
+        messages=[gateway_pb2.Message(role=gateway_pb2.ROLE_USER, text="hello")],
+    )
+    demo, _ = make_provider("scripted")
+    chunks = [chunk async for chunk in demo.generate(request)]
+    assert isinstance(chunks[-1], FinishChunk) and chunks[-1].model == "scripted demo"
+    scenario = tmp_path / "mine.json"
+    scenario.write_text('{"rules": [{"reply": {"text": "Hi."}}]}')
+    mine, _ = make_provider("scripted", scenario)
+    chunks = [chunk async for chunk in mine.generate(request)]
+    assert isinstance(chunks[-1], FinishChunk) and chunks[-1].model == "scripted (mine.json)"
