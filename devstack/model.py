@@ -77,6 +77,6 @@ def make_provider(
             scripted = ScriptedProvider.from_file(scenario, name=scripted_model_name(scenario))
             return scripted, f"scripted, scenario {scenario} (re-read when it changes)"
         demo = ScriptedProvider(Scenario.load(demo_scenario_path()), name=scripted_model_name(None))
-        return demo, ("scripted, the built-in demo scenario (--provider openai for a real model)")
+        return demo, "scripted, the built-in demo scenario (--provider openai for a real model)"
     except ScenarioError as error:
         raise ProviderSetupError(f"--scenario: {error}") from error

@@ -204,3 +204,22 @@ async def test_a_half_closed_stream_gets_a_turn_end_stored_elsewhere_before_it_e
     kinds = [getattr(item, "kind", None) for item in items]
     assert kinds[0] is EventKind.TURN_ENDED
     assert isinstance(items[-1], StreamEnd) and items[-1].error is None
+
+
+async def test_a_stream_that_sent_its_turns_end_reads_no_turn_when_half_closed() -> None:
+    """Once the ``turn_ended`` of the turn it waits for was sent, a half-close ends the
+    stream at once: no store read (the store here would fail one)."""
+    from dataclasses import replace
+
+    from service.core.model import TurnEndReason
+    from service.core.turn.events import EventBuilder, Totals
+
+    stream = waiting(new_stream(Store(AssertionError("the turn was read"))))
+    builder = EventBuilder("s1", "t1", "alice", Clock())  # type: ignore[arg-type]
+    accepted = replace(builder.message_accepted("hi", "r1"), sequence=1)
+    ended = replace(builder.turn_ended(TurnEndReason.COMPLETED, Totals()), sequence=2)
+    assert (stream.sent(accepted), stream.sent(ended)) == (False, False)  # not half-closed
+    await stream.read(commands(requests_of()))
+    items = drained(stream)
+    stream.close()
+    assert len(items) == 1 and isinstance(items[0], StreamEnd) and items[0].error is None
