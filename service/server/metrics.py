@@ -70,10 +70,11 @@ class Metrics:
     - ``ballet_planner_tools_not_seen_total``: answers whose reported input tokens were far
       below what the tool declarations alone take: the server likely dropped the tools
       (decision 0297).
-    - ``ballet_planner_early_model_calls_total{outcome}``: first model calls opened while
-      their turn's start committed (decision 0380): ``taken``, ``differed`` (cancelled,
-      the turn made its own) or ``cancelled`` (the start failed or was refused, or the
-      turn ended first); the last two are model calls metered for nothing.
+    - ``ballet_planner_early_model_calls_total{outcome}``: model calls opened while what
+      they follow committed, a turn's start (decision 0380) or a round's last results
+      (decision 0391): ``taken``, ``differed`` (cancelled, the turn made its own) or
+      ``cancelled`` (the commit failed or was refused, or the turn ended first); the last
+      two are model calls metered for nothing.
     - ``ballet_planner_turns_total{reason}``: turns ended, by ``TurnEndReason`` value
       (every value exported from the start, at 0);
       ``ballet_planner_turn_failures_total{reason}``: the ``failed`` ones by ErrorInfo
@@ -176,8 +177,8 @@ class Metrics:
         )
         self.early_model_calls = Counter(
             "ballet_planner_early_model_calls",
-            "First model calls opened while their turn's start committed, by outcome "
-            "(taken, differed, cancelled).",
+            "Model calls opened while what they follow committed (a turn's start, a "
+            "round's last results), by outcome (taken, differed, cancelled).",
             ["outcome"],
             registry=registry,
         )

@@ -1,4 +1,5 @@
-"""A turn's first model call, started while its start commits (decision 0380).
+"""A turn's first model call, started while its start commits (decision 0380), and the
+call after a round, started while the round's last results commit (decision 0391).
 
 Before a turn's first delta the planner makes two waits that depend on nothing of each
 other: the start's durable commit (the human's message, ``message_accepted`` and the turn
@@ -17,6 +18,11 @@ queued message, a limit), when its commit fails, or when the turn ends before it
 model call, the early call is cancelled (``EarlyCall.cancel``). The only cost of a
 cancelled call is the model's work up to the cancellation, metered to the project: a
 message that failed to store, or was not a new turn, can be charged a few input tokens.
+
+The call after a round (``EarlyCall.after_round``) is the same idea one step later: the
+loop builds the request its next step would make from what the round's last commit
+stores, opens it while that commit runs, and takes it over, through the same ``take``,
+only once the commit is durable; a commit that fails cancels it.
 
 No early call is made when any of its parts is not in memory (a context the store would
 read, a prompt the directory would read), when the turn could not start with a model
@@ -127,6 +133,39 @@ class EarlyCall:
             return None
         if request is None:
             return None
+        return cls.opened(deps, request)
+
+    @classmethod
+    def after_round(
+        cls,
+        deps: TurnDependencies,
+        conversations: Conversations,
+        state: TurnRun,
+        prompt: Prompt,
+        *,
+        messages: list[Message],
+        context: ContextEstimate,
+    ) -> EarlyCall | None:
+        """The turn's next model call, opened while its round's last results commit
+        (decision 0391): the request ``state`` would make with ``prompt`` once its
+        messages are ``messages`` and its estimate ``context`` (what the commit stores),
+        or None when it is traced or that step might not be a model call (a compaction
+        due, a budget spent). The loop has checked its other ends (``_gate``). Never
+        raises and never waits, as ``start``."""
+        if deps.tracer.current() is not None:
+            return None  # the gateway call stays the child of its model call's span (0190)
+        try:
+            ahead = dataclasses.replace(state, messages=messages, context=context)
+            request = _next_request(deps, conversations, ahead, prompt)
+        except Exception as error:  # an optimisation: never a reason for a turn to fail
+            log.error("the next model call's request failed: %s", type(error).__name__)
+            log.debug("the next model call's failure", exc_info=error)
+            return None
+        return None if request is None else cls.opened(deps, request)
+
+    @classmethod
+    def opened(cls, deps: TurnDependencies, request: ModelRequest) -> EarlyCall:
+        """The call of ``request``, its stream opened now."""
         return cls(request, deps.gateway.stream(request), deps.clock.monotonic(), deps.observer)
 
     def take(self, request: ModelRequest) -> EarlyCall | None:
@@ -233,6 +272,14 @@ def _request(
             kept.context.pending_tokens + messages_tokens([message]),
         ),
     )
+    return _next_request(deps, conversations, state, prompt)
+
+
+def _next_request(
+    deps: TurnDependencies, conversations: Conversations, state: TurnRun, prompt: Prompt
+) -> ModelRequest | None:
+    """The turn request ``state`` makes next, or None when a compaction may come first
+    or a budget ends the turn before it. ``state`` is a copy: the estimate marks it."""
     estimate = Compactor(deps, state, _never_commits).request_tokens(prompt)
     if estimate > deps.settings.compact_at_tokens:
         return None

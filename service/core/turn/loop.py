@@ -41,14 +41,14 @@ from service.core import tracing
 from service.core.conversation import Conversations
 from service.core.errors import PlannerError, StoreConflict, StoreUnavailable
 from service.core.estimate import messages_tokens
-from service.core.model import ContextEstimate, EventKind, SessionEvent, TurnEndReason
+from service.core.model import ContextEstimate, EventKind, Message, SessionEvent, TurnEndReason
 from service.core.ports import FinishReason, Purpose, SummaryUpdate, TurnCommit, TurnPatch
 from service.core.tools import WRITE_TOOLS, ToolOutcome, error_result
 from service.core.tools.cut import cut_text, utf8_size
 from service.core.tracing import NULL_SPAN, Span, SpanRef
 from service.core.turn import ending as endings
 from service.core.turn.compact import Compactor
-from service.core.turn.early import turn_request
+from service.core.turn.early import EarlyCall, turn_request
 from service.core.turn.ending import Ending, OnPromoted, close_stored_turn, closing_commit
 from service.core.turn.events import EventBuilder
 from service.core.turn.model_call import output_cap, stream_answer
@@ -200,6 +200,8 @@ class TurnLoop:
                 await self._finish(End(endings.failed("INTERNAL", "internal error")))
         finally:
             timer.cancel()
+            # A model call opened ahead and never taken (decision 0391) goes too.
+            handle.drop_early()
             self._deps.hub.clear_answer(handle.session_id)
 
     # ------------------------------------------------------------------ the machine
@@ -603,8 +605,38 @@ class TurnLoop:
         events: list[SessionEvent],
         patch: TurnPatch | None,
         context: ContextEstimate | None,
+        last: bool,
     ) -> None:
-        await self._commit(events, patch=patch, context=context)
+        if last:
+            # The round's last results: the next model call opens while they commit, and
+            # is taken over only once they are durable (decision 0391).
+            self._open_next_call(events, context)
+        try:
+            await self._commit(events, patch=patch, context=context)
+        except BaseException:
+            self._handle.drop_early()
+            raise
+
+    def _open_next_call(self, events: list[SessionEvent], context: ContextEstimate | None) -> None:
+        """Open the model call that follows a round whose last results ``events`` (with
+        the commit's estimate ``context``) are being stored, when nothing but their commit
+        stands before it: no stop, no end of a round's budget (``_gate``), no message
+        joining the turn. The next ``CallModel`` takes it over if its request is the
+        same, else cancels it (``EarlyCall``)."""
+        handle, prompt = self._handle, self._prompt
+        if prompt is None or handle.early is not None or handle.join_pending:
+            return
+        if isinstance(self._gate(Compact()), End):
+            return
+        added, context = _after_commit(self._state, events, context)
+        handle.early = EarlyCall.after_round(
+            self._deps,
+            self._conversations,
+            self._state,
+            prompt,
+            messages=[*self._state.messages, *added],
+            context=context,
+        )
 
     async def _commit_compaction(
         self,
@@ -644,24 +676,34 @@ class TurnLoop:
     def _remember(self, commit: TurnCommit, stored: list[SessionEvent]) -> None:
         """Keep what ``commit`` stored (``stored``, already told) in the turn's state."""
         state = self._state
-        for event in stored:
-            if event.message is not None and event.kind is not EventKind.COMPACTED:
-                state.messages.append(event.message)
-        if commit.context is None:
-            added = messages_tokens(e.message for e in stored if e.message is not None)
-            state.context = ContextEstimate(
-                state.context.base_tokens, state.context.pending_tokens + added
-            )
-        else:
-            # The store now holds this estimate; so must the turn, or the next compaction
-            # check ignores the usage an answer just reported (docs/spec/compaction.md).
-            state.context = commit.context
+        added, state.context = _after_commit(state, stored, commit.context)
+        state.messages.extend(added)
 
     async def _guard(self, operation: Awaitable[T]) -> T:
         try:
             return await operation
         except (StoreUnavailable, StoreConflict) as error:
             raise Abandon(type(error).__name__) from error
+
+
+def _after_commit(
+    state: TurnRun, events: list[SessionEvent], context: ContextEstimate | None
+) -> tuple[list[Message], ContextEstimate]:
+    """What the turn's messages gain and its context estimate once ``events`` are stored
+    with the commit's estimate ``context``: the messages they carry (a compaction's marker
+    is not one the model sees), and without an estimate of the commit's own, their tokens
+    added to the pending ones."""
+    messages = [
+        e.message for e in events if e.message is not None and e.kind is not EventKind.COMPACTED
+    ]
+    if context is not None:
+        # The store holds this estimate; so must the turn, or the next compaction check
+        # ignores the usage an answer just reported (docs/spec/compaction.md).
+        return messages, context
+    added = messages_tokens(e.message for e in events if e.message is not None)
+    return messages, ContextEstimate(
+        state.context.base_tokens, state.context.pending_tokens + added
+    )
 
 
 def _json_object(arguments: str) -> bool:

@@ -100,10 +100,11 @@ class TurnObserver(Protocol):
         ...
 
     def early_model_call(self, outcome: str) -> None:
-        """A turn's first model call opened while its start committed (decision 0380)
-        ended its life as ``outcome``: ``taken`` (the turn used it), ``differed`` (the
-        turn's request was another: cancelled, the turn made its own) or ``cancelled``
-        (the start failed or was refused, or the turn ended before its first call)."""
+        """A model call opened while what it follows committed, a turn's start
+        (decision 0380) or a round's last results (decision 0391), ended its life as
+        ``outcome``: ``taken`` (the turn used it), ``differed`` (the turn's request was
+        another: cancelled, the turn made its own) or ``cancelled`` (the commit failed or
+        was refused, or the turn ended before the call)."""
         ...
 
     def context_estimated(self, purpose: str, estimated: int, reported: int) -> None:

@@ -26,9 +26,12 @@ from service.core.turn.state import PendingCall, TurnRun
 
 log = logging.getLogger(__name__)
 
-#: Stores events (with a turn patch and a context estimate) in one commit; raises the
-#: loop's ``Abandon``.
-Commit = Callable[[list[SessionEvent], TurnPatch | None, ContextEstimate | None], Awaitable[object]]
+#: Stores events (with a turn patch and a context estimate) in one commit, the last flag
+#: true for the round's last results (every call has one, and no stop was asked); raises
+#: the loop's ``Abandon``.
+Commit = Callable[
+    [list[SessionEvent], TurnPatch | None, ContextEstimate | None, bool], Awaitable[object]
+]
 
 
 @dataclass(frozen=True)
@@ -149,7 +152,8 @@ class ToolRound:
                 )
                 finished = [task for task in pending if task in done]
                 if finished:
-                    await self._store([(pending.pop(task), task) for task in finished])
+                    stored = [(pending.pop(task), task) for task in finished]
+                    await self._store(stored, last=not pending and stopper not in done)
                 if stopper in done:
                     break
         finally:
@@ -172,7 +176,9 @@ class ToolRound:
         if finished:
             await self._store([(pending.pop(task), task) for task in finished])
 
-    async def _store(self, finished: Sequence[tuple[PendingCall, asyncio.Task[_Result]]]) -> None:
+    async def _store(
+        self, finished: Sequence[tuple[PendingCall, asyncio.Task[_Result]]], *, last: bool = False
+    ) -> None:
         state = self._state
         events: list[SessionEvent] = []
         for call, task in finished:
@@ -209,7 +215,7 @@ class ToolRound:
                     first.context, pending_tokens=first.context.pending_tokens + added
                 )
             events = [*first.events, *events]
-        await self._commit(events, patch, context)
+        await self._commit(events, patch, context, last)
         if first is not None:
             self._unstored = None
             self._deps.observer.round_completed()
