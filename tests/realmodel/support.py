@@ -360,7 +360,8 @@ class RealPlanner:
         return got.session
 
     def early_model_calls(self) -> dict[str, float]:
-        """``ballet_planner_early_model_calls_total`` by outcome, so far (decision 0380)."""
+        """``ballet_planner_early_model_calls_total`` by outcome, so far (decisions 0380
+        and 0391)."""
         return self._counted("ballet_planner_early_model_calls", "outcome")
 
     def compaction_failures(self) -> dict[str, float]:

@@ -150,7 +150,9 @@ async def test_a_tool_round_runs_the_complete_call_of_an_answer_cut_at_the_cap(
     """llama-server parses the template's ``<tool_call>`` output into OpenAI tool-call
     deltas; the planner runs the complete call (whatever the finish reason), gives any call
     the cap cut an error result without running it, and goes on to the next model call
-    with the results."""
+    with the results. That call is opened while the round's results commit and taken over
+    once they are durable (decision 0391): the server is asked once per answer."""
+    before = Counter(planner.early_model_calls())
     turn = await planner.turn(CALL_GET_ITEM)
     assert turn.ended.reason != M.TURN_END_REASON_FAILED, turn.ended.error_message
     messages = await turn.transcript()
@@ -168,6 +170,11 @@ async def test_a_tool_round_runs_the_complete_call_of_an_answer_cut_at_the_cap(
     # The turn went on: a model answer came after the results.
     assert messages[-1].kind == M.MESSAGE_KIND_ASSISTANT
     assert messages.index(first) < len(messages) - 1
+    opened = Counter(planner.early_model_calls())
+    opened.subtract(before)
+    # The call after the round that ran get_item was opened ahead and taken over;
+    # none was cancelled or made again.
+    assert set(+opened) == {"taken"}, opened
 
 
 #: A write call in the format of the template (``<tool_call>``, a line break, the JSON, a
