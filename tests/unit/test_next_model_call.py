@@ -13,9 +13,16 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
-from service.core.errors import StoreUnavailable
+from service.core.errors import StoreConflict, StoreUnavailable
 from service.core.fanout import Hub, StreamQueue
-from service.core.model import EventKind, SessionEvent, TextDelta, TurnEndReason, TurnState
+from service.core.model import (
+    EventKind,
+    OnBusy,
+    SessionEvent,
+    TextDelta,
+    TurnEndReason,
+    TurnState,
+)
 from service.core.ports import ModelChunk, ModelRequest, TurnCommit
 from service.core.turn import TurnService
 from tests.memory_store import MemoryStore
@@ -172,3 +179,35 @@ async def test_no_call_opens_after_the_last_round_a_turn_may_run() -> None:
     assert turn.end_reason is TurnEndReason.MAX_ROUNDS
     assert len(gateway.requests) == 1
     assert outcomes(rig) == []
+
+
+async def test_a_commit_refused_by_the_store_cancels_the_next_call() -> None:
+    # Another replica took the turn over (a conflict): this replica abandons the turn and
+    # must not leave the call open.
+    rig, store, gateway, queue, _ = await round_in_flight(StoreConflict("another owner"))
+    store.let_go.set()
+    async with asyncio.timeout(WAIT_S):
+        await gateway.closed_early.wait()
+    assert gateway.cancelled == [gateway.requests[1]]
+    assert not [item for item in drain(queue) if isinstance(item, TextDelta)]
+    assert outcomes(rig) == ["cancelled"]
+
+
+async def test_a_message_joining_while_the_round_commits_replaces_the_call_opened_ahead() -> None:
+    rig, store, gateway, queue, turn_id = await round_in_flight()
+    joined = await rig.accept("only the open ones", on_busy=OnBusy.JOIN)
+    assert not joined.duplicate
+    store.let_go.set()
+    turn = await rig.service.wait_for_end(turn_id)
+    assert turn.end_reason is TurnEndReason.COMPLETED
+    async with asyncio.timeout(WAIT_S):
+        await gateway.closed_early.wait()
+    # The call opened ahead lacked the joined message: cancelled, and the loop made its
+    # own with it (the script answers a human message last with a tool call: a second
+    # round, whose next call was opened ahead and taken).
+    ahead, made = gateway.requests[1:3]
+    assert gateway.cancelled == [ahead]
+    assert "only the open ones" not in [m.text for m in ahead.messages]
+    assert "only the open ones" in [m.text for m in made.messages]
+    assert outcomes(rig) == ["cancelled", "taken"]
+    assert "".join(i.text for i in drain(queue) if isinstance(i, TextDelta)) == "Here they are."

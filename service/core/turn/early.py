@@ -84,9 +84,10 @@ def turn_request(
 
 
 class EarlyCall:
-    """A model stream opened before its turn's start was durable; see the module
-    docstring. Made by ``start``; owned by the turn service until the turn is launched,
-    then by the turn's loop."""
+    """A model stream opened before what it follows was durable: the turn's start, or a
+    round's last results; see the module docstring. Made by ``start`` (owned by the turn
+    service until the turn is launched, then by the turn's loop) or by ``after_round``
+    (owned by the loop)."""
 
     def __init__(
         self,
@@ -157,11 +158,11 @@ class EarlyCall:
         try:
             ahead = dataclasses.replace(state, messages=messages, context=context)
             request = _next_request(deps, conversations, ahead, prompt)
+            return None if request is None else cls.opened(deps, request)
         except Exception as error:  # an optimisation: never a reason for a turn to fail
             log.error("the next model call's request failed: %s", type(error).__name__)
             log.debug("the next model call's failure", exc_info=error)
             return None
-        return None if request is None else cls.opened(deps, request)
 
     @classmethod
     def opened(cls, deps: TurnDependencies, request: ModelRequest) -> EarlyCall:
@@ -202,8 +203,9 @@ class EarlyCall:
             await _close(self._stream)
 
     def cancel(self) -> None:
-        """Cancel the call (the start was refused or failed, or the loop did not take
-        it); its chunks go nowhere. Idempotent; returns at once."""
+        """Cancel the call (the commit it follows was refused or failed, the turn
+        stopped, or the loop did not take it); its chunks go nowhere. Idempotent; returns
+        at once."""
         if self._consumed or self._closing is not None:
             return
         self._count("cancelled")

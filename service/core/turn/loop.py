@@ -183,6 +183,8 @@ class TurnLoop:
                 )
                 await self._finish_when_the_database_answers(end)
         except Abandon as reason:
+            # No model call opened ahead stays open while the turn is closed (0380, 0391).
+            handle.drop_early()
             if isinstance(reason.__cause__, StoreUnavailable):
                 log.warning(
                     "the database failed mid-turn; the turn ends FAILED once it answers",
@@ -192,6 +194,7 @@ class TurnLoop:
             else:
                 log.warning("turn abandoned: %s", reason, extra=handle.log_fields())
         except Exception as error:
+            handle.drop_early()
             log.error(
                 "turn failed unexpectedly: %s", type(error).__name__, extra=handle.log_fields()
             )
@@ -216,7 +219,7 @@ class TurnLoop:
                 if self._on_step is not None:
                     self._on_step(step)
                 if isinstance(step, End):
-                    # Ended before its first model call: the early one goes (0380).
+                    # Ended before a model call opened ahead was taken (0380, 0391).
                     self._handle.drop_early()
                     return step
                 if isinstance(step, Prepare):
@@ -226,6 +229,9 @@ class TurnLoop:
                     self._round = rounds.enter_context(self._round_span())
                     assert self._prompt is not None
                     if self._handle.join_pending:
+                        # The joined message changes the request: a call opened ahead
+                        # (decision 0391) would differ.
+                        self._handle.drop_early()
                         await self._join()
                     await self._compactor.maybe_compact(self._prompt)
                     step = CallModel()
@@ -310,8 +316,8 @@ class TurnLoop:
         )
         early, self._handle.early = self._handle.early, None
         if early is not None:
-            # Opened while the start committed (decision 0380): used only when it is this
-            # very request, else cancelled.
+            # Opened while the start or the round's results committed (decisions 0380,
+            # 0391): used only when it is this very request, else cancelled.
             early = early.take(request)
             if early is not None:
                 request = early.request
@@ -609,8 +615,14 @@ class TurnLoop:
     ) -> None:
         if last:
             # The round's last results: the next model call opens while they commit, and
-            # is taken over only once they are durable (decision 0391).
-            self._open_next_call(events, context)
+            # is taken over only once they are durable (decision 0391). An optimisation:
+            # never a reason for the results not to be stored.
+            try:
+                self._open_next_call(events, context)
+            except Exception as error:
+                self._handle.drop_early()
+                log.error("opening the next model call failed: %s", type(error).__name__)
+                log.debug("the next model call's failure", exc_info=error)
         try:
             await self._commit(events, patch=patch, context=context)
         except BaseException:

@@ -35,14 +35,17 @@ class TurnHandle:
         #: A JOIN message waits to join the next model request (decision 0303): set by
         #: the service (this replica), the cancel signal or the lease renewal.
         self.join_pending = False
-        #: The turn's first model call, opened while its start committed (decision
-        #: 0380): the loop takes it over or cancels it.
+        #: A model call opened while what it follows committed: the turn's first, while
+        #: its start commits (decision 0380), or the call after a round, while the
+        #: round's last results commit (decision 0391). The loop takes it over or
+        #: cancels it.
         self.early: EarlyCall | None = None
         self.done = asyncio.Event()
         self._on_stop: list[Callable[[], object]] = []
 
     def drop_early(self) -> None:
-        """Cancel the early model call when nothing took it over (decision 0380)."""
+        """Cancel the model call opened ahead when nothing took it over (decisions 0380,
+        0391)."""
         early, self.early = self.early, None
         if early is not None:
             early.cancel()
