@@ -36,24 +36,32 @@ from tests.unit.test_turn import Rig, make_rig
 WAIT_S = 10.0
 
 
-class HeldStart(MemoryStore):
-    """A memory store whose next ``start_turn`` waits for ``let_go`` (or fails with
-    ``fail``), after saying it has begun (``begun``)."""
+class HeldStore(MemoryStore):
+    """A memory store that can park one unit of work (``held``, called by a subclass's
+    method while ``hold`` is set): it says it has begun (``begun``), waits for ``let_go``,
+    then raises ``failure`` if one is set, else lets the unit go on."""
 
-    def __init__(self) -> None:
+    def __init__(self, hold: bool = False) -> None:
         super().__init__()
-        self.hold = False
+        self.hold = hold
         self.begun = asyncio.Event()
         self.let_go = asyncio.Event()
-        self.fail: BaseException | None = None
+        self.failure: BaseException | None = None
+
+    async def held(self) -> None:
+        self.hold = False
+        self.begun.set()
+        await self.let_go.wait()
+        if self.failure is not None:
+            raise self.failure
+
+
+class HeldStart(HeldStore):
+    """A ``HeldStore`` whose next ``start_turn`` is held once ``hold`` is set."""
 
     async def start_turn(self, start: TurnStart) -> TurnStartOutcome:
         if self.hold:
-            self.hold = False
-            self.begun.set()
-            await self.let_go.wait()
-            if self.fail is not None:
-                raise self.fail
+            await self.held()
         return await super().start_turn(start)
 
 
@@ -139,7 +147,7 @@ async def second_turn_in_flight(
     block.clear()
     queue = rig.hub.attach(rig.session.session_id, "alice", last_sequence(store))
     store.hold = True
-    store.fail = fail
+    store.failure = fail
     gateway.first_sent.clear()
     sending = asyncio.ensure_future(rig.send("second"))
     async with asyncio.timeout(WAIT_S):

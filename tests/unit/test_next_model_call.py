@@ -25,33 +25,28 @@ from service.core.model import (
 )
 from service.core.ports import ModelChunk, ModelRequest, TurnCommit
 from service.core.turn import TurnService
-from tests.memory_store import MemoryStore
 from tests.unit.fakes import tool_results_in_turn
-from tests.unit.test_early_model_call import ClosingGateway, Outcomes, drain, outcomes
+from tests.unit.test_early_model_call import (
+    ClosingGateway,
+    HeldStore,
+    Outcomes,
+    drain,
+    outcomes,
+)
 from tests.unit.test_turn import Rig, make_rig
 
 WAIT_S = 10.0
 
 
-class HeldRound(MemoryStore):
-    """A memory store whose first commit of tool results waits for ``let_go`` (or fails
-    with ``failure``), after saying it has begun (``begun``)."""
+class HeldRound(HeldStore):
+    """A ``HeldStore`` whose first commit of tool results is held."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.hold = True
-        self.begun = asyncio.Event()
-        self.let_go = asyncio.Event()
-        self.failure: BaseException | None = None
+        super().__init__(hold=True)
 
     async def commit(self, commit: TurnCommit) -> list[SessionEvent]:
-        results = any(e.kind is EventKind.TOOL_CALL_FINISHED for e in commit.events)
-        if self.hold and results:
-            self.hold = False
-            self.begun.set()
-            await self.let_go.wait()
-            if self.failure is not None:
-                raise self.failure
+        if self.hold and any(e.kind is EventKind.TOOL_CALL_FINISHED for e in commit.events):
+            await self.held()
         return await super().commit(commit)
 
 
