@@ -266,10 +266,14 @@ class LimitsSettings:
     streams_per_human: int = _key(16, ge=1, doc="Open Chat streams per human, across replicas.")
     turns_per_project: int = _key(20, ge=1, doc="Running turns per project, across replicas.")
     stream_queue_events: int = _key(
-        1000, ge=1, doc="Events a Chat stream's outbound queue holds before it backs up."
+        1000,
+        ge=1,
+        doc="Events a Chat stream's outbound queue holds beyond the batch it is delivering.",
     )
     stream_queue_bytes: int = _key(
-        1 * MiB, ge=1 * KiB, doc="Bytes a Chat stream's outbound queue holds."
+        1 * MiB,
+        ge=1 * KiB,
+        doc="Bytes a Chat stream's outbound queue holds beyond the batch it is delivering.",
     )
     page_max_bytes: int = _key(
         1 * MiB, ge=64 * KiB, doc="Largest ListMessages page, in bytes (at least one message)."

@@ -5,8 +5,8 @@ cross-replica notifier calls ``on_remote_events`` when another replica committed
 and the hub reads them from the store once for all of the session's streams here. An
 idle stream is a queue in a dict: no database connection, timer or poll of its own.
 
-Each stream has a bounded ``StreamQueue``: at most 1,000 items queued, and at most
-1 MiB queued beyond the batch it is delivering (decision 0220). A batch is what one
+Each stream has a bounded ``StreamQueue``: at most 1,000 items and 1 MiB queued beyond
+the batch it is delivering (decisions 0220, 0225). A batch is what one
 publish brings: the events of one commit (a round's answer, calls and results may be
 several MiB), or what one read of the store returned. A client is behind by the batches
 it has not begun to take, not by the size of the one it is taking, so a large event
@@ -92,8 +92,8 @@ class StreamQueue:
     queue; ``delivered_sequence`` the newest one taken out by ``get`` (the stream has
     it, or is sending it), which an overflow reports.
 
-    Bounds (decision 0220): at most ``max_events`` items queued, and at most
-    ``max_bytes`` bytes queued beyond the oldest batch, the one the stream is delivering.
+    Bounds (decisions 0220, 0225): at most ``max_events`` items and ``max_bytes`` bytes
+    queued beyond the oldest batch, the one the stream is delivering.
     Items join the queue in batches: ``offer_batch`` queues one commit's events as one,
     each reply, delta and progress item is one of its own. A batch that arrives at an
     empty queue is taken whatever its size; one that arrives behind others counts, and
@@ -126,6 +126,11 @@ class StreamQueue:
     def behind_bytes(self) -> int:
         """Bytes queued beyond the batch the stream is delivering (the oldest queued)."""
         return self._bytes - self._batches[0].bytes if self._batches else 0
+
+    @property
+    def behind_items(self) -> int:
+        """Items queued beyond the batch the stream is delivering (the oldest queued)."""
+        return len(self._items) - self._batches[0].items if self._batches else 0
 
     def put_reply(self, reply: Reply) -> None:
         """Queue a reply for this stream only (not counted against the bounds)."""
@@ -208,9 +213,9 @@ class StreamQueue:
 
     def _fits(self, size: int) -> bool:
         """Whether an item of ``size`` bytes fits as a batch of its own."""
-        if len(self._items) >= self.max_events:
-            return False
-        return not self._items or self.behind_bytes + size <= self.max_bytes
+        if not self._items:
+            return True
+        return self.behind_items < self.max_events and self.behind_bytes + size <= self.max_bytes
 
     def _new_batch(self) -> _Batch:
         batch = _Batch()
@@ -228,9 +233,10 @@ class StreamQueue:
         size = event_size(event)
         if batch is None:
             batch = self._new_batch()
-        delivering = self._batches[0] is batch
-        if len(self._items) >= self.max_events or (
-            not delivering and self.behind_bytes + size > self.max_bytes
+        # The batch being delivered is taken whatever its length and size: one read of
+        # the store that catches a follower up is not a sign of a slow client (0225).
+        if self._batches[0] is not batch and (
+            self.behind_items >= self.max_events or self.behind_bytes + size > self.max_bytes
         ):
             self._items.clear()
             self._batches.clear()

@@ -40,14 +40,14 @@ async def test_overflow_reports_the_last_sequence_the_stream_was_given() -> None
     for sequence in (11, 12):
         queue.offer(event(sequence))
     assert queue.delivered_sequence == 10
-    assert await queue.get() == event(11)  # the stream took 11; 12 waits in the queue
-    for sequence in (13, 14, 15):
+    assert await queue.get() == event(11)  # the stream took 11; it is delivering 12
+    for sequence in (13, 14, 15, 16):  # three fit behind 12, the fourth does not
         queue.offer(event(sequence))
     items = await drain(queue)
     end = items[-1]
     assert isinstance(end, StreamEnd) and isinstance(end.error, ResourceExhausted)
     assert end.error.reason == "SLOW_CONSUMER"
-    # 12 and 13 were queued but dropped: the client must reopen after 11.
+    # 12 to 15 were queued but dropped: the client must reopen after 11.
     assert end.error.metadata == {"last_sequence": "11"}
     assert items == [end]
 
@@ -56,7 +56,8 @@ async def test_a_queue_bound_to_a_session_counts_from_its_after_sequence() -> No
     hub = Hub(no_events, max_events=1)
     queue = hub.new_queue("alice")
     hub.bind(queue, "s1", 7)
-    hub.publish([event(8), event(9)])
+    for sequence in (8, 9, 10):  # 8 is being delivered, 9 is one behind, 10 overflows
+        hub.publish([event(sequence)])
     items = await drain(queue)
     end = items[-1]
     assert isinstance(end, StreamEnd) and end.error is not None

@@ -102,10 +102,28 @@ async def test_a_stream_that_stops_taking_ends_slow_consumer_once_it_is_a_bound_
 
 async def test_a_stream_that_takes_nothing_overflows_the_event_count_too() -> None:
     queue = StreamQueue("s1", "alice", last_sequence=0, max_events=4)
-    queue.offer_batch([result_event(sequence) for sequence in range(1, 5)])
-    assert not queue.closed
-    queue.offer_batch([result_event(5)])
+    queue.offer_batch([result_event(1)])  # being delivered
+    queue.offer_batch([result_event(sequence) for sequence in range(2, 6)])
+    assert not queue.closed and queue.behind_items == 4
+    queue.offer_batch([result_event(6)])
     assert queue.closed
+
+
+async def test_a_catch_up_read_longer_than_the_event_bound_reaches_a_stream_that_keeps_up() -> None:
+    # Decision 0225: a follower that heard of a turn's commits late (no notification
+    # yet) reads them all at once; that one read is not a sign of a slow client.
+    stored = [result_event(sequence) for sequence in range(1, 23)]
+
+    async def read(session_id: str, after: int, limit: int) -> list[SessionEvent]:
+        return [e for e in stored if e.sequence > after][:limit]
+
+    hub = Hub(read, max_events=16)
+    queue = hub.new_queue("alice")
+    hub.bind(queue, "s1", 0)
+    await hub.on_remote_events("s1", 22)
+    got = await take(queue, 22)
+    assert [e.sequence for e in got if isinstance(e, SessionEvent)] == list(range(1, 23))
+    assert not queue.closed
 
 
 async def test_merged_deltas_stay_within_the_byte_bound() -> None:
