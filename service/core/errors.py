@@ -161,7 +161,9 @@ class StoreConflict(Exception):
 
 
 class StoreUnavailable(Unavailable):
-    """The database cannot be reached or failed mid-transaction; nothing was stored.
+    """The database cannot be reached or failed mid-transaction. Nothing was stored,
+    except when the connection broke during the commit itself: then the write may have
+    landed with its reply lost, and a caller that must know reads it back (decision 0372).
 
     Every caller sees the same status: ``UNAVAILABLE``/``DATABASE_UNAVAILABLE`` with a
     fixed message and a retry after 1 s (the database is usually back quickly). What

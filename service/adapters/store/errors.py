@@ -5,7 +5,8 @@
 - the database cannot be reached, the connection broke, the pool had no connection in
   time, or the database gave up on the transaction (SQLite's "database is locked", a
   PostgreSQL deadlock or serialization failure): ``StoreUnavailable``. Nothing was
-  stored, and the caller may retry.
+  stored, and the caller may retry; unless the connection broke during the commit
+  itself, which may have landed (decision 0372).
 - a violation of ``uq_turns_one_running``: ``FailedPrecondition``/``TURN_IN_PROGRESS``
   (docs/spec/api-and-streams.md: the loser of the race between two replicas stores nothing).
 - a violation of an AIP-155 request-id key: ``RequestIdTaken``, which the repository

@@ -6,7 +6,9 @@ runs the turn as a task of its own, so a client that disconnects does not stop i
 disconnect is not a cancel). The turn's first model call is opened while that
 transaction commits, and handed to the turn once it is durable (decision 0380). The
 commit and the launch that must follow it run in a task this service owns: a caller
-cancelled between the two cannot leave a stored turn that never runs. ``cancel`` stops a
+cancelled between the two cannot leave a stored turn that never runs; nor can a commit
+whose reply was lost (decision 0372): the turn it may have stored is read back and run.
+``cancel`` stops a
 turn on whichever replica runs it; ``wait_for_end`` serves unary ``SendMessage``; ``stop``
 is the graceful shutdown.
 """
@@ -121,6 +123,8 @@ class TurnService:
         self._accepting_tasks: set[asyncio.Task[Accepted]] = set()
         self._leases = Leases(deps, self._handles, self._promoted)
         self._promoting: set[asyncio.Task[None]] = set()
+        #: Reads of starts whose commit was not confirmed (decision 0372).
+        self._confirming: set[asyncio.Task[None]] = set()
         self._on_step = on_step
         self._accepting = True
         #: Set by ``stop``: every turn launched from then on stops at once.
@@ -158,6 +162,9 @@ class TurnService:
         stop) skips to the stop at once and shortens the writes' grace.
         """
         self._accepting = False
+        for task in self._confirming:
+            # An unconfirmed start left now lapses to a sweeper (decision 0372).
+            task.cancel()
         deadline = self._deps.clock.monotonic() + grace_s
         settings = self._deps.settings
 
@@ -303,6 +310,12 @@ class TurnService:
                         enqueue=enqueue,
                     )
                 )
+            except StoreUnavailable:
+                if early is not None:
+                    early.cancel()
+                # The commit may have landed with its reply lost (decision 0372).
+                self._confirm_start(turn, session, acting)
+                raise
             except BaseException:
                 if early is not None:
                     early.cancel()
@@ -335,6 +348,50 @@ class TurnService:
             StoreThenTell.of(self._deps).tell(stored, outcome.turn)
             return Accepted(outcome.turn, stored[0], duplicate=False)
         raise FailedPrecondition("a turn is still closing; try again", reason="TURN_IN_PROGRESS")
+
+    def _confirm_start(self, turn: Turn, session: Session, acting: Acting) -> None:
+        """Find out, in a task of its own, whether a start that failed ``StoreUnavailable``
+        stored ``turn`` after all, and run it if so (decision 0372)."""
+        task = asyncio.get_running_loop().create_task(
+            self._run_if_stored(turn, session, acting), name=f"confirm {turn.turn_id}"
+        )
+        self._confirming.add(task)
+        task.add_done_callback(self._confirming.discard)
+
+    async def _run_if_stored(self, turn: Turn, session: Session, acting: Acting) -> None:
+        """Read ``turn`` back until the database answers, at most until its lease
+        expires (a sweeper closes it then), and launch it when it is stored running,
+        owned here, and not running yet. A start whose reply was lost (the connection
+        broke during its commit; a failover to a synchronous standby) stored the human's
+        message and a running turn that nothing else would run: it held the session
+        (``TURN_IN_PROGRESS``) until its lease expired. Run, it answers the message, and
+        a retry of the message (same request id) gets this turn as a duplicate."""
+        deps = self._deps
+        expires = turn.lease_expires_at
+        delay = 0.05
+        while True:
+            try:
+                stored = await deps.store.get_turn(turn.turn_id)
+                break
+            except StoreUnavailable:
+                if expires is None or deps.clock.now() >= expires:
+                    return
+                await asyncio.sleep(delay)
+                delay = min(1.0, delay * 2)
+        if (
+            stored is None
+            or stored.state is not TurnState.RUNNING
+            or stored.owner != deps.replica_id
+            or stored.turn_id in self._handles
+            or not self._accepting
+        ):
+            return
+        log.warning(
+            "a turn whose start was not confirmed was stored; running it",
+            extra={"session": stored.session_id, "turn": stored.turn_id},
+        )
+        self._remember_request(session.session_id, stored.request_id)
+        self._launch(TurnHandle(stored, session, acting, stored.human_sequence))
 
     def _remember_request(self, session_id: str, request_id: str) -> None:
         """Keep the request id of the turn last started in ``session_id`` (at most
