@@ -24,7 +24,9 @@ per ``heal_interval_s`` (1 s) and in one indexed statement on the same connectio
 stored ``last_sequence`` of every followed session, and passes each to ``on_events``
 (the hub reads the events of a session only when a stream of it is behind): a
 notification that was lost, or that a stalled ``NOTIFY`` elsewhere in the cluster holds
-back, is healed within about a second (the 1 s of docs/spec/api-and-streams.md). A
+back, is healed within about a second (the 1 s of docs/spec/api-and-streams.md). The
+same read runs at once after new follows are recorded: another replica's commits made
+between a stream's attach and its follow's row (up to ``wait_s``) signalled nobody. A
 process that follows nothing reads nothing; it wakes every ``wait_s`` (0.1 s) to apply
 new follows, in memory.
 
@@ -294,21 +296,24 @@ class PgNotifier:
             await self._call(self._on_resync)
         next_heal = time.monotonic()
         while True:
-            await self._apply_follows(conn)
-            if self._followed and time.monotonic() >= next_heal:
+            # New follows are read at once: commits made before their rows signalled
+            # nobody (the interval's read would find them up to a second later).
+            followed_more = await self._apply_follows(conn)
+            if self._followed and (followed_more or time.monotonic() >= next_heal):
                 next_heal = time.monotonic() + self._heal_interval_s
                 await self._heal(conn)
             # Notifications that arrived meanwhile wait in psycopg's backlog.
             async for notify in conn.notifies(timeout=self._wait_s):
                 await self._dispatch(notify.channel, notify.payload)
 
-    async def _apply_follows(self, conn: psycopg.AsyncConnection[tuple[object, ...]]) -> None:
+    async def _apply_follows(self, conn: psycopg.AsyncConnection[tuple[object, ...]]) -> bool:
         """LISTEN to the channels of new follows and UNLISTEN the rest, and record the
         sessions followed in ``session_follows`` (decision 0340), in one statement and
         one transaction (nothing to do, and no work, while the follows are unchanged).
-        After a (re)connection every row of this replica is written afresh."""
+        After a (re)connection every row of this replica is written afresh. Returns
+        whether a session was followed that was not before."""
         if not self._follows_changed:
-            return
+            return False
         self._follows_changed = False
         wanted = set(self._channels)
         statements = [
@@ -337,6 +342,7 @@ class PgNotifier:
             await conn.execute(sql.SQL("; ").join(statements))
         self._listened = wanted
         self._recorded = set(self._followed)
+        return bool(added)
 
     async def _heal(self, conn: psycopg.AsyncConnection[tuple[object, ...]]) -> None:
         """Pass every followed session's stored last sequence to ``on_events`` (-1 for a

@@ -34,7 +34,9 @@ LEASE_S = 300
 
 
 @pytest.fixture
-async def rig(tmp_path_factory: pytest.TempPathFactory, own_pg_cluster: PgCluster) -> AsyncIterator[Rig]:
+async def rig(
+    tmp_path_factory: pytest.TempPathFactory, own_pg_cluster: PgCluster
+) -> AsyncIterator[Rig]:
     own_pg_cluster.create_database("planner")
     with psycopg.connect(own_pg_cluster.admin_url(), autocommit=True) as conn:
         # Only the planner's database waits for a synchronous standby when one is named.
