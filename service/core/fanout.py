@@ -25,6 +25,7 @@ queue's reorder buffer, and a gap that does not fill itself is read from the sto
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Sequence
@@ -44,8 +45,11 @@ log = logging.getLogger(__name__)
 EventReader = Callable[[str, int, int], Awaitable[list[SessionEvent]]]
 
 _EVENT_OVERHEAD_BYTES = 256
-# Events read from the store at once when replaying.
+# Events read from the store at once when replaying, and when filling a gap.
 _REPLAY_BATCH = 500
+#: The longest a catch-up waits for a session's streams to take one read of the store
+#: before it publishes the next (seconds; decision 0226).
+CATCH_UP_WAIT_S = 5.0
 
 
 def event_size(item: SessionEvent | TextDelta | object) -> int:
@@ -293,6 +297,13 @@ class StreamQueue:
             self._taken.clear()
             await self._taken.wait()
 
+    async def wait_delivered(self, sequence: int) -> None:
+        """Wait until the stream has taken the session events up to ``sequence``, or
+        the queue is closed."""
+        while not self.closed and self.delivered_sequence < sequence:
+            self._taken.clear()
+            await self._taken.wait()
+
     @property
     def has_gap(self) -> bool:
         """True when events wait in the reorder buffer for a missing sequence."""
@@ -310,9 +321,11 @@ class Hub:
         max_bytes: int = 1 << 20,
         client_message_max_bytes: int = CLIENT_MESSAGE_MAX_BYTES,
         heartbeat_s: float = 0.0,
+        catch_up_wait_s: float = CATCH_UP_WAIT_S,
     ) -> None:
         """``heartbeat_s``: idle seconds after which a stream gets a ``Heartbeat`` (0:
-        never)."""
+        never); ``catch_up_wait_s``: how long a catch-up longer than one read waits for
+        the streams to take a read before the next (decision 0226)."""
         self._read = read_events
         self._heartbeat_s = heartbeat_s
         self._max_events = max_events
@@ -324,6 +337,9 @@ class Hub:
         # (joined only when a stream attaches mid-answer, not on every delta).
         self._answers: dict[str, tuple[TextDelta, list[str]]] = {}
         self._filling: set[str] = set()
+        self._catch_up_wait_s = catch_up_wait_s
+        # Sessions whose catch-up runs, and whether it must read once more at its end.
+        self._catching_up: dict[str, bool] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._follow: Callable[[str], None] | None = None
         self._unfollow: Callable[[str], None] | None = None
@@ -577,16 +593,55 @@ class Hub:
             self._filling.discard(session_id)
 
     async def _fill(self, session_id: str) -> None:
+        """Read what the session's streams here miss and publish it: one read of at most
+        ``_REPLAY_BATCH`` events, published as one batch (decision 0225). A longer
+        catch-up goes on in a task of its own, each further read after the streams took
+        the last one (decision 0226); meanwhile a fill asks it for one more read."""
+        if session_id in self._catching_up:
+            self._catching_up[session_id] = True
+            return
         queues = tuple(self._queues.get(session_id, ()))
         if not queues:
             return
-        start = min(q.last_sequence for q in queues)
-        while True:
-            batch = await self._read(session_id, start, 500)
-            if not batch:
-                return
-            # One batch, as the commits it holds were: a stream is not behind by them.
-            self.publish(batch)
-            start = batch[-1].sequence
-            if len(batch) < 500:
-                return
+        batch = await self._read(session_id, min(q.last_sequence for q in queues), _REPLAY_BATCH)
+        if not batch:
+            return
+        # One batch, as the commits it holds were: a stream is not behind by them.
+        self.publish(batch)
+        if len(batch) == _REPLAY_BATCH and session_id not in self._catching_up:
+            self._catching_up[session_id] = False
+            task = asyncio.get_running_loop().create_task(
+                self._catch_up(session_id, batch[-1].sequence)
+            )
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _catch_up(self, session_id: str, published: int) -> None:
+        """Publish the rest of a long catch-up, one read at a time, each once every
+        stream of the session took the one before (up to ``sequence`` ``published``) or
+        ``catch_up_wait_s`` passed: a stream that reads is not ended ``SLOW_CONSUMER``
+        for its replica's long read, one that does not still overflows its bounds."""
+        try:
+            while True:
+                queues = tuple(self._queues.get(session_id, ()))
+                if not queues:
+                    return
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self._catch_up_wait_s):
+                        for queue in queues:
+                            await queue.wait_delivered(published)
+                self._catching_up[session_id] = False
+                queues = tuple(self._queues.get(session_id, ()))
+                if not queues:
+                    return
+                start = min(q.last_sequence for q in queues)
+                batch = await self._read(session_id, start, _REPLAY_BATCH)
+                if batch:
+                    self.publish(batch)
+                    published = batch[-1].sequence
+                if len(batch) < _REPLAY_BATCH and not self._catching_up[session_id]:
+                    return
+        except Exception:
+            log.exception("catching up with session events failed")
+        finally:
+            self._catching_up.pop(session_id, None)

@@ -201,3 +201,42 @@ async def test_the_catch_up_delta_of_a_long_answer_keeps_its_end() -> None:
     assert isinstance(delta, TextDelta)
     assert delta.text.endswith("b" * 10) and len(delta.text) < 64 * KiB
     assert delta.offset + len(delta.text) == 100 * KiB + 10
+
+
+async def test_a_catch_up_longer_than_one_read_reaches_a_stream_that_keeps_up() -> None:
+    # Decision 0226: a follower 1,600 events behind reads them 500 at a time; each read
+    # waits for the stream to take the one before, so a stream that reads is not ended
+    # however far its replica is behind (before: three reads queued at once overflowed).
+    stored = [result_event(sequence) for sequence in range(1, 1601)]
+
+    async def read(session_id: str, after: int, limit: int) -> list[SessionEvent]:
+        await asyncio.sleep(0)
+        return [e for e in stored if e.sequence > after][:limit]
+
+    hub = Hub(read, max_events=600)
+    queue = hub.new_queue("alice")
+    hub.bind(queue, "s1", 0)
+    reading = asyncio.create_task(take(queue, 1600))
+    await hub.on_remote_events("s1", 1600)
+    got = await asyncio.wait_for(reading, 10)
+    assert [e.sequence for e in got if isinstance(e, SessionEvent)] == list(range(1, 1601))
+    assert not queue.closed
+
+
+async def test_a_catch_up_still_ends_a_stream_that_does_not_read() -> None:
+    stored = [result_event(sequence) for sequence in range(1, 1601)]
+
+    async def read(session_id: str, after: int, limit: int) -> list[SessionEvent]:
+        return [e for e in stored if e.sequence > after][:limit]
+
+    hub = Hub(read, max_events=600, catch_up_wait_s=0.01)
+    queue = hub.new_queue("alice")
+    hub.bind(queue, "s1", 0)
+    await hub.on_remote_events("s1", 1600)
+    # The first read is taken whole, the next 500 fit behind it, the third does not.
+    for _ in range(200):
+        if queue.closed:
+            break
+        await asyncio.sleep(0.01)
+    assert queue.closed
+    assert queue.delivered_sequence == 0
