@@ -298,22 +298,24 @@ class PgNotifier:
         while True:
             # New follows are read at once: commits made before their rows signalled
             # nobody (the interval's read would find them up to a second later).
-            followed_more = await self._apply_follows(conn)
-            if self._followed and (followed_more or time.monotonic() >= next_heal):
+            added = await self._apply_follows(conn)
+            if self._followed and time.monotonic() >= next_heal:
                 next_heal = time.monotonic() + self._heal_interval_s
                 await self._heal(conn)
+            elif added:
+                await self._heal(conn, added)
             # Notifications that arrived meanwhile wait in psycopg's backlog.
             async for notify in conn.notifies(timeout=self._wait_s):
                 await self._dispatch(notify.channel, notify.payload)
 
-    async def _apply_follows(self, conn: psycopg.AsyncConnection[tuple[object, ...]]) -> bool:
+    async def _apply_follows(self, conn: psycopg.AsyncConnection[tuple[object, ...]]) -> list[str]:
         """LISTEN to the channels of new follows and UNLISTEN the rest, and record the
         sessions followed in ``session_follows`` (decision 0340), in one statement and
         one transaction (nothing to do, and no work, while the follows are unchanged).
         After a (re)connection every row of this replica is written afresh. Returns
-        whether a session was followed that was not before."""
+        the sessions recorded now that were not before."""
         if not self._follows_changed:
-            return False
+            return []
         self._follows_changed = False
         wanted = set(self._channels)
         statements = [
@@ -342,12 +344,15 @@ class PgNotifier:
             await conn.execute(sql.SQL("; ").join(statements))
         self._listened = wanted
         self._recorded = set(self._followed)
-        return bool(added)
+        return added
 
-    async def _heal(self, conn: psycopg.AsyncConnection[tuple[object, ...]]) -> None:
+    async def _heal(
+        self, conn: psycopg.AsyncConnection[tuple[object, ...]], new: list[str] | None = None
+    ) -> None:
         """Pass every followed session's stored last sequence to ``on_events`` (-1 for a
-        session that is gone): one indexed read for all of them."""
-        followed = list(self._followed)
+        session that is gone): one indexed read for all of them, or for the ``new``
+        follows alone (decision 0344), which is not counted as one of the heals."""
+        followed = list(self._followed) if new is None else new
         if any("," in session_id for session_id in followed):
             cursor = await conn.execute(_LAST_SEQUENCES_OF_ANY_IDS, (followed,))
             rows = await cursor.fetchall()
@@ -357,7 +362,8 @@ class PgNotifier:
             known_text = ",".join(str(self._known.get(s, _UNKNOWN)) for s in followed)
             cursor = await conn.execute(_MOVED_SEQUENCES, (",".join(followed), known_text))
             moved = {str(row[0]): int(str(row[1])) for row in await cursor.fetchall()}
-        self._heals += 1
+        if new is None:
+            self._heals += 1
         healed = 0
         for session_id, sequence in moved.items():
             if session_id not in self._followed or self._on_events is None:
@@ -369,7 +375,7 @@ class PgNotifier:
                 healed += 1
             self._known[session_id] = sequence
             await self._call(self._on_events, session_id, sequence)
-        if self._heals % _FULL_HEAL_EVERY == 0 and self._on_events is not None:
+        if new is None and self._heals % _FULL_HEAL_EVERY == 0 and self._on_events is not None:
             for session_id in followed:
                 known = self._known.get(session_id)
                 if known is not None and session_id in self._followed and session_id not in moved:
