@@ -24,9 +24,7 @@ per ``heal_interval_s`` (1 s) and in one indexed statement on the same connectio
 stored ``last_sequence`` of every followed session, and passes each to ``on_events``
 (the hub reads the events of a session only when a stream of it is behind): a
 notification that was lost, or that a stalled ``NOTIFY`` elsewhere in the cluster holds
-back, is healed within about a second (the 1 s of docs/spec/api-and-streams.md). The
-same read runs at once after new follows are recorded: another replica's commits made
-between a stream's attach and its follow's row (up to ``wait_s``) signalled nobody. A
+back, is healed within about a second (the 1 s of docs/spec/api-and-streams.md). A
 process that follows nothing reads nothing; it wakes every ``wait_s`` (0.1 s) to apply
 new follows, in memory.
 
@@ -296,26 +294,21 @@ class PgNotifier:
             await self._call(self._on_resync)
         next_heal = time.monotonic()
         while True:
-            # New follows are read at once: commits made before their rows signalled
-            # nobody (the interval's read would find them up to a second later).
-            added = await self._apply_follows(conn)
+            await self._apply_follows(conn)
             if self._followed and time.monotonic() >= next_heal:
                 next_heal = time.monotonic() + self._heal_interval_s
                 await self._heal(conn)
-            elif added:
-                await self._heal(conn, added)
             # Notifications that arrived meanwhile wait in psycopg's backlog.
             async for notify in conn.notifies(timeout=self._wait_s):
                 await self._dispatch(notify.channel, notify.payload)
 
-    async def _apply_follows(self, conn: psycopg.AsyncConnection[tuple[object, ...]]) -> list[str]:
+    async def _apply_follows(self, conn: psycopg.AsyncConnection[tuple[object, ...]]) -> None:
         """LISTEN to the channels of new follows and UNLISTEN the rest, and record the
         sessions followed in ``session_follows`` (decision 0340), in one statement and
         one transaction (nothing to do, and no work, while the follows are unchanged).
-        After a (re)connection every row of this replica is written afresh. Returns
-        the sessions recorded now that were not before."""
+        After a (re)connection every row of this replica is written afresh."""
         if not self._follows_changed:
-            return []
+            return
         self._follows_changed = False
         wanted = set(self._channels)
         statements = [
@@ -344,15 +337,11 @@ class PgNotifier:
             await conn.execute(sql.SQL("; ").join(statements))
         self._listened = wanted
         self._recorded = set(self._followed)
-        return added
 
-    async def _heal(
-        self, conn: psycopg.AsyncConnection[tuple[object, ...]], new: list[str] | None = None
-    ) -> None:
+    async def _heal(self, conn: psycopg.AsyncConnection[tuple[object, ...]]) -> None:
         """Pass every followed session's stored last sequence to ``on_events`` (-1 for a
-        session that is gone): one indexed read for all of them, or for the ``new``
-        follows alone (decision 0344), which is not counted as one of the heals."""
-        followed = list(self._followed) if new is None else new
+        session that is gone): one indexed read for all of them."""
+        followed = list(self._followed)
         if any("," in session_id for session_id in followed):
             cursor = await conn.execute(_LAST_SEQUENCES_OF_ANY_IDS, (followed,))
             rows = await cursor.fetchall()
@@ -362,8 +351,7 @@ class PgNotifier:
             known_text = ",".join(str(self._known.get(s, _UNKNOWN)) for s in followed)
             cursor = await conn.execute(_MOVED_SEQUENCES, (",".join(followed), known_text))
             moved = {str(row[0]): int(str(row[1])) for row in await cursor.fetchall()}
-        if new is None:
-            self._heals += 1
+        self._heals += 1
         healed = 0
         for session_id, sequence in moved.items():
             if session_id not in self._followed or self._on_events is None:
@@ -375,7 +363,7 @@ class PgNotifier:
                 healed += 1
             self._known[session_id] = sequence
             await self._call(self._on_events, session_id, sequence)
-        if new is None and self._heals % _FULL_HEAL_EVERY == 0 and self._on_events is not None:
+        if self._heals % _FULL_HEAL_EVERY == 0 and self._on_events is not None:
             for session_id in followed:
                 known = self._known.get(session_id)
                 if known is not None and session_id in self._followed and session_id not in moved:

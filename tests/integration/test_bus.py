@@ -310,31 +310,6 @@ async def test_a_replica_handles_only_the_sessions_it_follows(
 
 
 @pytest.mark.postgres
-async def test_a_new_follow_reads_what_was_committed_before_it_was_recorded(
-    pg_url: str, pg_engine: AsyncEngine
-) -> None:
-    """A commit between a stream's attach and the follow's row (up to ``WAIT_S``, 0.1 s,
-    later) signals nobody (decision 0340): the follow itself reads the session's stored
-    sequence once its row is written, so those events do not wait for the next heal read
-    (here a minute away)."""
-    silent = SqlSessionStore(pg_engine, "replica-b", notify=False)
-    received = Received()
-    notifier = PgNotifier(pg_url, "replica-a", heal_interval_s=NO_HEAL_S)
-    await notifier.start(received.on_events, received.on_cancel)
-    try:
-        await silent.create_session(new_session("s0"))
-        await silent.create_session(new_session("s1"))
-        await listening_to(notifier, "s0")
-        assert await received.next() == ("events", "s0", 0)  # the first heal, at once
-        await silent.start_turn(turn_start("s1", "t1", owner="replica-b"))
-        await listening_to(notifier, "s1")
-        await received.expect(("events", "s1", 2))
-        assert notifier.counts["healed"] == 0  # never known before: nothing was late
-    finally:
-        await notifier.stop()
-
-
-@pytest.mark.postgres
 async def test_events_without_a_notification_are_healed_by_sequence(
     pg_url: str, pg_engine: AsyncEngine
 ) -> None:
