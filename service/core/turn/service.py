@@ -8,9 +8,8 @@ transaction commits, and handed to the turn once it is durable (decision 0380). 
 commit and the launch that must follow it run in a task this service owns: a caller
 cancelled between the two cannot leave a stored turn that never runs; nor can a commit
 whose reply was lost (decision 0372): the turn it may have stored is read back and run.
-``cancel`` stops a
-turn on whichever replica runs it; ``wait_for_end`` serves unary ``SendMessage``; ``stop``
-is the graceful shutdown.
+``cancel`` stops a turn on whichever replica runs it; ``wait_for_end`` serves unary
+``SendMessage``; ``stop`` is the graceful shutdown.
 """
 
 from __future__ import annotations
