@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import weakref
@@ -44,6 +45,8 @@ from service.adapters.store.tables import (
     UQ_ONE_RUNNING_TURN,
     UQ_SESSION_REQUEST_ID,
     UQ_TURN_REQUEST_ID,
+    messages,
+    sessions,
 )
 from service.adapters.store.work import UnitsOfWork, every_method_a_unit_of_work, read_unit
 from service.core.errors import (
@@ -82,6 +85,28 @@ FROM sessions s WHERE s.session_id = %s
 _CONTEXT_MESSAGES = """
 SELECT * FROM messages WHERE session_id = %s AND sequence > %s ORDER BY sequence
 """
+# A stream's replay and catch-up (``events_after``): the events after a sequence, each
+# with the message it stored under the columns ``turn_units.select_events`` gives it.
+_EVENTS_AFTER = (
+    "SELECT e.*, "
+    + ", ".join(f"m.{c.name} AS {units.MESSAGE_PREFIX}{c.name}" for c in messages.c)
+    + " FROM session_events e LEFT JOIN messages m"
+    " ON m.session_id = e.session_id AND m.sequence = e.sequence"
+    " WHERE e.session_id = %s AND e.sequence > %s ORDER BY e.sequence LIMIT %s"
+)
+_SESSION_COLUMNS = frozenset(c.name for c in sessions.c)
+
+
+@functools.lru_cache(maxsize=4)
+def _insert_session_sql(columns: tuple[str, ...]) -> str:
+    unknown = set(columns) - _SESSION_COLUMNS
+    if unknown:
+        raise ValueError(f"not columns of sessions: {sorted(unknown)}")
+    return (
+        f"INSERT INTO sessions ({', '.join(columns)}) VALUES ({', '.join(['%s'] * len(columns))})"
+    )
+
+
 # Whether another replica follows the session (decision 0340): read in the statement of
 # the commit, so that a commit nobody else follows sends no signal and costs no round trip.
 _FOLLOWED_ELSEWHERE = (
@@ -250,6 +275,18 @@ class PgHotPath:
             await self._run(cursor, query, params)
             row: Mapping[str, Any] | None = await cursor.fetchone()
             return row
+
+    async def rows(self, query: str, params: Sequence[Any]) -> list[Mapping[str, Any]]:
+        """Every row of ``query`` as a mapping (a prepared statement)."""
+        async with self._conn() as conn:
+            cursor = conn.cursor(row_factory=dict_row)
+            await self._run(cursor, query, params, prepare=True)
+            return list(await cursor.fetchall())
+
+    async def execute(self, query: str, params: Sequence[Any]) -> None:
+        """Run ``query``, one autocommit statement (prepared)."""
+        async with self._conn() as conn:
+            await self._run(conn.cursor(), query, params, prepare=True)
 
     async def get_session(self, session_id: str) -> Session | None:
         row = await self.one(_SESSION, (session_id,))
@@ -449,6 +486,20 @@ class PgSessionStore(SqlSessionStore):
 
     async def _read_context(self, session_id: str) -> ContextSnapshot | None:
         return await self._hot.context(session_id)
+
+    @read_unit
+    async def events_after(
+        self, session_id: str, after_sequence: int, limit: int
+    ) -> list[SessionEvent]:
+        """See ``SqlSessionStore.events_after`` (one statement): a stream's replay and
+        catch-up, which every new Chat stream makes."""
+        rows = await self._hot.rows(_EVENTS_AFTER, (session_id, after_sequence, max(limit, 0)))
+        return [codec.event_from_row(row, units.MESSAGE_PREFIX) for row in rows]
+
+    async def _insert_session(self, row: dict[str, Any]) -> None:
+        # One autocommit statement instead of a transaction of SQLAlchemy's: every
+        # session a Chat stream opens for a project starts here.
+        await self._hot.execute(_insert_session_sql(tuple(row)), list(row.values()))
 
     async def renew_lease(self, turn_id: str, owner: str, until: datetime) -> LeaseStatus:
         """See ``SqlSessionStore.renew_lease`` (one statement)."""

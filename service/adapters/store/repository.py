@@ -196,8 +196,7 @@ class SqlSessionStore:
         # duplicate whose session was deleted meanwhile frees its key; try again.
         for _ in range(3):
             try:
-                async with self._write() as conn:
-                    await conn.execute(insert(sessions).values(row))
+                await self._insert_session(row)
             except RequestIdTaken:
                 found = await self._session_by_request(new.owner_id, new.request_id)
                 if found is None:
@@ -220,6 +219,12 @@ class SqlSessionStore:
                 create_request_id=new.request_id,
             )
         raise StoreConflict(f"the key of request {new.request_id!r} keeps changing")
+
+    async def _insert_session(self, row: dict[str, Any]) -> None:
+        """Insert one ``sessions`` row (its columns by name); a taken request-id key
+        raises ``RequestIdTaken``."""
+        async with self._write() as conn:
+            await conn.execute(insert(sessions).values(row))
 
     async def _session_by_request(
         self, owner_id: str, request_id: str
