@@ -3,10 +3,11 @@
 A turn's units of work (open the turn, commit its events), a Chat stream's (read the
 session, take and release a stream slot, read the events it replays or catches up on)
 and a session's creation run here (decision 0227 added the last two): one statement and
-one round trip each, on an autocommit psycopg connection from this module's pool, calling the
-server-side functions of migration 0005 or a single statement. Everything else of the
-store stays on SQLAlchemy (``repository.py``), where its statements are rare enough that
-building them costs nothing that matters, and on SQLite the whole store is SQLAlchemy.
+one round trip each, on an autocommit psycopg connection from this module's pool,
+calling the server-side functions of migration 0005 or a single statement. Everything
+else of the store stays on SQLAlchemy (``repository.py``), where its statements are rare
+enough that building them costs nothing that matters, and on SQLite the whole store is
+SQLAlchemy.
 
 Errors are translated here, in one place, like ``errors.translated`` does for
 SQLAlchemy: the database unreachable, a broken connection, no pooled connection in time
@@ -450,8 +451,8 @@ class PgSessionStore(SqlSessionStore):
     """``SqlSessionStore`` on PostgreSQL with the hot path on ``pool`` (decision 0113):
     ``get_session``, ``start_turn``, ``commit``, ``renew_lease``, ``events_after`` and
     the insert of ``create_session`` are one statement each (decision 0227); the rest
-    stays on SQLAlchemy (``engine``). The contract is the port's,
-    unchanged, and the context cache is the base class's."""
+    stays on SQLAlchemy (``engine``). The contract is the port's, unchanged, and the
+    context cache is the base class's."""
 
     def __init__(
         self,
