@@ -34,6 +34,7 @@ from psycopg import errors as pg_errors
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
+from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from service.adapters.store import codec
@@ -47,7 +48,6 @@ from service.adapters.store.tables import (
     UQ_ONE_RUNNING_TURN,
     UQ_SESSION_REQUEST_ID,
     UQ_TURN_REQUEST_ID,
-    messages,
     sessions,
 )
 from service.adapters.store.work import UnitsOfWork, every_method_a_unit_of_work, read_unit
@@ -87,15 +87,10 @@ FROM sessions s WHERE s.session_id = %s
 _CONTEXT_MESSAGES = """
 SELECT * FROM messages WHERE session_id = %s AND sequence > %s ORDER BY sequence
 """
-# A stream's replay and catch-up (``events_after``): the events after a sequence, each
-# with the message it stored under the columns ``turn_units.select_events`` gives it.
-_EVENTS_AFTER = (
-    "SELECT e.*, "
-    + ", ".join(f"m.{c.name} AS {units.MESSAGE_PREFIX}{c.name}" for c in messages.c)
-    + " FROM session_events e LEFT JOIN messages m"
-    " ON m.session_id = e.session_id AND m.sequence = e.sequence"
-    " WHERE e.session_id = %s AND e.sequence > %s ORDER BY e.sequence LIMIT %s"
-)
+# A stream's replay and catch-up: the statement of ``SqlSessionStore.events_after``,
+# compiled once for psycopg (named parameters; the dialect class carries no annotations).
+_PSYCOPG: Any = PGDialect_psycopg
+_EVENTS_AFTER = str(units.EVENTS_AFTER.compile(dialect=_PSYCOPG()))
 _SESSION_COLUMNS = frozenset(c.name for c in sessions.c)
 
 
@@ -201,7 +196,7 @@ class PgHotPath:
         self,
         cursor: psycopg.AsyncCursor[Any],
         query: str,
-        params: Sequence[Any],
+        params: Sequence[Any] | Mapping[str, Any],
         *,
         prepare: bool | None = None,
     ) -> None:
@@ -278,7 +273,9 @@ class PgHotPath:
             row: Mapping[str, Any] | None = await cursor.fetchone()
             return row
 
-    async def rows(self, query: str, params: Sequence[Any]) -> list[Mapping[str, Any]]:
+    async def rows(
+        self, query: str, params: Sequence[Any] | Mapping[str, Any]
+    ) -> list[Mapping[str, Any]]:
         """Every row of ``query`` as a mapping (a prepared statement)."""
         async with self._conn() as conn:
             cursor = conn.cursor(row_factory=dict_row)
@@ -496,7 +493,12 @@ class PgSessionStore(SqlSessionStore):
     ) -> list[SessionEvent]:
         """See ``SqlSessionStore.events_after`` (one statement): a stream's replay and
         catch-up, which every new Chat stream makes."""
-        rows = await self._hot.rows(_EVENTS_AFTER, (session_id, after_sequence, max(limit, 0)))
+        params = {
+            "session_id": session_id,
+            "after_sequence": after_sequence,
+            "limit": max(limit, 0),
+        }
+        rows = await self._hot.rows(_EVENTS_AFTER, params)
         return [codec.event_from_row(row, units.MESSAGE_PREFIX) for row in rows]
 
     async def _insert_session(self, row: dict[str, Any]) -> None:

@@ -44,7 +44,6 @@ from service.adapters.store.tables import (
     HAS_CREATE_REQUEST_ID,
     IS_RUNNING,
     messages,
-    session_events,
     session_follows,
     sessions,
     turns,
@@ -383,17 +382,13 @@ class SqlSessionStore:
         order (docs/spec/api-and-streams.md, replay), each as it was stored: message events with
         their message (joined from ``messages`` on the same sequence), the others with their
         payload."""
-        stmt = (
-            units.select_events()
-            .where(
-                session_events.c.session_id == session_id,
-                session_events.c.sequence > after_sequence,
-            )
-            .order_by(session_events.c.sequence)
-            .limit(max(limit, 0))
-        )
+        params = {
+            "session_id": session_id,
+            "after_sequence": after_sequence,
+            "limit": max(limit, 0),
+        }
         async with self._read() as conn:
-            rows = (await conn.execute(stmt)).mappings().all()
+            rows = (await conn.execute(units.EVENTS_AFTER, params)).mappings().all()
         return [codec.event_from_row(row, units.MESSAGE_PREFIX) for row in rows]
 
     @read_unit

@@ -35,6 +35,7 @@ from sqlalchemy import (
     ColumnElement,
     Select,
     and_,
+    bindparam,
     func,
     insert,
     or_,
@@ -668,6 +669,20 @@ def select_events() -> Select[Any]:
             ),
         )
     )
+
+
+#: A session's events after a sequence, in order, each with its message; parameters
+#: ``session_id``, ``after_sequence`` and ``limit`` (a stream's replay and catch-up;
+#: ``pg.py`` runs the same statement on the hot path).
+EVENTS_AFTER: Select[Any] = (
+    select_events()
+    .where(
+        session_events.c.session_id == bindparam("session_id"),
+        session_events.c.sequence > bindparam("after_sequence"),
+    )
+    .order_by(session_events.c.sequence)
+    .limit(bindparam("limit"))
+)
 
 
 async def event_at(conn: AsyncConnection, session_id: str, sequence: int) -> SessionEvent | None:
