@@ -49,6 +49,8 @@ OPTIONAL_COMMANDS = {
 #: The names the planner's health service answers for: overall readiness, the API's
 #: readiness, liveness (``service.server.root``).
 HEALTH_SERVICES = ("", "ballet.planner.v1.PlannerService", "liveness")
+#: The longest a health check waits for its answer (seconds): a probe, not a watch.
+MAX_HEALTH_TIMEOUT_S = 3600.0
 
 
 def _settings(config: Path | None, **overrides: str) -> Settings:
@@ -221,12 +223,11 @@ def _token(args: argparse.Namespace) -> int:
         return 2
     # NaN fails both comparisons; inf and 1e30 the second (decision 0168).
     if not 0 < args.ttl <= MAX_DEV_TOKEN_TTL_S:
-        print(
-            "ballet-planner token: --ttl must be a number of seconds above 0 and at most "
+        return _usage_error(
+            "token",
+            "--ttl must be a number of seconds above 0 and at most "
             f"{MAX_DEV_TOKEN_TTL_S:.0f} (30 days)",
-            file=sys.stderr,
         )
-        return 2
     scopes = [scope for value in args.scope for scope in value.split()]
     unknown = sorted(set(scopes) - _known_scopes())
     if unknown:
@@ -285,6 +286,13 @@ def _token(args: argparse.Namespace) -> int:
     return 0
 
 
+def _usage_error(command: str, message: str) -> int:
+    """Say ``message`` on stderr as ``ballet-planner COMMAND``'s; the exit code of a
+    usage error (2)."""
+    print(f"ballet-planner {command}: {message}", file=sys.stderr)
+    return 2
+
+
 # --------------------------------------------------------------------------- health
 
 
@@ -302,7 +310,12 @@ def _add_health(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     parser.add_argument("--config", type=Path, help="TOML configuration file")
     parser.add_argument("--alive", action="store_true", help="exit 0 on any answer")
-    parser.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=5.0,
+        help=f"seconds (default 5, at most {MAX_HEALTH_TIMEOUT_S:.0f})",
+    )
     parser.add_argument(
         "--service",
         default="",
@@ -322,6 +335,12 @@ def _health(args: argparse.Namespace) -> int:
 
     # The same settings as serve (file and environment), so a probe given only the
     # environment asks the address and TLS the server uses.
+    # NaN fails both comparisons; inf would wait forever.
+    if not 0 < args.timeout <= MAX_HEALTH_TIMEOUT_S:
+        return _usage_error(
+            "health",
+            f"--timeout must be a number of seconds above 0 and at most {MAX_HEALTH_TIMEOUT_S:.0f}",
+        )
     settings = _settings(args.config)
     address = args.address or settings.server.address
     host, port = split_address(address, "--address")
@@ -334,7 +353,12 @@ def _health(args: argparse.Namespace) -> int:
         use_tls = True
         ca_file = ca_file or settings.server.tls_ca or settings.server.tls_cert
     if use_tls:
-        roots = ca_file.read_bytes() if ca_file is not None else None
+        try:
+            roots = ca_file.read_bytes() if ca_file is not None else None
+        except OSError as error:
+            return _usage_error(
+                "health", f"cannot read the CA bundle {ca_file}: {error.strerror or error}"
+            )
         channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(roots))
     else:
         if not is_loopback(host):

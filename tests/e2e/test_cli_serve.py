@@ -193,6 +193,18 @@ def test_health_without_a_server(tmp_path: Path) -> None:
             assert "UNAVAILABLE" in result.stderr or "DEADLINE_EXCEEDED" in result.stderr
 
 
+def test_health_refuses_a_timeout_or_a_ca_bundle_it_cannot_use(tmp_path: Path) -> None:
+    for timeout in ("0", "-1", "nan", "inf"):
+        result = run(["health", "--timeout", timeout], tmp_path)
+        assert result.returncode == 2, result.stderr
+        assert "ballet-planner health: --timeout must be a number of seconds" in result.stderr
+    for bundle in (tmp_path / "missing.pem", tmp_path):
+        result = run(["health", "--tls-ca", str(bundle), "--timeout", "1"], tmp_path)
+        assert result.returncode == 2, result.stderr
+        assert f"ballet-planner health: cannot read the CA bundle {bundle}" in result.stderr
+        assert "Traceback" not in result.stderr
+
+
 def test_serve_writes_its_bound_ports_to_the_ready_file_and_removes_it(served: Served) -> None:
     ready = served.cwd / "ready.json"
     values = ready_file(ready, served.process)
