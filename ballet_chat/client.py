@@ -189,6 +189,12 @@ class ChatClient:
     recent: list[resources_pb2.Message] = field(default_factory=list)
     #: The resumed session has messages before ``recent`` (not shown: ``/history``).
     earlier_hidden: bool = False
+    #: The session this client created for its first message, while none of its messages
+    #: was accepted or queued there; ``refused_only`` once the planner refused one there.
+    #: Such a session holds nothing, and ``close`` deletes it (its title is the text that
+    #: was refused).
+    created: str = ""
+    refused_only: bool = False
     #: Called when no turn runs and no message is pending any more (the prompt).
     on_idle: Callable[[], None] | None = None
     renderer: Renderer = field(init=False)
@@ -236,6 +242,12 @@ class ChatClient:
             return ChatError(
                 f"cannot reach the planner at {address} ({message}); is `ballet-planner dev` "
                 "(or serve) running there? (--address)"
+            )
+        if code == "UNIMPLEMENTED" and not reason:
+            # gRPC's own answer for a method the server does not have: another service.
+            return ChatError(
+                f"no planner answers at {address}: the server there has no Chat method "
+                "(another service on that port?); --address names the planner's"
             )
         if code == "UNAUTHENTICATED":
             hint = (
@@ -285,6 +297,8 @@ class ChatClient:
         Raises ``ChatError``: unreachable, token refused, no such project or session.
         """
         await self._close_stream()
+        if session_id != self.created:
+            await self._drop_unused()
         request_id = uuid.uuid4().hex
         action = chat_pb2.OpenAction(after_sequence=after)
         if session_id:
@@ -307,6 +321,10 @@ class ChatClient:
                     kind = response.WhichOneof("event")
                     if kind == "session_opened":
                         self.session = response.session_opened.session
+                        if not session_id:
+                            self.created, self.refused_only = self.session.session_id, False
+                        elif session_id != self.created:
+                            self.created, self.refused_only = "", False
                         self.last_sequence = after
                         self.running_turn = self.session.running_turn_id
                         self.pending.clear()
@@ -407,6 +425,12 @@ class ChatClient:
         report = ""  # said once on stderr instead of the transcript (batch mode)
         #: A queued message of ours that starts now is shown, where it is answered.
         echo_mine = False
+        if (
+            kind in ("message_queued", "message_accepted")
+            and (sender or response.request_id) in self.pending
+        ):
+            # A message of ours is stored: the session is in use.
+            self.created, self.refused_only = "", False
         if kind == "message_queued":
             sent = self.pending.pop(sender or response.request_id, None)
             if sent is not None and not sent.turn_id:
@@ -447,6 +471,8 @@ class ChatClient:
             if sent is not None:
                 sent.refused = error
                 self.failed += 1
+                if self.created and self.session and self.session.session_id == self.created:
+                    self.refused_only = True
             report = ("message refused: " if sent is not None else "error: ") + error
         if not self._emit_json(response):
             if self.batch and report:
@@ -559,10 +585,43 @@ class ChatClient:
         self.last_sequence = 0
 
     async def close(self) -> None:
-        """Close the stream and the channel."""
+        """Close the stream and the channel; first delete the session this client created
+        if the planner refused its message there and stored none (``created``)."""
         await self._close_stream()
         if self.channel is not None:
+            await self._drop_unused()
             await self.channel.close()
+
+    async def _drop_unused(self) -> None:
+        """Delete the session this client created when the planner refused its message
+        there and stored none of its messages (``created``), and it still holds no
+        message (another client could have written to it meanwhile); a failure leaves
+        it, as before."""
+        session_id = self.created
+        if not (session_id and self.refused_only and not self.pending):
+            return
+        self.created, self.refused_only = "", False
+        try:
+            listed = await self.stub.ListMessages(
+                planner_service_pb2.ListMessagesRequest(session_id=session_id, page_size=1),
+                metadata=self._metadata(),
+                timeout=5,
+            )
+            if listed.messages:
+                return
+            await self.stub.DeleteSession(
+                planner_service_pb2.DeleteSessionRequest(session_id=session_id),
+                metadata=self._metadata(),
+                timeout=5,
+            )
+        except grpc.aio.AioRpcError:
+            return
+        print(
+            f"ballet-planner chat: session {session_id} deleted: its message was refused, "
+            "so it held nothing",
+            file=self.err,
+            flush=True,
+        )
 
     # -- session helpers --------------------------------------------------------
 

@@ -23,8 +23,9 @@ def add_chat(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     parser = commands.add_parser(
         "chat",
         help="chat with the planner in the terminal",
-        description="The terminal client of the Chat RPC. Interactive by default (/cancel, "
-        "/new, /sessions, /open ROW or ID, /history, /quit); with --message, send one "
+        description="The terminal client of the Chat RPC. Interactive by default (/help; "
+        "/interrupt TEXT, /cancel, /new, /sessions, /open ROW or ID, /history, /quit); with "
+        "--message, send one "
         "message, print the turn and exit 0 when it ended COMPLETED or MAX_ROUNDS (1 "
         "otherwise; 130 after Ctrl-C, saying whether the turn was cancelled).",
     )

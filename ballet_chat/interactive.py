@@ -256,12 +256,25 @@ class Interactive:
                     self.prompting = False
                     if self.lines.echoes:
                         self.client.renderer.at_line_start()
-                    if line is None or not await self._handle(line.strip()):
+                    if line is None:  # end of input (Ctrl-D): leaves as /quit does
+                        self._say_leaving()
+                        return self._exit_code()
+                    if not await self._handle(line.strip()):
                         return self._exit_code()
         finally:
             quit_task.cancel()
             if line_task is not None:
                 line_task.cancel()
+
+    def _say_leaving(self) -> None:
+        """Leaving does not cancel: say where a running answer goes on."""
+        client = self.client
+        if client.busy and client.session is not None:
+            client.renderer.end_line()
+            client.note(
+                "the running turn goes on on the planner; /cancel first to stop "
+                f"it, or see its answer later with --session {client.session.session_id}"
+            )
 
     async def _handle(self, line: str) -> bool:
         """Act on one typed line; False to quit."""
@@ -276,12 +289,7 @@ class Interactive:
         if line.startswith("/"):
             command, _, argument = line.partition(" ")
             if command in ("/quit", "/exit"):
-                if client.busy and client.session is not None:
-                    # Leaving does not cancel: say where the answer goes on.
-                    client.note(
-                        "the running turn goes on on the planner; /cancel first to stop "
-                        f"it, or see its answer later with --session {client.session.session_id}"
-                    )
+                self._say_leaving()
                 return False
             await self._command(command, argument.strip())
             if not client.busy:
@@ -410,7 +418,8 @@ class Interactive:
         except ChatError as error:
             client.note(f"error: {error}")
             return
-        client.note(f"all {len(messages)} messages of session {client.session.session_id}:")
+        count = f"{len(messages)} message" + ("" if len(messages) == 1 else "s")
+        client.note(f"all {count} of session {client.session.session_id}:")
         for message in messages:
             client.renderer.message(message)
 

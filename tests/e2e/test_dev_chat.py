@@ -166,6 +166,13 @@ def test_chat_message_exits_nonzero_with_the_reason_said_once(dev: DevProcess) -
         refused.stderr
     )
     assert "MESSAGE_TOO_LONG" not in refused.stdout
+    # The session made for the refused message held nothing: it is gone, and no list
+    # shows the refused text as a title.
+    created = re.search(r"session (\S+) \(continue it", refused.stderr)
+    assert created is not None, refused.stderr
+    assert f"session {created.group(1)} deleted: its message was refused" in refused.stderr
+    gone = dev.chat("--session", created.group(1), "--message", "hello")
+    assert gone.returncode == 1 and "not found" in gone.stderr, gone.stderr
 
 
 @pytest.mark.parametrize("raw", [b"caf\xe9", b"bad \xff utf8", b"\xff"])
@@ -343,6 +350,12 @@ def test_chat_errors_say_what_to_do(dev: DevProcess, tmp_path: Path) -> None:
     assert nowhere.returncode == 1
     assert "cannot reach the planner at 127.0.0.1:1" in nowhere.stderr
 
+    # Another gRPC service on the port (the devstack's): said as such, not as gRPC's
+    # "Method not found!".
+    elsewhere = dev.chat("--address", dev.devstack, "--message", "hello")
+    assert elsewhere.returncode == 1
+    assert f"no planner answers at {dev.devstack}" in elsewhere.stderr, elsewhere.stderr
+
     no_secret = run_cli(
         ["chat", "--address", dev.planner, "--user", "alice", "--data-dir", "empty"], tmp_path
     )
@@ -411,7 +424,11 @@ def test_interactive_chat_in_a_terminal(dev: DevProcess) -> None:
         terminal.expect(r"  -> list_items .*\n  <- list_items: ok, ")
         terminal.expect(r"> ")
 
-        terminal.send("/quit")
+        # Ctrl-D during an answer leaves as /quit does, saying the turn goes on.
+        terminal.send("slow, one last time")
+        terminal.expect(SLOW_TEXT[:8])
+        terminal.keys("\x04")
+        terminal.expect(r"the running turn goes on on the planner; /cancel first to stop it")
         assert terminal.wait() == 0
     finally:
         terminal.close()
