@@ -159,10 +159,19 @@ def main(argv: list[str]) -> int:
             keep_log = True
             said = tail(log)
             say(f"dev did not start (exit {code}); what it said (all of it in {log}):\n{said}")
-            if "in use" in said:
+            free_ports = (
+                "--address 127.0.0.1:0 --devstack-address 127.0.0.1:0 --metrics-address 127.0.0.1:0"
+            )
+            if "in use by another `ballet-planner dev`" in said:
+                # Another dev holds the data directory, and its ports too.
                 say(
-                    "the arguments of scripts/try go to dev: `scripts/try --address "
-                    "127.0.0.1:0 --devstack-address 127.0.0.1:0 --metrics-address 127.0.0.1:0` "
+                    "the arguments of scripts/try go to dev: `scripts/try --data-dir "
+                    f".ballet-dev-2 {free_ports}` runs a second one beside it, with its own "
+                    "data and free ports"
+                )
+            elif "in use" in said:
+                say(
+                    f"the arguments of scripts/try go to dev: `scripts/try {free_ports}` "
                     "takes free ports"
                 )
             return code or 1
