@@ -175,6 +175,10 @@ async def run_purge(
 def _check_sqlite_file(url: str) -> None:
     # A purge never creates a database: a wrong path would otherwise "purge" an empty one.
     database = make_url(url).database
+    if database and Path(database).parent.is_file():
+        raise PurgeError(
+            f"{Path(database).parent} is a file, not a folder: no SQLite database there"
+        )
     if not database or not Path(database).is_file():
         raise PurgeError(f"no SQLite database at {database}: nothing to purge")
 

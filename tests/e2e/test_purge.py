@@ -212,6 +212,14 @@ def test_a_database_it_cannot_use_exits_1(tmp_path: Path) -> None:
     assert gone.stderr == f"ballet-planner purge: no SQLite database at {where}: nothing to purge\n"
     assert not (tmp_path / "nothing-here.db").exists()
 
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a folder")
+    misplaced = purge("--human", "alice", database=f"sqlite+aiosqlite:///{a_file / 'planner.db'}")
+    assert misplaced.returncode == 1
+    assert misplaced.stderr == (
+        f"ballet-planner purge: {a_file} is a file, not a folder: no SQLite database there\n"
+    )
+
     empty = tmp_path / "empty.db"
     empty.touch()
     behind = purge("--human", "alice", database=f"sqlite+aiosqlite:///{empty}")
