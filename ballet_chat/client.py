@@ -191,8 +191,7 @@ class ChatClient:
     earlier_hidden: bool = False
     #: The session this client created for its first message, while none of its messages
     #: was accepted or queued there; ``refused_only`` once the planner refused one there.
-    #: Such a session holds nothing, and ``close`` deletes it (its title is the text that
-    #: was refused).
+    #: Such a session holds nothing: it is deleted when the chat leaves it (decision 0228).
     created: str = ""
     refused_only: bool = False
     #: Called when no turn runs and no message is pending any more (the prompt).
