@@ -5,8 +5,10 @@ says what is wrong and how to choose another, never a traceback."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 from pathlib import Path
+from typing import IO
 
 from ballet_common.files import private_directory
 
@@ -85,3 +87,44 @@ def chosen(explicit: Path | None, environ: dict[str, str] | None = None) -> Path
         return explicit
     env = os.environ if environ is None else environ
     return Path(env.get("BALLET_PLANNER__DATA_DIR", "") or DEFAULT_DATA_DIR)
+
+
+#: The file a ``dev``, or a ``serve`` on SQLite, holds locked in its data directory
+#: (decisions 0274 and 0229): its SQLite files and secrets are for one process.
+LOCK_FILE = "planner.lock"
+_HELD: list[IO[str]] = []
+
+
+def hold(data_dir: Path, command: str) -> IO[str] | str | None:
+    """Lock ``data_dir`` for this process (``ballet-planner COMMAND``, ``dev`` or
+    ``serve``) for its life. Returns the open lock file (kept open), None when the folder
+    does not exist yet (the start creates it) or cannot be opened (the start reports
+    that), or the one line that says which command and pid hold it. Idempotent within a
+    process (flock locks conflict across descriptors): the first command named keeps it.
+    """
+    if _HELD:
+        return _HELD[0]
+    if not data_dir.is_dir():
+        return None
+    path = data_dir / LOCK_FILE
+    try:
+        handle = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held until exit
+    except OSError:
+        return None
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        pid, _, holder = handle.read().strip().partition(" ")
+        handle.close()
+        by = f" (pid {pid})" if pid.isdigit() else ""
+        return (
+            f"{data_dir.absolute()} is in use by another `ballet-planner {holder or 'dev'}`"
+            f"{by}; stop it, or give this one its own --data-dir"
+        )
+    os.chmod(path, 0o600)
+    handle.truncate(0)
+    handle.write(f"{os.getpid()} {command}")
+    handle.flush()
+    _HELD.append(handle)
+    return handle

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import fcntl
 import json
 import logging
 import os
@@ -49,6 +48,7 @@ from typing import IO
 
 import grpc
 
+from ballet_common import datadir
 from ballet_common.readyfile import remove_ready_file, write_ready_file
 from ballet_common.signals import StopSignals, stop_when_signalled
 from ballet_common.signals import stopping_message as stopping_text
@@ -496,39 +496,7 @@ async def run_dev(options: DevOptions, settings: Settings | None = None) -> int:
     return code
 
 
-#: The file a running ``dev`` holds locked in its data directory.
-DEV_LOCK_FILE = "dev.lock"
-_HELD: list[IO[str]] = []
-
-
 def hold_data_dir(data_dir: Path) -> IO[str] | str | None:
-    """Lock ``data_dir`` for this ``dev`` for the life of the process: its SQLite files
-    and secrets are for one process. Returns the open lock file (kept open), None when
-    the folder does not exist yet (the start creates it), or the one line that says it
-    is in use. Idempotent within a process (flock locks conflict across descriptors)."""
-    if _HELD:
-        return _HELD[0]
-    if not data_dir.is_dir():
-        return None
-    path = data_dir / DEV_LOCK_FILE
-    try:
-        handle = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held until exit
-    except OSError:
-        return None  # an unwritable folder is reported by the start itself
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.seek(0)
-        pid = handle.read().strip()
-        handle.close()
-        by = f" (pid {pid})" if pid.isdigit() else ""
-        return (
-            f"{data_dir.absolute()} is in use by another `ballet-planner dev`{by}; stop "
-            "it, or give this one its own --data-dir"
-        )
-    os.chmod(path, 0o600)
-    handle.truncate(0)
-    handle.write(str(os.getpid()))
-    handle.flush()
-    _HELD.append(handle)
-    return handle
+    """Lock ``data_dir`` for this ``dev`` for the life of the process (decision 0274;
+    ``ballet_common.datadir.hold``)."""
+    return datadir.hold(data_dir, "dev")

@@ -162,8 +162,8 @@ def main(argv: list[str]) -> int:
             free_ports = (
                 "--address 127.0.0.1:0 --devstack-address 127.0.0.1:0 --metrics-address 127.0.0.1:0"
             )
-            if "in use by another `ballet-planner dev`" in said:
-                # Another dev holds the data directory, and its ports too.
+            if "in use by another `ballet-planner " in said:
+                # Another dev (or serve) holds the data directory, and likely its ports.
                 say(
                     "the arguments of scripts/try go to dev: `scripts/try --data-dir "
                     f".ballet-dev-2 {free_ports}` runs a second one beside it, with its own "

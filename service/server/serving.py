@@ -11,11 +11,12 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
+from ballet_common import datadir
 from ballet_common.readyfile import remove_ready_file, write_ready_file
 from ballet_common.signals import StopSignals, signal_name, stop_when_signalled
 from ballet_common.signals import stopping_message as stopping_text
 from service.config import Settings
-from service.server.root import PlannerApp, planner_tracing, start_planner
+from service.server.root import PlannerApp, StartupError, planner_tracing, start_planner
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +45,19 @@ async def serve(settings: Settings, ready_file: Path | None = None) -> int:
     exit code: 0, or ``128 + signum`` when a second signal hurried the stop.
 
     ``ready_file``: once serving, the bound ``address`` and ``metrics_address`` are
-    written there as JSON (``ballet_common.readyfile``), and removed at the stop."""
+    written there as JSON (``ballet_common.readyfile``), and removed at the stop.
+
+    On SQLite the data directory is held for the life of the process, as ``dev`` holds
+    it (decision 0229): raises ``StartupError`` when another ``serve`` or ``dev`` holds
+    it, before anything starts."""
+    if settings.database.is_sqlite:
+        held = datadir.hold(settings.data_dir, "serve")
+        if isinstance(held, str):
+            raise StartupError(f"{held} (SQLite is for one process)")
     app = await start_planner(settings, tracing=planner_tracing(settings))
+    if settings.database.is_sqlite and isinstance(datadir.hold(settings.data_dir, "serve"), str):
+        # A folder this start created, taken meanwhile by another start on it.
+        log.warning("another ballet-planner holds the data directory too")
 
     def stopping(signum: int) -> None:
         log.info("%s: %s", signal_name(signum), stopping_message(app))

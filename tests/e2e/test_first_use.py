@@ -357,6 +357,20 @@ def test_a_second_dev_on_the_same_data_directory_is_refused(dev: DevProcess) -> 
     assert line.startswith("ballet-planner dev: cannot start:")
 
 
+def test_serve_on_sqlite_is_refused_a_data_directory_a_dev_holds(dev: DevProcess) -> None:
+    # SQLite is for one process (decision 0229): serve on dev's files stops before it
+    # starts; on PostgreSQL the same folder is fine (its secret only).
+    free = {
+        "BALLET_PLANNER__SERVER__ADDRESS": "127.0.0.1:0",
+        "BALLET_PLANNER__SERVER__METRICS_ADDRESS": "",
+    }
+    result = run_cli(["serve", "--data-dir", dev.data_dir], dev.cwd, **free)
+    assert result.returncode == 1, result.stderr
+    line = _one_line(result, "is in use by another `ballet-planner dev`", "--data-dir")
+    assert line.startswith("ballet-planner: cannot start:")
+    assert "SQLite is for one process" in line
+
+
 # --------------------------------------------------------------------------- usage
 
 
