@@ -311,7 +311,8 @@ class DatabaseSettings:
     context_cache_bytes: int = _key(
         64 * MiB,
         ge=0,
-        doc="Bytes of session contexts kept in memory between turns (0: none).",
+        doc="Bytes of session contexts kept in memory between turns, in each of their two "
+        "forms: the stored messages and the model's conversation (0: none).",
     )
     pool_timeout_s: float = _key(
         10.0,

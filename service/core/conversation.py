@@ -29,40 +29,54 @@ from service.core.context import to_model_messages
 from service.core.model import Message, MessageKind
 from service.core.ports.model import ModelMessage
 
-#: Sessions whose conversation is kept, and model messages kept in all; past either the
-#: least recently used session goes first.
+#: Sessions whose conversation is kept; past it the least recently used goes first.
 DEFAULT_MAX_SESSIONS = 1024
-DEFAULT_MAX_MESSAGES = 100_000
-#: A conversation shorter than this (before the running turn) is converted again rather
-#: than kept: converting it costs about a millisecond, and keeping every short session's
-#: messages (and their encodings) would cost memory for nothing.
-MIN_KEPT_MESSAGES = 256
+#: Bytes of kept conversations in all (the replica passes its context bound,
+#: ``database.context_cache_bytes``); past it the least recently used session goes first.
+DEFAULT_MAX_BYTES = 64 << 20
+#: Bytes counted per kept message besides its text: the model message, its tuple of
+#: calls, and the gateway client's encoding entry and weak reference.
+MESSAGE_OVERHEAD = 400
 
 _Key = tuple[int, int, int]
 
 
+class _Kept:
+    __slots__ = ("key", "messages", "size")
+
+    def __init__(self, key: _Key, messages: list[ModelMessage], size: int) -> None:
+        self.key = key
+        self.messages = messages
+        self.size = size
+
+
 class Conversations:
-    """Per session: the model's messages of the turns before the running one.
+    """Per session: the model's messages of the turns before the running one, every
+    session's from its second turn on, at most ``max_sessions`` sessions and
+    ``max_bytes`` bytes in all (0: nothing kept). A message counts its text twice (the
+    model message shares the stored message's strings; the gateway client's encoding
+    copies them) and ``MESSAGE_OVERHEAD``.
 
     Owned by the turn service of one replica; used from its event loop only.
     """
 
     def __init__(
-        self,
-        max_sessions: int = DEFAULT_MAX_SESSIONS,
-        max_messages: int = DEFAULT_MAX_MESSAGES,
-        min_messages: int | None = None,
+        self, max_sessions: int = DEFAULT_MAX_SESSIONS, max_bytes: int = DEFAULT_MAX_BYTES
     ) -> None:
-        self._min_messages = MIN_KEPT_MESSAGES if min_messages is None else min_messages
         self._max_sessions = max_sessions
-        self._max_messages = max_messages
-        self._messages = 0
-        self._kept: OrderedDict[str, tuple[_Key, list[ModelMessage]]] = OrderedDict()
+        self._max_bytes = max_bytes
+        self._bytes = 0
+        self._kept: OrderedDict[str, _Kept] = OrderedDict()
 
     @property
     def sessions(self) -> int:
         """How many sessions' conversations are kept."""
         return len(self._kept)
+
+    @property
+    def bytes(self) -> int:
+        """The bytes counted for the kept conversations (see the class docstring)."""
+        return self._bytes
 
     def model_messages(self, session_id: str, messages: Sequence[Message]) -> list[ModelMessage]:
         """``to_model_messages(messages)``, converting only the running turn's messages
@@ -70,33 +84,31 @@ class Conversations:
         start = _running_turn_start(messages)
         earlier = messages[:start]
         key = _key(earlier)
-        if key is None or len(earlier) < self._min_messages:
-            self._forget(session_id)
-            return to_model_messages(messages)
         kept = self._kept.pop(session_id, None)
         if kept is not None:
-            self._messages -= len(kept[1])
-        if kept is not None and kept[0] == key:
-            converted = kept[1]
-        elif kept is not None and _extends(kept[0], earlier):
+            self._bytes -= kept.size
+        if key is None or self._max_bytes <= 0:
+            return to_model_messages(messages)
+        if kept is not None and kept.key == key:
+            converted, size = kept.messages, kept.size
+        elif kept is not None and _extends(kept.key, earlier):
             # Turns ended since: convert only theirs (they start with a human message).
-            converted = [*kept[1], *to_model_messages(earlier[kept[0][0] :])]
+            ended = earlier[kept.key[0] :]
+            converted = [*kept.messages, *to_model_messages(ended)]
+            size = kept.size + _size(ended)
         else:
-            converted = to_model_messages(earlier)
-        self._kept[session_id] = ((len(earlier), key[1], key[2]), converted)
-        self._messages += len(converted)
-        while self._kept and (
-            len(self._kept) > self._max_sessions or self._messages > self._max_messages
-        ):
-            _, (_, dropped) = self._kept.popitem(last=False)
-            self._messages -= len(dropped)
+            converted, size = to_model_messages(earlier), _size(earlier)
+        if size <= self._max_bytes:
+            self._kept[session_id] = _Kept(key, converted, size)
+            self._bytes += size
+            while len(self._kept) > self._max_sessions or self._bytes > self._max_bytes:
+                _, dropped = self._kept.popitem(last=False)
+                self._bytes -= dropped.size
         return [*converted, *to_model_messages(messages[start:])]
 
 
-    def _forget(self, session_id: str) -> None:
-        kept = self._kept.pop(session_id, None)
-        if kept is not None:
-            self._messages -= len(kept[1])
+def _size(messages: Sequence[Message]) -> int:
+    return sum(2 * message.size_bytes() + MESSAGE_OVERHEAD for message in messages)
 
 
 def _running_turn_start(messages: Sequence[Message]) -> int:

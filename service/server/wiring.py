@@ -132,6 +132,7 @@ def build_turns(wiring: Wiring) -> PlannerTurns:
                 lease_s=planner.lease_s,
                 sweep_interval_s=planner.sweep_interval_s,
                 prompt_cache_s=settings.auth.project_check_cache_s,
+                conversation_cache_bytes=settings.database.context_cache_bytes,
                 message_max_bytes=limits.message_max_bytes,
                 max_queued=planner.max_queued_messages,
                 running_limits=RunningLimits(

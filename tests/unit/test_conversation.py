@@ -12,7 +12,7 @@ from ballet.llm.v1 import gateway_pb2
 
 from service.adapters.gateway_wire import MessageEncodings, to_proto, to_wire
 from service.core.context import to_model_messages
-from service.core.conversation import Conversations
+from service.core.conversation import MESSAGE_OVERHEAD, Conversations
 from service.core.model import Message, MessageKind
 from service.core.ports import ModelDeadlines, ModelRequest, Purpose, ToolDeclaration
 
@@ -70,7 +70,7 @@ class Transcript:
 
 def test_each_call_gives_what_converting_everything_gives() -> None:
     transcript = Transcript()
-    conversations = Conversations(min_messages=0)
+    conversations = Conversations()
     for turn in range(1, 6):
         # The turn's first round (its call has no result yet), then its second.
         transcript.turn(turn, ended=False)
@@ -86,7 +86,7 @@ def test_the_earlier_turns_are_converted_once_and_the_same_objects_returned() ->
     for turn in range(1, 4):
         transcript.turn(turn)
     transcript.turn(4, ended=False)
-    conversations = Conversations(min_messages=0)
+    conversations = Conversations()
     first = conversations.model_messages(transcript.session_id, transcript.messages)
     second = conversations.model_messages(transcript.session_id, transcript.messages)
     assert first == second
@@ -99,7 +99,7 @@ def test_a_compaction_or_another_replicas_turn_is_never_served_stale() -> None:
     for turn in range(1, 5):
         transcript.turn(turn)
     transcript.turn(5, ended=False)
-    conversations = Conversations(min_messages=0)
+    conversations = Conversations()
     conversations.model_messages(transcript.session_id, transcript.messages)
     # A compaction: the context now starts after the summary's up_to.
     compacted = transcript.messages[10:]
@@ -121,13 +121,13 @@ def test_unstored_messages_are_not_kept() -> None:
     transcript.turn(1)
     transcript.turn(2, ended=False)
     unstored = [replace(m, sequence=0) for m in transcript.messages]
-    conversations = Conversations(min_messages=0)
+    conversations = Conversations()
     assert conversations.model_messages("s-1", unstored) == to_model_messages(unstored)
     assert conversations.sessions == 0
 
 
 def test_sessions_beyond_the_bound_are_dropped_oldest_first() -> None:
-    conversations = Conversations(max_sessions=2, min_messages=0)
+    conversations = Conversations(max_sessions=2)
     for name in ("a", "b", "c"):
         transcript = Transcript(name)
         transcript.turn(1)
@@ -179,7 +179,7 @@ def test_a_turn_that_ended_since_is_converted_alone_and_the_rest_kept() -> None:
     for turn in range(1, 4):
         transcript.turn(turn)
     transcript.turn(4, ended=False)
-    conversations = Conversations(min_messages=0)
+    conversations = Conversations()
     before = conversations.model_messages(transcript.session_id, transcript.messages)
     transcript.finish(4)
     transcript.turn(5, ended=False)
@@ -189,15 +189,41 @@ def test_a_turn_that_ended_since_is_converted_alone_and_the_rest_kept() -> None:
     assert all(a is b for a, b in zip(before[:kept], after[:kept], strict=True))
 
 
-def test_kept_messages_are_bounded_in_all() -> None:
-    conversations = Conversations(max_messages=12, min_messages=0)
+def test_kept_conversations_are_bounded_in_bytes_oldest_session_first() -> None:
+    transcripts = []
     for name in ("a", "b", "c"):
         transcript = Transcript(name)
         for turn in range(1, 3):
             transcript.turn(turn)
         transcript.turn(3, ended=False)
-        conversations.model_messages(name, transcript.messages)  # 8 kept each
-    assert conversations.sessions == 1
+        transcripts.append(transcript)
+    one = Conversations()
+    one.model_messages("a", transcripts[0].messages)  # 10 messages before the running turn
+    size = one.bytes
+    assert size > 10 * MESSAGE_OVERHEAD
+    conversations = Conversations(max_bytes=2 * size)
+    for transcript in transcripts:
+        conversations.model_messages(transcript.session_id, transcript.messages)
+    assert conversations.sessions == 2 and conversations.bytes == 2 * size
+    # The oldest went: converting "a" again keeps it and drops "b".
+    conversations.model_messages("a", transcripts[0].messages)
+    assert conversations.sessions == 2
+    assert conversations.model_messages("c", transcripts[2].messages) == to_model_messages(
+        transcripts[2].messages
+    )
+
+
+def test_a_conversation_over_the_bound_or_a_bound_of_zero_is_converted_not_kept() -> None:
+    transcript = Transcript()
+    for turn in range(1, 4):
+        transcript.turn(turn)
+    transcript.turn(4, ended=False)
+    for bound in (0, 1000):
+        conversations = Conversations(max_bytes=bound)
+        assert conversations.model_messages("s-1", transcript.messages) == (
+            to_model_messages(transcript.messages)
+        )
+        assert conversations.sessions == 0 and conversations.bytes == 0
 
 
 def test_an_encoding_lives_no_longer_than_its_message() -> None:
@@ -214,20 +240,4 @@ def test_an_encoding_lives_no_longer_than_its_message() -> None:
 def test_an_empty_conversations_is_still_one_to_fill() -> None:
     # The turn loop once took ``conversations or a new one``: an empty (so falsy) keeper
     # was replaced on every turn and nothing was ever kept across turns.
-    assert Conversations(min_messages=0)
-
-
-def test_short_conversations_are_converted_again_not_kept() -> None:
-    transcript = Transcript()
-    for turn in range(1, 4):
-        transcript.turn(turn)
-    transcript.turn(4, ended=False)
-    conversations = Conversations(min_messages=16)  # 15 messages before the running turn
-    assert conversations.model_messages("s-1", transcript.messages) == (
-        to_model_messages(transcript.messages)
-    )
-    assert conversations.sessions == 0
-    transcript.finish(4)
-    transcript.turn(5, ended=False)  # now 20 before it
-    conversations.model_messages("s-1", transcript.messages)
-    assert conversations.sessions == 1
+    assert Conversations()

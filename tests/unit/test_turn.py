@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from service.core import conversation, prompts
+from service.core import prompts
 from service.core.context import SUMMARY_TAG, to_model_messages
 from service.core.errors import (
     FailedPrecondition,
@@ -191,13 +191,10 @@ async def test_second_turn_reuses_the_cached_project_and_skill() -> None:
     assert rig.store.turns[next(iter(rig.store.turns))].skill_version == "1.0.0"
 
 
-async def test_later_turns_reuse_the_earlier_turns_conversation(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # Decision 0115: the model's messages of ended turns are converted once per session,
-    # so the next turn's requests carry the very same objects (the gateway client keeps
-    # their encodings by identity). Kept from the first message on, for the test.
-    monkeypatch.setattr(conversation, "MIN_KEPT_MESSAGES", 0)
+async def test_later_turns_reuse_the_earlier_turns_conversation() -> None:
+    # Decisions 0115 and 0392: the model's messages of ended turns are converted once per
+    # session, so the next turn's requests carry the very same objects (the gateway
+    # client keeps their encodings by identity).
     rig = make_rig(one_round)
     for text in ("one", "two", "three"):
         await rig.run(text)

@@ -114,7 +114,7 @@ class TurnService:
         self._prompts = PromptSource(
             directory, model=settings.model, declarations=deps.declarations
         )
-        self._conversations = Conversations()
+        self._conversations = Conversations(max_bytes=settings.conversation_cache_bytes)
         #: Per session, the request id of the turn last started here (decision 0380).
         self._last_requests: OrderedDict[str, str] = OrderedDict()
         self._handles: dict[str, TurnHandle] = {}

@@ -64,6 +64,8 @@ class TurnSettings:
     sweep_interval_s: float = 5.0
     prompt_cache_s: float = 60.0
     message_max_bytes: int = 32 * 1024
+    #: Bytes of the model's conversations kept between turns (``Conversations``; 0: none).
+    conversation_cache_bytes: int = 64 << 20
     #: Queued turns per session (decision 0300).
     max_queued: int = 10
     running_limits: RunningLimits = field(default_factory=RunningLimits)
