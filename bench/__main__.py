@@ -4,8 +4,10 @@
 durable PostgreSQL, ``bench.scale``), and ``python -m bench idle ...`` the many idle
 streams benchmark (``bench.idle``), and ``python -m bench prompt`` counts the fixed
 prompt's tokens per part (``bench.prompt``), and ``python -m bench realmodel`` the context
-estimate after a compaction against a real llama.cpp server (``bench.realmodel``);
-``--help`` after any lists its options.
+estimate after a compaction against a real llama.cpp server (``bench.realmodel``), and
+``python -m bench conversation`` a model call's conversion and encoding of the
+conversation, kept against converted every time (``bench.conversation``); ``--help``
+after any lists its options.
 
 Options: ``--quick`` (smaller samples and a 10 s idle window instead of 60 s; about two
 minutes instead of three and a half), ``--out DIR`` (default ``bench/results``),
@@ -80,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench import prompt
 
         return prompt.main(args[1:])
+    if args and args[0] == "conversation":
+        from bench import conversation
+
+        return conversation.main(args[1:])
     if args and args[0] == "realmodel":
         from bench import realmodel
 

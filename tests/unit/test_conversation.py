@@ -5,11 +5,14 @@ changed."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from datetime import UTC, datetime
 
+import pytest
 from ballet.llm.v1 import gateway_pb2
 
+from bench import conversation as conversation_bench
 from service.adapters.gateway_wire import MessageEncodings, to_proto, to_wire
 from service.core.context import to_model_messages
 from service.core.conversation import MESSAGE_OVERHEAD, Conversations
@@ -241,3 +244,19 @@ def test_an_empty_conversations_is_still_one_to_fill() -> None:
     # The turn loop once took ``conversations or a new one``: an empty (so falsy) keeper
     # was replaced on every turn and nothing was ever kept across turns.
     assert Conversations()
+
+
+def test_the_benchmarks_session_gives_the_same_messages_kept_or_not(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # ``python -m bench conversation`` compares the two: they must do the same work.
+    messages = conversation_bench.transcript("s-1", 5)
+    kept = Conversations()
+    for _ in range(2):
+        assert kept.model_messages("s-1", messages) == to_model_messages(messages)
+    assert kept.sessions == 1
+    monkeypatch.setattr(conversation_bench, "CALLS", 5)
+    monkeypatch.setattr(conversation_bench, "EARLIER_TURNS", (1, 3))
+    assert conversation_bench.main(["--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [row["earlier_turns"] for row in rows] == [1, 3]
