@@ -222,9 +222,17 @@ class PgHotPath:
                 return
             checked_out = False
             try:
-                async with self._pool.connection() as conn:
-                    checked_out = True
+                # getconn and putconn rather than the pool's ``connection()``: that one
+                # also enters the connection's own context, whose commit at the end is
+                # work for nothing on an autocommit connection (a third of a checkout's
+                # CPU). putconn checks what the unit left: a connection still running a
+                # statement or broken is closed, not pooled.
+                conn = await self._pool.getconn()
+                checked_out = True
+                try:
                     yield conn
+                finally:
+                    await self._pool.putconn(conn)
             except (psycopg.OperationalError, PoolTimeout) as error:
                 self._unreachable = True
                 if isinstance(error, psycopg.OperationalError):
@@ -468,7 +476,7 @@ def _value(result: PGresult, column: int) -> Any:
         return None
     kind = result.ftype(column)
     if kind == _JSONB_OID:
-        return json.loads(raw)
+        return json.loads(raw.decode())
     if kind == _INT8_OID:
         return int(raw)
     return raw.decode()
