@@ -35,7 +35,6 @@ message once, when it is stored (a running total), so it stays O(new messages).
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -157,9 +156,18 @@ def _message_tokens(message: Message) -> int:
     return tokens
 
 
-#: A message's estimate, remembered: the loop, the store and the context cache each count
-#: the messages of a commit, and a frozen message always counts the same.
-message_tokens = functools.lru_cache(maxsize=4096)(_message_tokens)
+def message_tokens(message: Message) -> int:
+    """``_message_tokens(message)``, computed once per message object: the loop, the store
+    and the context cache each count the messages of a commit, and a frozen message
+    always counts the same (a numbered copy keeps it, as it keeps ``size_bytes``). Kept
+    on the object rather than in a cache keyed by the message, whose every lookup hashed
+    all its fields."""
+    tokens: int | None = message.__dict__.get("_tokens")
+    if tokens is None:
+        tokens = _message_tokens(message)
+        # Not a field: equality, repr and the store never see it.
+        object.__setattr__(message, "_tokens", tokens)
+    return tokens
 
 
 def messages_tokens(messages: Iterable[Message]) -> int:
