@@ -19,6 +19,7 @@ from service.core.errors import FailedPrecondition, StoreUnavailable
 from service.core.fanout import Hub, StreamQueue
 from service.core.model import EventKind, SessionEvent, TextDelta, TurnState
 from service.core.ports import (
+    ContextSnapshot,
     ModelChunk,
     ModelRequest,
     SkillDocument,
@@ -251,14 +252,58 @@ async def test_a_turn_stopped_before_its_first_model_call_cancels_the_early_one(
     assert kinds == [EventKind.MESSAGE_ACCEPTED, EventKind.TURN_STARTED, EventKind.TURN_ENDED]
 
 
+class OrderedStart(HeldStart):
+    """A ``HeldStart`` that records, in order, the starts it began and the kept
+    contexts it was asked for (an early request reads the kept context)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def kept_context(self, session_id: str) -> ContextSnapshot | None:
+        self.calls.append("kept_context")
+        return super().kept_context(session_id)
+
+    async def start_turn(self, start: TurnStart) -> TurnStartOutcome:
+        self.calls.append("start_turn")
+        return await super().start_turn(start)
+
+
+async def test_the_start_is_under_way_before_the_early_request_is_built() -> None:
+    # Decision 0394: the start's unit of work goes first (PostgreSQL runs it while the
+    # early request is built and sent), then the early call's request is built.
+    base, _, _ = held_rig()
+    store = OrderedStart()
+    store.add_session(base.session)
+    gateway = ClosingGateway(answer)
+    deps = replace(base.service._deps, store=store, gateway=gateway, hub=Hub(store.events_after))
+    rig = Rig(TurnService(deps), store, gateway, base.backends, deps.hub, base.clock, base.session)
+    await rig.run("first")
+    store.calls.clear()
+    store.hold = True
+    gateway.first_sent.clear()
+    sending = asyncio.ensure_future(rig.send("second"))
+    async with asyncio.timeout(WAIT_S):
+        await store.begun.wait()
+        await gateway.first_sent.wait()
+    assert store.calls[:2] == ["start_turn", "kept_context"]
+    store.let_go.set()
+    turn = await rig.service.wait_for_end(await sending)
+    assert turn.state is TurnState.ENDED
+    assert len(gateway.requests) == 2 and gateway.cancelled == []
+
+
 async def test_an_early_call_the_turn_would_not_make_is_cancelled_and_made_again() -> None:
     rig, store, gateway = held_rig()
     rig.backends.skill = SkillDocument("demo-planning", "1.0.0", "Always estimate.")
     await rig.run("first")
     store.hold = True
+    gateway.first_sent.clear()
     sending = asyncio.ensure_future(rig.send("second"))
     async with asyncio.timeout(WAIT_S):
         await store.begun.wait()
+        # The early call is opened once the start's unit of work is under way.
+        await gateway.first_sent.wait()
     # While the start commits, the project's skill changes and the directory's answers
     # expire: the turn's prompt differs from the early call's.
     rig.backends.skill = SkillDocument("demo-planning", "1.0.1", "Never estimate.")

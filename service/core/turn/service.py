@@ -283,6 +283,32 @@ class TurnService:
                 token=request.token,
                 session_id=session.session_id,
             )
+            starting = asyncio.get_running_loop().create_task(
+                self._deps.store.start_turn(
+                    TurnStart(
+                        turn=turn,
+                        project_id=session.project_id,
+                        message=accepted.message,
+                        events=[accepted, events.turn_started(settings.model, settings.max_rounds)],
+                        limits=settings.running_limits,
+                        now=now,
+                        enqueue=enqueue,
+                    )
+                ),
+                name="turn start",
+            )
+            try:
+                # Two passes of the event loop: ``start_turn`` hands its unit of work to
+                # the store, and the unit builds and sends its statement. Only then is the
+                # first model call's request built, so that PostgreSQL runs the start
+                # while this process builds and sends the request (decision 0394). Only
+                # an ordering: a unit still waiting for a connection changes nothing else.
+                await asyncio.sleep(0)
+                await asyncio.sleep(0)
+            except BaseException:
+                # The unit of work goes on, owned by the store; nobody waits for it here.
+                starting.cancel()
+                raise
             # The first model call, opened now and taken over by the turn once the start
             # is durable; cancelled if it is not (decision 0380).
             early = None
@@ -298,17 +324,7 @@ class TurnService:
                     message=accepted.message,
                 )
             try:
-                outcome = await self._deps.store.start_turn(
-                    TurnStart(
-                        turn=turn,
-                        project_id=session.project_id,
-                        message=accepted.message,
-                        events=[accepted, events.turn_started(settings.model, settings.max_rounds)],
-                        limits=settings.running_limits,
-                        now=now,
-                        enqueue=enqueue,
-                    )
-                )
+                outcome = await starting
             except StoreUnavailable:
                 if early is not None:
                     early.cancel()
