@@ -6,10 +6,11 @@ other: the start's durable commit (the human's message, ``message_accepted`` and
 row; docs/spec/api-and-streams.md: an acknowledged message is stored) and the model's
 first output. Everything the first request is made of is in memory when the message
 arrives: the session's context as this process's store keeps it, the prompt as the
-turn's ``PromptSource`` keeps it, and the message itself. So ``EarlyCall.start`` builds
-that request the way the turn loop will, and opens the model stream at once, concurrently
-with the commit; it reads no more than the stream's first chunk, and nothing of it reaches
-a client or a tool until the loop takes it over.
+turn's ``PromptSource`` keeps it, and the message itself. So, once the start's statement
+is on its way (the turn service builds the request after it, decision 0394),
+``EarlyCall.start`` builds that request the way the turn loop will, and opens the model
+stream at once, concurrently with the commit; it reads no more than the stream's first
+chunk, and nothing of it reaches a client or a tool until the loop takes it over.
 
 The loop runs only once the start is durable, and takes the call over only when the
 request it builds itself is the very same (``EarlyCall.take``: every field but the
@@ -292,8 +293,9 @@ def _next_request(
 
 
 async def _first_chunk(stream: AsyncIterator[ModelChunk]) -> ModelChunk | None:
-    # One pass of the event loop first: the start's statement, scheduled in the same
-    # pass as this task, goes to the database before the request is encoded and sent.
+    # One pass of the event loop first: a statement scheduled in the same pass as this
+    # task (the round's, decision 0391) goes to the database before the request is
+    # encoded and sent.
     await asyncio.sleep(0)
     return await anext(stream, None)
 
