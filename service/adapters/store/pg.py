@@ -29,6 +29,7 @@ from contextlib import asynccontextmanager, contextmanager
 from datetime import datetime
 from typing import Any, cast
 
+import orjson
 import psycopg
 from psycopg import errors as pg_errors
 from psycopg import generators, pq
@@ -339,7 +340,7 @@ class PgHotPath:
         query = _FOLLOWED_CALLS.get(function)
         if query is None:
             query = _FOLLOWED_CALLS[function] = _FollowedCall(function)
-        params = [_dumps(argument).encode(), session_id.encode(), replica_id.encode()]
+        params = [_json(argument), session_id.encode(), replica_id.encode()]
         async with self._conn() as conn:
             result = await _run_prepared(conn, query.name, query.sql, params)
             for observe in self._observers:
@@ -476,7 +477,7 @@ def _value(result: PGresult, column: int) -> Any:
         return None
     kind = result.ftype(column)
     if kind == _JSONB_OID:
-        return json.loads(raw.decode())
+        return orjson.loads(raw)
     if kind == _INT8_OID:
         return int(raw)
     return raw.decode()
@@ -490,6 +491,14 @@ def _default(value: Any) -> Any:
 
 def _dumps(value: Any) -> str:
     return json.dumps(value, default=_default, ensure_ascii=False, separators=(",", ":"))
+
+
+def _json(value: Any) -> bytes:
+    """``value`` as compact UTF-8 JSON, datetimes in ISO 8601 (as ``_dumps``), by orjson:
+    a unit's argument in about a tenth of the standard library's time (decision 0395).
+    Raises ``TypeError`` for what JSON cannot hold (a string that is not valid UTF-8, an
+    integer beyond 64 bits)."""
+    return orjson.dumps(value)
 
 
 @contextmanager
