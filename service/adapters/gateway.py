@@ -9,7 +9,8 @@ three model deadlines, the bounded retries, and the translation of upstream
   between two of them, and the total deadline over the whole call, retries included.
   Reasoning and argument fragments are not yielded to the core: they only keep the call
   alive. A missed deadline is ``MODEL_TIMEOUT`` with a message naming the deadline and
-  its length.
+  its length. One timer per attempt keeps them (decision 0397).
+- **Sent when opened.** ``stream`` sends the request before it returns (decision 0396).
 - **Complete answers only.** Tool calls are yielded (``ToolCallChunk``) only when the
   finish says the answer ended whole (stop, tool calls, or unspecified from an older
   gateway); after ``length``, ``content_filter`` or ``refusal`` the ``FinishChunk`` says
@@ -49,7 +50,7 @@ import logging
 import random
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
 import grpc
@@ -113,6 +114,124 @@ class RetryPolicy:
     retry_after_max_s: float = 30.0
 
 
+#: One attempt's call of ``GatewayService.Generate``.
+_Call = grpc.aio.UnaryStreamCall[bytes, gateway_pb2.GenerateResponse]
+
+
+class _Watch:
+    """The reads of one attempt's call within its deadlines: the first output, the idle
+    time between two outputs, and the total (docs/spec/turn-loop.md, Deadlines).
+
+    One timer per attempt keeps them, moved on as outputs arrive, instead of a timeout
+    scope around every read (decision 0398: a scope reschedules a timer and looks up
+    the task on each of the answer's messages). At a deadline the timer cancels the
+    call; the read waiting on it then raises the deadline's ``ModelFailure``. A
+    cancellation of the reading task itself goes through unchanged."""
+
+    def __init__(self, call: _Call, deadlines: ModelDeadlines, deadline: float) -> None:
+        self._call = call
+        self._deadlines = deadlines
+        #: The total deadline (``time.monotonic()`` seconds).
+        self._deadline = deadline
+        self._last = time.monotonic()
+        self._progressed = False
+        #: The deadline's failure, once one passed (the call is cancelled then).
+        self.expired: ModelFailure | None = None
+        self._loop = asyncio.get_running_loop()
+        self._timer = self._arm(self._last)
+
+    async def read(self) -> gateway_pb2.GenerateResponse | None:
+        """The next response (None at the end of the stream); raises ``expired`` once a
+        deadline passed."""
+        if self.expired is not None:
+            raise self.expired
+        try:
+            response = await self._call.read()
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self.expired is None or (task is not None and task.cancelling()):
+                raise
+            raise self.expired from None
+        if response is grpc.aio.EOF:
+            if self.expired is not None:
+                raise self.expired
+            return None
+        now = time.monotonic()
+        self._last = now
+        if not self._progressed:
+            # The first output: from now on the idle deadline, which may come before
+            # the first-output one the timer waits for.
+            self._progressed = True
+            self._timer.cancel()
+            self._timer = self._arm(now)
+        assert isinstance(response, gateway_pb2.GenerateResponse)
+        return response
+
+    def close(self) -> None:
+        self._timer.cancel()
+
+    def _due(self) -> float:
+        wait = self._deadlines.idle_s if self._progressed else self._deadlines.first_delta_s
+        return min(self._deadline, self._last + wait)
+
+    def _arm(self, now: float) -> asyncio.TimerHandle:
+        """The timer, set for the deadline due after ``now``. Later outputs only move
+        that deadline on: the timer, when it fires early, sets itself again."""
+        return self._loop.call_later(max(0.0, self._due() - now), self._check)
+
+    def _check(self) -> None:
+        now = time.monotonic()
+        due = self._due()
+        if now < due:
+            self._timer = self._arm(now)
+            return
+        self.expired = self._failure(due)
+        self._call.cancel()
+
+    def _failure(self, due: float) -> ModelFailure:
+        deadlines = self._deadlines
+        if due >= self._deadline:
+            return _out_of_time(deadlines)
+        if not self._progressed:
+            return ModelFailure(
+                "MODEL_TIMEOUT",
+                f"the model sent no output in {deadlines.first_delta_s:g} s (the "
+                "first-output deadline, dependencies.model_first_delta_s)",
+            )
+        return ModelFailure(
+            "MODEL_TIMEOUT",
+            f"the model sent nothing for {deadlines.idle_s:g} s after its last output (the "
+            "idle deadline, dependencies.model_idle_s)",
+        )
+
+
+class _OpenedStream:
+    """An answer's stream whose first call is open already (``GrpcModelGateway.stream``).
+
+    Closing it cancels that call even when the stream was never read: an async
+    generator never started runs no ``finally``, so its own close could not."""
+
+    def __init__(self, chunks: AsyncGenerator[ModelChunk, None], call: _Call) -> None:
+        self._chunks = chunks
+        self._call = call
+
+    def __aiter__(self) -> _OpenedStream:
+        return self
+
+    def __anext__(self) -> Awaitable[ModelChunk]:
+        return self._chunks.__anext__()
+
+    async def aclose(self) -> None:
+        self._call.cancel()
+        await self._chunks.aclose()
+
+
+async def _failing(error: Exception) -> AsyncIterator[ModelChunk]:
+    """A stream that raises ``error`` when read: the request could not be sent."""
+    raise error
+    yield  # an async generator, never reached
+
+
 @dataclass
 class _Attempt:
     """What one attempt did so far: whether it yielded to the core, and its calls.
@@ -171,10 +290,35 @@ class GrpcModelGateway:
         self._max_request_bytes = max_request_bytes
         self._encodings = MessageEncodings()
 
-    async def stream(self, request: ModelRequest) -> AsyncIterator[ModelChunk]:
-        """Stream one answer; raises ``ModelFailure`` (see the module docstring)."""
-        wire = self._wire(request)
+    def stream(self, request: ModelRequest) -> AsyncIterator[ModelChunk]:
+        """Stream one answer; reading it raises ``ModelFailure`` (see the module
+        docstring).
+
+        The request is sent now: the first attempt's call is opened before this returns,
+        not when the stream is first read (decision 0396), so that a caller who opens a
+        call ahead of other work (the early model calls) has the request on its way
+        first. Closing the stream (``aclose``) cancels the call, whether it was read or
+        not."""
         deadline = time.monotonic() + request.deadlines.total_s
+        try:
+            wire = self._wire(request)
+            call = self._open(wire, request.deadlines, deadline)
+        except Exception as error:  # raised where the caller reads, as before
+            return _failing(error)
+        return _OpenedStream(self._answer(request, wire, deadline, call), call)
+
+    def _open(self, wire: bytes, deadlines: ModelDeadlines, deadline: float) -> _Call:
+        """One attempt's call of ``wire``, opened (its request sent) now."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise _out_of_time(deadlines)
+        return self._generate(wire, timeout=left, metadata=self._metadata())
+
+    async def _answer(
+        self, request: ModelRequest, wire: bytes, deadline: float, call: _Call | None
+    ) -> AsyncGenerator[ModelChunk, None]:
+        """The answer's chunks, the first attempt on ``call`` (already open), the
+        retries on calls of their own."""
         policy = self._retry
         attempt = 0
         waited = 0.0
@@ -183,10 +327,13 @@ class GrpcModelGateway:
             attempt += 1
             state = _Attempt()
             try:
-                async for chunk in self._attempt(wire, request.deadlines, deadline, state):
+                if call is None:
+                    call = self._open(wire, request.deadlines, deadline)
+                async for chunk in self._attempt(call, wire, request.deadlines, deadline, state):
                     yield chunk
                 return
             except ModelFailure as failure:
+                call = None
                 limit = state.gateway_limit
                 if limit is not None and not refitted and limit < len(wire):
                     # Not a retry of the model: the same request, cut to what the gateway
@@ -277,17 +424,16 @@ class GrpcModelGateway:
 
     async def _attempt(
         self,
+        call: _Call,
         wire: bytes,
         deadlines: ModelDeadlines,
         deadline: float,
         state: _Attempt,
     ) -> AsyncIterator[ModelChunk]:
-        if deadline - time.monotonic() <= 0:
-            raise _out_of_time(deadlines)
-        call = self._generate(wire, timeout=deadline - time.monotonic(), metadata=self._metadata())
+        watch = _Watch(call, deadlines, deadline)
         try:
             while True:
-                response = await self._read(call, deadlines, deadline, state)
+                response = await watch.read()
                 if response is None:
                     raise ModelFailure(
                         "MODEL_STREAM_TRUNCATED",
@@ -303,6 +449,8 @@ class GrpcModelGateway:
                 if response.WhichOneof("chunk") == "finish":
                     return
         except grpc.aio.AioRpcError as error:
+            if watch.expired is not None:
+                raise watch.expired from error
             failure = translate_error(
                 error, deadlines, mid_answer=state.yielded, request_bytes=len(wire)
             )
@@ -310,41 +458,8 @@ class GrpcModelGateway:
                 state.gateway_limit = refused_limit(error)
             raise failure from error
         finally:
+            watch.close()
             call.cancel()
-
-    @staticmethod
-    async def _read(
-        call: object, deadlines: ModelDeadlines, deadline: float, state: _Attempt
-    ) -> gateway_pb2.GenerateResponse | None:
-        """The next response (None at the end of the stream), within the deadline that
-        applies now."""
-        wait = deadlines.idle_s if state.progressed else deadlines.first_delta_s
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise _out_of_time(deadlines)
-        read = call.read  # type: ignore[attr-defined]
-        try:
-            # A timeout scope, not wait_for: no task per message read.
-            async with asyncio.timeout(min(wait, left)):
-                response = await read()
-        except TimeoutError as error:
-            if left <= wait:
-                raise _out_of_time(deadlines) from error
-            if not state.progressed:
-                raise ModelFailure(
-                    "MODEL_TIMEOUT",
-                    f"the model sent no output in {wait:g} s (the first-output deadline, "
-                    "dependencies.model_first_delta_s)",
-                ) from error
-            raise ModelFailure(
-                "MODEL_TIMEOUT",
-                f"the model sent nothing for {wait:g} s after its last output (the idle "
-                "deadline, dependencies.model_idle_s)",
-            ) from error
-        if response is grpc.aio.EOF:
-            return None
-        assert isinstance(response, gateway_pb2.GenerateResponse)
-        return response
 
     def _chunks(self, response: gateway_pb2.GenerateResponse, state: _Attempt) -> list[ModelChunk]:
         kind = response.WhichOneof("chunk")

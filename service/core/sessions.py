@@ -264,9 +264,7 @@ def _missing_scope() -> PermissionDenied:
 
 
 def _human_required() -> HumanRequired:
-    return HumanRequired(
-        "only the session's owner may do this; service principals may only read"
-    )
+    return HumanRequired("only the session's owner may do this; service principals may only read")
 
 
 class SessionRules:

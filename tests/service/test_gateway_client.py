@@ -3,14 +3,18 @@ conversion, deadlines, bounded retries and error translation (docs/spec/turn-loo
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 import pytest
+from ballet.llm.v1 import gateway_pb2
 
 from ballet_common.tokens import GATEWAY_AUDIENCE, Trust
 from devstack.gateway import ScriptedProvider, add_gateway_service
+from devstack.gateway.base import Provider, ProviderChunk
+from devstack.gateway.base import TextChunk as ProviderText
 from service.adapters.gateway import GrpcModelGateway
 from service.core.errors import ModelFailure
 from service.core.ports import (
@@ -36,10 +40,12 @@ class Rig:
         self.channel: grpc.aio.Channel | None = None
         self.requests: Any = None
 
-    async def start(self) -> GrpcModelGateway:
+    async def start(self, provider: Provider | None = None) -> GrpcModelGateway:
         self.server = grpc.aio.server()
         secret = b"gateway-client-tests-secret-0123456789"
-        servicer = add_gateway_service(self.server, self.provider, trust=Trust.dev(secret))
+        servicer = add_gateway_service(
+            self.server, provider or self.provider, trust=Trust.dev(secret)
+        )
         self.requests = servicer.requests
         port = self.server.add_insecure_port("127.0.0.1:0")
         await self.server.start()
@@ -207,3 +213,69 @@ async def test_no_matching_rule_is_a_model_error(rig: Rig) -> None:
     with pytest.raises(ModelFailure) as failure:
         await collect(gateway, request())
     assert failure.value.reason == "MODEL_ERROR" and len(rig.requests) == 1
+
+
+class HeldProvider:
+    """A provider that answers ``first`` (nothing by default), then nothing more until
+    its call is cancelled; it tells when a request reached it and when its answer was
+    closed."""
+
+    def __init__(self, first: ProviderChunk | None = None) -> None:
+        self.first = first
+        self.started = asyncio.Event()
+        self.closed = asyncio.Event()
+
+    async def generate(self, request: gateway_pb2.GenerateRequest) -> AsyncIterator[ProviderChunk]:
+        self.started.set()
+        try:
+            if self.first is not None:
+                yield self.first
+            await asyncio.Event().wait()
+            yield  # type: ignore[misc]  # never reached: an async generator
+        finally:
+            self.closed.set()
+
+
+async def test_the_request_is_sent_when_the_stream_is_opened(rig: Rig) -> None:
+    """Decision 0396: the call is opened by ``stream`` itself, so a stream never read
+    has its request at the gateway, and closing it unread cancels the call."""
+    held = HeldProvider()
+    gateway = await rig.start(held)
+    stream = gateway.stream(request())
+    await asyncio.wait_for(held.started.wait(), 5)
+    assert len(rig.requests) == 1
+    # The port's type is an AsyncIterator; the gateway's stream closes like a generator.
+    aclose = getattr(stream, "aclose", None)
+    assert aclose is not None
+    await aclose()
+    await asyncio.wait_for(held.closed.wait(), 5)
+
+
+async def test_the_idle_deadline_cancels_a_call_gone_quiet(rig: Rig) -> None:
+    """One timer keeps an attempt's deadlines (decision 0397): after the first output
+    the idle deadline applies, though the first-output one is longer."""
+    held = HeldProvider(ProviderText("a"))
+    gateway = await rig.start(held)
+    seen: list[str] = []
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(ModelFailure) as failure:
+        async for chunk in gateway.stream(request(first=5.0, idle=0.3)):
+            if isinstance(chunk, TextChunk):
+                seen.append(chunk.text)
+    assert seen == ["a"]
+    assert failure.value.reason == "MODEL_TIMEOUT" and "idle deadline" in failure.value.message
+    assert asyncio.get_running_loop().time() - started < 3.0
+    await asyncio.wait_for(held.closed.wait(), 5)
+
+
+async def test_a_reader_cancelled_is_cancelled_not_timed_out(rig: Rig) -> None:
+    """The deadlines' timer cancels the call; a cancellation of the reading task itself
+    still reaches the reader as a cancellation."""
+    held = HeldProvider()
+    gateway = await rig.start(held)
+    reading = asyncio.get_running_loop().create_task(collect(gateway, request(first=5.0)))
+    await asyncio.wait_for(held.started.wait(), 5)
+    reading.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reading
+    await asyncio.wait_for(held.closed.wait(), 5)

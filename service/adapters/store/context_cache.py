@@ -62,9 +62,7 @@ class ContextCache:
         if self._max_bytes <= 0:
             return
         messages = list(snapshot.messages)
-        self._add(
-            snapshot.session.session_id, _Entry(snapshot.session, messages, _size(messages))
-        )
+        self._add(snapshot.session.session_id, _Entry(snapshot.session, messages, _size(messages)))
 
     def drop(self, session_id: str) -> None:
         entry = self._entries.pop(session_id, None)

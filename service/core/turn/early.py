@@ -9,8 +9,9 @@ arrives: the session's context as this process's store keeps it, the prompt as t
 turn's ``PromptSource`` keeps it, and the message itself. So, once the start's statement
 is on its way (the turn service builds the request after it, decision 0394),
 ``EarlyCall.start`` builds that request the way the turn loop will, and opens the model
-stream at once, concurrently with the commit; it reads no more than the stream's first
-chunk, and nothing of it reaches a client or a tool until the loop takes it over.
+stream at once, concurrently with the commit (the gateway client sends a request when
+its stream is opened, decision 0396); it reads no more than the stream's first chunk,
+and nothing of it reaches a client or a tool until the loop takes it over.
 
 The loop runs only once the start is durable, and takes the call over only when the
 request it builds itself is the very same (``EarlyCall.take``: every field but the
@@ -22,8 +23,9 @@ message that failed to store, or was not a new turn, can be charged a few input 
 
 The call after a round (``EarlyCall.after_round``) is the same idea one step later: the
 loop builds the request its next step would make from what the round's last commit
-stores, opens it while that commit runs, and takes it over, through the same ``take``,
-only once the commit is durable; a commit that fails cancels it.
+stores, opens it (its request sent) just before it hands that commit to the store, and
+takes it over, through the same ``take``, only once the commit is durable; a commit
+that fails cancels it.
 
 No early call is made when any of its parts is not in memory (a context the store would
 read, a prompt the directory would read), when the turn could not start with a model
@@ -293,10 +295,6 @@ def _next_request(
 
 
 async def _first_chunk(stream: AsyncIterator[ModelChunk]) -> ModelChunk | None:
-    # One pass of the event loop first: a statement scheduled in the same pass as this
-    # task (the round's, decision 0391) goes to the database before the request is
-    # encoded and sent.
-    await asyncio.sleep(0)
     return await anext(stream, None)
 
 

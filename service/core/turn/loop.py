@@ -410,6 +410,8 @@ class TurnLoop:
         repeats: dict[str, list[PendingCall]] = {}
         firsts: dict[tuple[str, str], PendingCall] = {}
         at_limit = answer.finish is FinishReason.LENGTH
+        # Only an answer of several calls can repeat one (decision 0292).
+        several = len(calls) > 1
         for position, call in enumerate(calls):
             arguments, refusal = call.arguments, None
             oversize = utf8_size(arguments, settings.tool_arguments_max_bytes)
@@ -420,7 +422,8 @@ class TurnLoop:
                 arguments = cut_text(arguments, settings.tool_arguments_cut_bytes)
             elif oversize is not None:
                 arguments = cut_text(arguments, settings.tool_arguments_cut_bytes, oversize)
-            first = None if cut or call.problem else firsts.get(_call_key(call))
+            key = _call_key(call) if several and not (cut or call.problem) else None
+            first = None if key is None else firsts.get(key)
             if cut:
                 refusal = error_result(
                     "CUT_AT_OUTPUT_LIMIT",
@@ -470,7 +473,8 @@ class TurnLoop:
                 repeats.setdefault(first.call_id, []).append(call)
             else:
                 allowed.append(call)
-                firsts.setdefault(_call_key(call), call)
+                if key is not None:
+                    firsts.setdefault(key, call)
         for call, outcome in refusals:
             events.extend(state.events.tool_result(call.call_id, call.name, outcome))
         state.rounds += 1
