@@ -225,3 +225,37 @@ async def test_a_unit_within_its_deadline_returns_its_result() -> None:
 
     assert await units.run(work()) == "done"
     assert units.units_expired == 0
+
+
+async def _passes_after_the_end(units: UnitsOfWork) -> int:
+    """The passes of the event loop from the end of a unit of work run by ``units`` to
+    its caller going on."""
+    passes = 0
+    ended = 0
+
+    async def count() -> None:
+        nonlocal passes
+        while True:
+            passes += 1
+            await asyncio.sleep(0)
+
+    async def work() -> str:
+        nonlocal ended
+        await asyncio.sleep(0)
+        ended = passes
+        return "done"
+
+    counter = asyncio.get_running_loop().create_task(count())
+    try:
+        assert await units.run(work()) == "done"
+        return passes - ended
+    finally:
+        counter.cancel()
+
+
+async def test_the_caller_goes_on_in_the_pass_after_its_unit_ends() -> None:
+    """Decision 0398: the unit settles its caller's outcome as its last step, so the
+    caller runs in the next pass of the event loop (with or without a deadline), not
+    after the task's done callbacks have had a pass of their own."""
+    assert await _passes_after_the_end(UnitsOfWork()) <= 1
+    assert await _passes_after_the_end(UnitsOfWork(unit_timeout_s=5)) <= 1

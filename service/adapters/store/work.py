@@ -12,8 +12,9 @@ non-checked-in connection ...").
 
 So cancellation never reaches one: every public coroutine method of a store class
 marked ``@every_method_a_unit_of_work`` (and of its subclasses, marked too) is a unit of
-work that runs in a task the store's ``UnitsOfWork`` owns, and its caller awaits that
-task shielded. A caller cancelled meanwhile stops waiting at once; the unit of work runs
+work that runs in a task the store's ``UnitsOfWork`` owns, and its caller awaits the
+unit's outcome, a future the task settles as its last step (decision 0398), never the
+task itself. A caller cancelled meanwhile stops waiting at once; the unit of work runs
 to its end, commits or rolls back, and returns its connection. What it did
 is done whether or not anyone still waits for it: a commit that lands for a caller who
 left is the same as one whose reply was lost on the network, which every caller already
@@ -150,35 +151,50 @@ class UnitsOfWork:
         if name and self._tracer.current() is not None:
             work = _traced(self._tracer, name, work)
         loop = asyncio.get_running_loop()
-        task = loop.create_task(work)
+        # The caller waits on ``outcome``, which the unit's task settles as its last step
+        # (decision 0398): the caller goes on in the next pass of the event loop, and its
+        # cancellation cancels only ``outcome``, never the task.
+        outcome: asyncio.Future[T] = loop.create_future()
+        task = loop.create_task(_settling(work, outcome))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
+        # Its error reaches the caller through ``outcome``; the task's own is read here.
+        task.add_done_callback(_retrieved)
         if self._on_failure is not None:
             task.add_done_callback(self._report_failure)
         deadline = self._unit_timeout_s
         if deadline is not None:
-            expiry = loop.call_later(deadline, self._expire, task)
+            expiry = loop.call_later(deadline, self._expired, task, outcome, name)
             task.add_done_callback(lambda _: expiry.cancel())
         try:
-            if deadline is None:
-                return await asyncio.shield(task)
-            # ``wait`` neither cancels the task nor raises when it is cancelled at its
-            # deadline; a caller cancelled meanwhile gets CancelledError here at once.
-            await asyncio.wait({task}, timeout=deadline)
-            if not task.done() or task.cancelled():
-                self._expire(task)
-                raise StoreUnavailable(
-                    f"the database did not answer within {deadline:g} s "
-                    f"(database.unit_timeout_s{f', {name}' if name else ''})"
-                )
-            return task.result()
+            return await outcome
         except asyncio.CancelledError:
+            if outcome.cancelled() and task.cancelled() and not _cancelling():
+                # The unit was cancelled (``drain``) before it settled its outcome.
+                raise StoreUnavailable("the store is closing") from None
             # Nobody will read the outcome: report a failure that is a bug, and retrieve
             # the rest, so nothing is logged as "never retrieved".
             task.add_done_callback(_report_abandoned)
             if read and not task.done():
                 self._cancel_later(task)
             raise
+
+    def _expired(self, task: asyncio.Task[Any], outcome: asyncio.Future[Any], name: str) -> None:
+        """The deadline (``unit_timeout_s``) of a unit still running: its caller gets
+        ``StoreUnavailable`` at once, and the unit is cancelled once."""
+        if task.done():
+            return
+        # Cancelled first, so that the unit takes its cancellation before its caller
+        # goes on.
+        self._expire(task)
+        if not outcome.done():
+            deadline = self._unit_timeout_s
+            outcome.set_exception(
+                StoreUnavailable(
+                    f"the database did not answer within {deadline:g} s "
+                    f"(database.unit_timeout_s{f', {name}' if name else ''})"
+                )
+            )
 
     def _expire(self, task: asyncio.Task[Any]) -> None:
         # The deadline: cancelled once, never again (``drain`` skips it too).
@@ -282,6 +298,39 @@ def every_method_a_unit_of_work(cls: C) -> C:
         if not getattr(value, MARK, False):
             setattr(cls, name, unit_of_work(value))
     return cls
+
+
+async def _settling(work: Coroutine[Any, Any, T], outcome: asyncio.Future[T]) -> T:
+    """Run ``work`` and settle ``outcome`` with what it returned or raised, unless
+    ``outcome`` was settled or cancelled meanwhile (its deadline, a caller who left)."""
+    try:
+        value = await work
+    except asyncio.CancelledError:
+        if not outcome.done():
+            outcome.cancel()
+        raise
+    except BaseException as error:
+        if not outcome.done():
+            outcome.set_exception(error)
+            # Read here: the caller reads it too, unless it left.
+            outcome.add_done_callback(_retrieved)
+        raise
+    if not outcome.done():
+        outcome.set_result(value)
+    return value
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    """Read ``future``'s error, so that asyncio does not report it as never retrieved."""
+    if not future.cancelled():
+        future.exception()
+
+
+def _cancelling() -> bool:
+    """Whether the current task is being cancelled (its own cancellation, not one of
+    the futures it waits on)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _report_abandoned(task: asyncio.Task[Any]) -> None:
