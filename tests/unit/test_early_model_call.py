@@ -293,6 +293,41 @@ async def test_the_start_is_under_way_before_the_early_request_is_built() -> Non
     assert len(gateway.requests) == 2 and gateway.cancelled == []
 
 
+class OrderedLoad(OrderedStart):
+    """An ``OrderedStart`` that also records the loop's first step (its context read)."""
+
+    async def load_context(self, session_id: str) -> ContextSnapshot | None:
+        self.calls.append("load_context")
+        return await super().load_context(session_id)
+
+
+async def test_the_start_is_told_before_the_turn_runs() -> None:
+    # Decision 0399: a stream takes message_accepted (which a first delta must follow)
+    # before the turn's first step runs; the turn's model call is open already.
+    base, _, _ = held_rig()
+    store = OrderedLoad()
+    store.add_session(base.session)
+    hub = Hub(store.events_after)
+    deps = replace(base.service._deps, store=store, hub=hub)
+    rig = Rig(TurnService(deps), store, base.gateway, base.backends, hub, base.clock, base.session)
+    await rig.run("first")
+    queue = hub.attach(rig.session.session_id, "alice", last_sequence(store))
+
+    async def take() -> None:
+        while True:
+            item = await queue.get()
+            if isinstance(item, SessionEvent):
+                store.calls.append(f"taken {item.kind.value}")
+
+    taking = asyncio.get_running_loop().create_task(take())
+    try:
+        store.calls.clear()
+        await rig.run("second")
+        assert store.calls.index("taken message_accepted") < store.calls.index("load_context")
+    finally:
+        taking.cancel()
+
+
 async def test_an_early_call_the_turn_would_not_make_is_cancelled_and_made_again() -> None:
     rig, store, gateway = held_rig()
     rig.backends.skill = SkillDocument("demo-planning", "1.0.0", "Always estimate.")

@@ -357,10 +357,11 @@ class TurnService:
             self._remember_request(session.session_id, request.request_id)
             handle = TurnHandle(outcome.turn, session, acting, stored[0].sequence)
             handle.early = early
-            # Launched before the events are published: the turn's first steps (and its
-            # model call) run before the streams' writers wake for these events.
-            self._launch(handle)
+            # Told before the turn is launched (decision 0399): the streams' writers
+            # start writing these events, which a first delta must follow, before the
+            # turn's first steps run; its first model call is open already.
             StoreThenTell.of(self._deps).tell(stored, outcome.turn)
+            self._launch(handle)
             return Accepted(outcome.turn, stored[0], duplicate=False)
         raise FailedPrecondition("a turn is still closing; try again", reason="TURN_IN_PROGRESS")
 
