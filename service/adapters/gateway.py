@@ -123,7 +123,7 @@ class _Watch:
     time between two outputs, and the total (docs/spec/turn-loop.md, Deadlines).
 
     One timer per attempt keeps them, moved on as outputs arrive, instead of a timeout
-    scope around every read (decision 0398: a scope reschedules a timer and looks up
+    scope around every read (decision 0397: a scope reschedules a timer and looks up
     the task on each of the answer's messages). At a deadline the timer cancels the
     call; the read waiting on it then raises the deadline's ``ModelFailure``. A
     cancellation of the reading task itself goes through unchanged."""
