@@ -6,6 +6,7 @@ on a second signal (``ballet_common.signals``; decision 0185).
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -55,6 +56,7 @@ async def serve(settings: Settings, ready_file: Path | None = None) -> int:
         if isinstance(held, str):
             raise StartupError(f"{held} (SQLite is for one process)")
     app = await start_planner(settings, tracing=planner_tracing(settings))
+    log.debug("%d objects of the start-up frozen out of the garbage collector", freeze_start_up())
     if settings.database.is_sqlite and isinstance(datadir.hold(settings.data_dir, "serve"), str):
         # A folder this start created, taken meanwhile by another start on it.
         log.warning("another ballet-planner holds the data directory too")
@@ -84,6 +86,21 @@ async def serve(settings: Settings, ready_file: Path | None = None) -> int:
             # Whatever ended the wait (a failure, a cancelled task), nothing outlives it.
             remove_ready_file(ready_file)
             await app.stop(0 if signals.hurried.is_set() else None)
+
+
+def freeze_start_up() -> int:
+    """Collect the start-up's garbage, then move every object still alive (the modules,
+    the classes, the wiring: about 130,000 in ``serve``) to the garbage collector's
+    permanent generation, which no collection scans (``gc.freeze``; decision 0400).
+    Returns how many objects are frozen.
+
+    Without it every full collection walks that heap: about 110 ms, twice in a thousand
+    one-round turns on this project's 2-core machines, a pause for every stream of the
+    process and 0.2 ms of CPU a turn on average. What the start-up made is never
+    garbage later in a way that matters: the process keeps it for its life."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 #: Seconds a dev-mode start waits to learn whether anything listens at a dependency.
