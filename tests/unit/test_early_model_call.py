@@ -103,11 +103,13 @@ class Outcomes(NullObserver):
         self.early.append(outcome)
 
 
-def held_rig(script: Any = answer) -> tuple[Rig, HeldStart, ClosingGateway]:
-    """``make_rig``'s turn service over a ``HeldStart`` store and a ``ClosingGateway``;
-    its observer is an ``Outcomes`` (``rig.service._deps.observer``)."""
+def held_rig(
+    script: Any = answer, store: HeldStart | None = None
+) -> tuple[Rig, HeldStart, ClosingGateway]:
+    """``make_rig``'s turn service over ``store`` (a new ``HeldStart`` by default) and a
+    ``ClosingGateway``; its observer is an ``Outcomes`` (``rig.service._deps.observer``)."""
     base = make_rig(script)
-    store = HeldStart()
+    store = HeldStart() if store is None else store
     store.add_session(base.session)
     gateway = ClosingGateway(script)
     hub = Hub(store.events_after)
@@ -272,12 +274,8 @@ class OrderedStart(HeldStart):
 async def test_the_start_is_under_way_before_the_early_request_is_built() -> None:
     # Decision 0394: the start's unit of work goes first (PostgreSQL runs it while the
     # early request is built and sent), then the early call's request is built.
-    base, _, _ = held_rig()
     store = OrderedStart()
-    store.add_session(base.session)
-    gateway = ClosingGateway(answer)
-    deps = replace(base.service._deps, store=store, gateway=gateway, hub=Hub(store.events_after))
-    rig = Rig(TurnService(deps), store, gateway, base.backends, deps.hub, base.clock, base.session)
+    rig, _, gateway = held_rig(store=store)
     await rig.run("first")
     store.calls.clear()
     store.hold = True
@@ -304,14 +302,10 @@ class OrderedLoad(OrderedStart):
 async def test_the_start_is_told_before_the_turn_runs() -> None:
     # Decision 0399: a stream takes message_accepted (which a first delta must follow)
     # before the turn's first step runs; the turn's model call is open already.
-    base, _, _ = held_rig()
     store = OrderedLoad()
-    store.add_session(base.session)
-    hub = Hub(store.events_after)
-    deps = replace(base.service._deps, store=store, hub=hub)
-    rig = Rig(TurnService(deps), store, base.gateway, base.backends, hub, base.clock, base.session)
+    rig, _, _ = held_rig(store=store)
     await rig.run("first")
-    queue = hub.attach(rig.session.session_id, "alice", last_sequence(store))
+    queue = rig.hub.attach(rig.session.session_id, "alice", last_sequence(store))
 
     async def take() -> None:
         while True:
