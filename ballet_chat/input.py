@@ -8,8 +8,9 @@ On a terminal, lines are read with the standard library's ``readline`` where it 
 line editing (arrow keys move the cursor, they never reach the message) and history (the
 up arrow recalls earlier messages). Output streams while no line is being edited, so the
 reader waits for the first key with echo off (the terminal in cbreak mode, ``select``
-on stdin) and only then starts ``input()``, with the ``> `` prompt when the chat is idle
-and without one while a turn streams. The terminal's mode is restored by ``close``.
+on stdin) and only then starts ``input()``, with the prompt the chat gives (the chat
+holds its output until the line is entered: decision 0401). The terminal's mode is
+restored by ``close``.
 Elsewhere (a pipe, a file, no ``readline``), lines are read as they come; escape
 sequences typed on a terminal without ``readline`` are dropped from the line. Bytes that
 are not text in the locale's encoding reach the line as lone surrogates (never an end of
@@ -47,9 +48,9 @@ class LineSource:
     """Lines typed on ``stream`` (default stdin); ``get`` returns None at end of input.
 
     ``prompt`` is called by the reader when the human starts a line and returns the
-    prompt ``input()`` should show: ``"> "`` when the chat showed it (idle), ``""`` while
-    a turn streams. ``echoes`` is True when the terminal showed the line and its Enter
-    (the cursor is at the start of a new line after each one).
+    prompt ``input()`` should show (the chat's ``"> "``, or ``""``). ``echoes`` is True
+    when the terminal showed the line and its Enter (the cursor is at the start of a new
+    line after each one).
     """
 
     def __init__(

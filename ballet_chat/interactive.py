@@ -93,16 +93,22 @@ class Interactive:
         self.prompt()
 
     def prompt(self) -> None:
-        if not self.client.options.as_json and not self.batch:
+        # A line being typed has its prompt; the chat prompts again once it is handled.
+        renderer = self.client.renderer
+        if not self.client.options.as_json and not self.batch and not renderer.holding:
             self.client.renderer.end_line()
             self.client.renderer.write(PROMPT)
             self.prompting = True
         self.lines.ready()
 
     def _prompt_for_input(self) -> str:
-        # Called by the line reader's thread when the human starts typing: the prompt
-        # input() shows is the one on screen, or none while an answer streams.
-        return PROMPT if self.prompting else ""
+        # Called by the line reader's thread when the human starts typing: the output
+        # waits until the line is entered (decision 0401), and the line is typed after
+        # the prompt, the one on screen or, while an answer streams, on a line of its own.
+        if self.client.options.as_json:
+            return PROMPT if self.prompting else ""
+        self.client.renderer.hold(new_line=not self.prompting)
+        return PROMPT
 
     def header(self, created: bool) -> None:
         session = self.client.session
@@ -256,6 +262,7 @@ class Interactive:
                     self.prompting = False
                     if self.lines.echoes:
                         self.client.renderer.at_line_start()
+                    self.client.renderer.release()
                     if line is None:  # end of input (Ctrl-D): leaves as /quit does
                         self._say_leaving()
                         return self._exit_code()

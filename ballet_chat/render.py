@@ -11,11 +11,17 @@ items`` or ``<- name: error NOT_FOUND: ...``); other clients' messages on the se
 model that answers, e.g. ``scripted demo``; never a local setting), when it first
 appears or changes; one line when the turn ends. Counts take the right plural
 (``1 item``, ``2 items``).
+
+While the human types a line, output is held (``Renderer.hold``, from the line reader's
+thread) and shown once the line is entered (``Renderer.release``), so that an answer
+never streams into the line being edited; an answer cut mid-line by the typed line goes
+on after ``… `` (decision 0401).
 """
 
 from __future__ import annotations
 
 import json
+import threading
 from typing import TextIO
 
 import grpc
@@ -24,6 +30,8 @@ from google.rpc import status_pb2
 
 from ballet_common.grpc.status import code_name, from_status, parse
 
+#: Where an answer cut mid-line by a typed line goes on.
+CONTINUED = "… "
 #: How many characters of a tool call's arguments and of a result summary are shown.
 SHORT_CHARS = 100
 #: Result keys whose singular is not the key without its final "s".
@@ -174,31 +182,92 @@ class Renderer:
         self.out = out
         self.stitcher = TextStitcher()
         self._line_open = False
+        #: Output held while the human types a line (``hold``), None when shown at once:
+        #: what was asked, in order (``write``, ``line`` or ``end_line``) and its text.
+        self._held: list[tuple[str, str]] | None = None
+        #: A typed line cut the answer's line: the text that goes on with it starts with
+        #: ``CONTINUED``.
+        self._cut = False
+        # ``hold`` comes from the line reader's thread, everything else from the loop's.
+        self._lock = threading.Lock()
         #: The model last shown; a turn naming another one shows it again.
         self.model = ""
         #: The model the server last said answered (``Message.served_model``).
         self.served_model = ""
 
     def write(self, text: str) -> None:
-        """Write ``text`` and flush (the terminal shows deltas as they come)."""
+        """Write ``text`` and flush (the terminal shows deltas as they come); held while
+        the human types a line (``hold``)."""
         if text:
-            self.out.write(text)
-            self.out.flush()
-            self._line_open = not text.endswith("\n")
+            self._out("write", text)
 
     def line(self, text: str) -> None:
         """Write ``text`` on a line of its own."""
-        self.end_line()
-        self.write(text + "\n")
+        self._out("line", text)
 
     def end_line(self) -> None:
         """Start a new line if the cursor is not at the start of one."""
-        if self._line_open:
-            self.write("\n")
+        self._out("end_line", "")
 
     def at_line_start(self) -> None:
         """The terminal moved to a new line by itself (the human pressed Enter)."""
-        self._line_open = False
+        with self._lock:
+            self._line_open = False
+
+    def hold(self, *, new_line: bool) -> None:
+        """The human starts typing a line: hold the output until ``release``.
+        ``new_line``: the typed line gets a line of its own (an answer streams), so an
+        open line is ended and what goes on with it is marked ``CONTINUED``; else the
+        prompt's line is the typed line's. Thread-safe: the line reader's thread calls it
+        before the line is edited."""
+        with self._lock:
+            if self._held is not None:
+                return
+            self._held = []
+            if new_line and self._line_open:
+                self.out.write("\n")
+                self.out.flush()
+                self._cut = True
+            self._line_open = False
+
+    @property
+    def holding(self) -> bool:
+        """Whether the output is held (a line is being typed)."""
+        with self._lock:
+            return self._held is not None
+
+    def release(self) -> None:
+        """The typed line was entered: show what was held meanwhile."""
+        with self._lock:
+            held, self._held = self._held, None
+            for kind, text in held or ():
+                self._show(kind, text)
+
+    def _out(self, kind: str, text: str) -> None:
+        with self._lock:
+            if self._held is not None:
+                self._held.append((kind, text))
+            else:
+                self._show(kind, text)
+
+    def _show(self, kind: str, text: str) -> None:
+        """Show one ``write``, ``line`` or ``end_line``; the caller holds the lock."""
+        if kind == "line":
+            # A line of its own: the answer it follows is not cut, it ended or paused.
+            self._cut = False
+            self._show("end_line", "")
+            text += "\n"
+        elif kind == "end_line":
+            if not self._line_open:
+                return
+            text = "\n"
+        elif self._cut:
+            self._cut = False
+            if not text.startswith("\n"):
+                text = CONTINUED + text
+        self.out.write(text)
+        self.out.flush()
+        self._line_open = not text.endswith("\n")
 
     def render(self, response: chat_pb2.ChatResponse, *, mine: bool = False) -> None:
         """Show one response; ``mine``: it is about a message this client sent (which

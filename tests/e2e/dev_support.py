@@ -227,6 +227,13 @@ class Terminal:
             if remaining <= 0 or not self._read(remaining):
                 pytest.fail(f"no {pattern!r} in the terminal:\n{self.output}")
 
+    def settle(self, seconds: float) -> str:
+        """Read for ``seconds``; what came after the last match meanwhile."""
+        deadline = time.monotonic() + seconds
+        while self._read(max(0.0, deadline - time.monotonic())):
+            pass
+        return self.output[self._pos :]
+
     def _read(self, timeout: float) -> bool:
         ready, _, _ = select.select([self.fd], [], [], timeout)
         if not ready:

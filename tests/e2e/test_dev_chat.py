@@ -434,6 +434,32 @@ def test_interactive_chat_in_a_terminal(dev: DevProcess) -> None:
         terminal.close()
 
 
+def test_an_answer_waits_while_a_line_is_typed_over_it(dev: DevProcess) -> None:
+    # Decision 0401: the line typed during an answer gets a line of its own and the answer
+    # waits until it is entered, then goes on after "… "; a command's output starts a line.
+    terminal = Terminal(
+        [*command(), "chat", "--address", dev.planner, "--user", "alice", "--data-dir", "data"],
+        dev.cwd,
+        clean_env(),
+    )
+    try:
+        terminal.expect(r"> ")
+        terminal.send("tell me something slow")
+        terminal.expect(SLOW_TEXT[:8])
+        terminal.keys("/hist")
+        terminal.expect(r"\n(\r\x1b\[K)?> /hist")
+        # Four deltas' time (one every 150 ms): none of them is shown while typing.
+        assert terminal.settle(0.7) == ""
+        terminal.keys("ory\r")
+        terminal.expect(r"ory\n… ")  # the typed line's end, then what the answer held
+        terminal.expect(r"\nalice: tell me something slow\n")
+        terminal.expect(r"\[COMPLETED")
+        terminal.send("/quit")
+        assert terminal.wait() == 0
+    finally:
+        terminal.close()
+
+
 LEFT, UP, ENTER = "\x1b[D", "\x1b[A", "\r"
 
 

@@ -343,3 +343,42 @@ def test_the_served_model_is_shown_once_when_it_differs_from_the_configured_one(
         renderer.render(response)
     text = out.getvalue()
     assert text.count("(answered by smollm2-135m-instruct-q8_0.gguf)") == 1
+
+
+def test_output_waits_while_a_line_is_typed_and_goes_on_marked() -> None:
+    # Decision 0401: the line typed during an answer gets a line of its own; what comes
+    # meanwhile is shown once it is entered, the answer going on after "… ".
+    out = io.StringIO()
+    renderer = Renderer(out)
+    renderer.write("The items the tracker retur")
+    renderer.hold(new_line=True)
+    assert renderer.holding
+    renderer.write("ned: PAN-1")
+    renderer.line("  -> get_item …")
+    assert out.getvalue() == "The items the tracker retur\n"
+    out.write("> Tell me about PAN-4\n")  # the line the human typed, and its Enter
+    renderer.at_line_start()
+    renderer.release()
+    renderer.write(" and PAN-2.")
+    renderer.end_line()
+    assert not renderer.holding
+    assert out.getvalue() == (
+        "The items the tracker retur\n"
+        "> Tell me about PAN-4\n"
+        "… ned: PAN-1\n"
+        "  -> get_item …\n"
+        " and PAN-2.\n"
+    )
+
+
+def test_a_line_typed_at_the_prompt_holds_output_on_the_prompts_line() -> None:
+    out = io.StringIO()
+    renderer = Renderer(out)
+    renderer.write("> ")
+    renderer.hold(new_line=False)  # the prompt's line is the typed line's
+    renderer.line("bob: hello")
+    assert out.getvalue() == "> "
+    out.write("hi\n")  # what the human typed after the prompt, and Enter
+    renderer.at_line_start()
+    renderer.release()
+    assert out.getvalue() == "> hi\nbob: hello\n"
