@@ -508,6 +508,19 @@ class ChatClient:
         else:
             self.renderer.line(text)
 
+    @property
+    def holds_nothing(self) -> bool:
+        """The open session is the one this client created, the planner refused every
+        message sent there and none is pending: it stores nothing, and its title is a
+        refused message's."""
+        session = self.session
+        return (
+            session is not None
+            and session.session_id == self.created
+            and self.refused_only
+            and not self.pending
+        )
+
     async def send(
         self, text: str, on_busy: resources_pb2.OnBusy.ValueType = resources_pb2.ON_BUSY_REJECT
     ) -> Sent:

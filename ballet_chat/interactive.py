@@ -302,6 +302,10 @@ class Interactive:
             if not client.busy:
                 self.prompt()
             return True
+        if client.holds_nothing:
+            # A session made for a refused message is replaced: the next one is named
+            # after a message it stores (its refused one is deleted, decision 0228).
+            await self._leave()
         if client.session is None:
             await client.open(title=short(line, TITLE_CHARS))
             self.header(created=True)

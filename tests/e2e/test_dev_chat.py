@@ -201,6 +201,21 @@ def piped_session(stdout: str) -> str:
     return found.group(1)
 
 
+def test_a_session_made_for_a_refused_message_is_replaced_by_the_next_message(
+    dev: DevProcess,
+) -> None:
+    # A new user pasted a line over the limit, then asked something else: the session
+    # made for the refused line, titled with it, held the next message. Now the next
+    # message starts a session of its own and the empty one is deleted.
+    result = chat_from_a_pipe(dev, b"x" * 40_000 + b"\nWhat are the open epics?\n")
+    stdout, stderr = result.stdout.decode(), result.stderr.decode()
+    assert result.returncode == 1, stdout + stderr  # a line was refused
+    sessions = re.findall(r"^new session (\S+) in project demo", stdout, re.MULTILINE)
+    assert len(sessions) == 2 and sessions[0] != sessions[1], stdout
+    assert f"session {sessions[0]} deleted: its message was refused" in stderr
+    assert human_messages(dev, sessions[1]) == ["What are the open epics?"]
+
+
 def test_piped_lines_are_sent_in_order_each_after_the_previous_turn(dev: DevProcess) -> None:
     # A new user piped messages: the first was never sent, the rest were refused "a turn
     # is running". Without a terminal, lines queue and the end of input waits.
