@@ -297,6 +297,11 @@ async def _start_dev(
         raise DevError(str(error)) from error
     gateway: list[GatewayServicer] = []
 
+    try:
+        # The folder first: a dev secret that cannot be read there is not the problem.
+        datadir.prepare(settings.data_dir, "give --data-dir a writable folder")
+    except datadir.DataDirError as error:
+        raise DevError(str(error)) from None
     # The gateway serves only the planner's credential, as the backends check theirs.
     try:
         trust = Trust.dev(dev_secret(settings.data_dir))

@@ -549,4 +549,10 @@ def test_dev_refuses_bad_options(tmp_path: Path) -> None:
     assert scenario.returncode == 1 and "txet" in scenario.stderr
     openai = run_cli(["dev", "--provider", "openai"], tmp_path)
     assert openai.returncode == 1 and "BALLET_OPENAI_API_KEY" in openai.stderr
+    # A folder that looks writable (root may write anywhere) but cannot be made: the
+    # folder is named as the problem, not the dev secret that cannot be read there.
+    unmade = run_cli(["dev", "--data-dir", "/proc/ballet-planner-test"], tmp_path)
+    assert unmade.returncode == 1, unmade.stderr
+    assert "data directory /proc/ballet-planner-test cannot be created" in unmade.stderr
+    assert "dev secret" not in unmade.stderr
     assert os.listdir(tmp_path) == ["bad.json"]
