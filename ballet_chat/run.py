@@ -102,6 +102,14 @@ async def _follow(client: ChatClient, sent: Sent) -> None:
             raise ChatError("the planner closed the stream before the turn ended")
 
 
+def _has_port(address: str) -> bool:
+    """Whether ``address`` ends in a port (1-65535), or is a Unix socket."""
+    if address.startswith(("unix:", "unix-abstract:")):
+        return True
+    host, _, port = address.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) <= 65535
+
+
 async def run_chat(
     options: ChatOptions,
     *,
@@ -113,6 +121,10 @@ async def run_chat(
     ``ChatError`` when the planner cannot be reached, refuses the token, or the project
     or session does not exist."""
     client = ChatClient(options, out or sys.stdout, err or sys.stderr)
+    if not _has_port(options.address):
+        raise ChatError(
+            f"--address {options.address}: expected the planner's HOST:PORT, e.g. 127.0.0.1:50051"
+        )
     if not is_loopback(options.address):
         # The client speaks plaintext gRPC, which the planner's own rules allow only on
         # this machine (docs/spec/authority.md); a tunnel is what reaches one elsewhere.

@@ -127,7 +127,8 @@ def _leave(signum: int, _frame: object) -> None:
 
 def main(argv: list[str]) -> int:
     if any(arg in ("-h", "--help") for arg in argv):
-        print(__doc__)
+        # The docstring's markup is for readers of the code, not of a terminal.
+        print((__doc__ or "").replace("``", ""))
         return 0
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _leave)

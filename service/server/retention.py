@@ -167,7 +167,10 @@ async def run_purge(
             settings.retention.session_idle_days, dry_run=request.dry_run
         )
     except StoreUnavailable as error:
-        raise PurgeError(f"the database is unreachable: {error}") from error
+        # Said once: the store's own message may already name the database.
+        detail = str(error).removeprefix("the database is unreachable: ")
+        detail = detail.removeprefix("the database is unavailable: ")
+        raise PurgeError(f"the database is unreachable: {detail}") from error
     finally:
         await engine.dispose()
 

@@ -343,11 +343,21 @@ def chat_from_a_pipe_args(
 
 
 def test_chat_names_what_to_do_for_an_address_it_cannot_use(tmp_path: Path) -> None:
-    garbage = run_cli(["chat", "--address", "garbage", "--token", "t", "--message", "hi"], tmp_path)
-    assert garbage.returncode == 1
-    assert "insecure" not in garbage.stderr  # chat has no such option
-    assert "--address garbage: chat reaches a planner on this machine only" in garbage.stderr
-    assert "forward a local port to it" in garbage.stderr
+    for address in ("garbage", "127.0.0.1:99999"):
+        refused = run_cli(
+            ["chat", "--address", address, "--token", "t", "--message", "hi"], tmp_path
+        )
+        assert refused.returncode == 1
+        assert f"--address {address}: expected the planner's HOST:PORT" in refused.stderr
+    remote = run_cli(
+        ["chat", "--address", "example.com:50051", "--token", "t", "--message", "hi"], tmp_path
+    )
+    assert remote.returncode == 1
+    assert "insecure" not in remote.stderr  # chat has no such option
+    assert "--address example.com:50051: chat reaches a planner on this machine only" in (
+        remote.stderr
+    )
+    assert "forward a local port to it" in remote.stderr
 
 
 def test_chat_errors_say_what_to_do(dev: DevProcess, tmp_path: Path) -> None:

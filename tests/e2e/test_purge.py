@@ -231,6 +231,7 @@ def test_a_database_it_cannot_use_exits_1(tmp_path: Path) -> None:
     )
     assert unreachable.returncode == 1
     assert unreachable.stderr.startswith("ballet-planner purge: the database is unreachable")
+    assert unreachable.stderr.count("the database is") == 1, unreachable.stderr  # said once
     assert "Traceback" not in unreachable.stderr
 
 

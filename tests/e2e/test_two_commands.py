@@ -174,3 +174,15 @@ def test_try_gives_session_to_the_chat_and_the_rest_to_dev() -> None:
         ["--session", "s-1"],
     )
     assert try_script.chat_arguments(["--session=s-2"]) == ([], ["--session=s-2"])
+
+
+def test_try_help_reads_as_plain_text() -> None:
+    shown = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "try.py"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    assert shown.stdout.startswith("scripts/try: from a fresh clone to a chat")
+    assert "``" not in shown.stdout  # the docstring's markup is not shown
