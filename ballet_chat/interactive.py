@@ -160,6 +160,8 @@ class Interactive:
                 loop.remove_signal_handler(signal.SIGINT)
             await self.stop_pump()
             self.lines.close()
+            # A line left unentered (Ctrl-C, the stream ended): what it held is shown.
+            self.client.renderer.release(unentered=True)
 
     def _interrupt(self) -> None:
         if self.batch:

@@ -236,10 +236,14 @@ class Renderer:
         with self._lock:
             return self._held is not None
 
-    def release(self) -> None:
-        """The typed line was entered: show what was held meanwhile."""
+    def release(self, *, unentered: bool = False) -> None:
+        """The typed line was entered: show what was held meanwhile. ``unentered``: it
+        was left as typed (the chat ends), so what was held starts a line of its own."""
         with self._lock:
             held, self._held = self._held, None
+            if held and unentered:
+                self._line_open = True
+                self._show("end_line", "")
             for kind, text in held or ():
                 self._show(kind, text)
 

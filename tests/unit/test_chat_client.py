@@ -382,3 +382,15 @@ def test_a_line_typed_at_the_prompt_holds_output_on_the_prompts_line() -> None:
     renderer.at_line_start()
     renderer.release()
     assert out.getvalue() == "> hi\nbob: hello\n"
+
+
+def test_what_a_line_left_unentered_held_is_shown_on_a_line_of_its_own() -> None:
+    out = io.StringIO()
+    renderer = Renderer(out)
+    renderer.hold(new_line=False)
+    renderer.line("(cancelling the turn; Ctrl-C again quits)")
+    out.write("> half a li")  # typed, never entered: the chat ends
+    renderer.release(unentered=True)
+    assert out.getvalue() == "> half a li\n(cancelling the turn; Ctrl-C again quits)\n"
+    renderer.release(unentered=True)  # nothing held: nothing shown
+    assert out.getvalue().endswith("quits)\n")
