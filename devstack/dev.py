@@ -68,7 +68,14 @@ from devstack.server import DEFAULT_ADDRESS as DEVSTACK_ADDRESS
 from devstack.server import DevStack, DevStackConfig
 from devstack.store.access import describe_users
 from devstack.store.db import DatabaseUnreachable
-from service.config import ENV_PREFIX, ChannelSettings, PlannerSettings, Settings, load_settings
+from service.config import (
+    ENV_PREFIX,
+    ChannelSettings,
+    ConfigError,
+    PlannerSettings,
+    Settings,
+    load_settings,
+)
 from service.server.root import (
     EXIT_RESERVE_S,
     PlannerApp,
@@ -149,6 +156,16 @@ class DevOptions:
         return self.project_id if self.tracker_file is not None else DEMO_PROJECT
 
 
+#: The settings ``dev`` takes from its flags, by key.
+_FLAGS = {
+    "data_dir": "--data-dir",
+    "server.address": "--address",
+    "server.metrics_address": "--metrics-address",
+    "logging.format": "--log-format",
+    "database.url": "--database-url",
+}
+
+
 def dev_settings(options: DevOptions, environ: Mapping[str, str] | None = None) -> Settings:
     """The planner's settings for ``dev``: the file and the environment, with dev's
     overrides (see the module docstring). The dependency addresses are the devstack's
@@ -173,7 +190,15 @@ def dev_settings(options: DevOptions, environ: Mapping[str, str] | None = None) 
     if options.provider == "openai" and env.get(OPENAI_MODEL_VARIABLE):
         overrides["PLANNER__MODEL"] = env[OPENAI_MODEL_VARIABLE]
     env.update({f"{ENV_PREFIX}{key}": value for key, value in overrides.items()})
-    settings = load_settings(options.config_file, env)
+    try:
+        settings = load_settings(options.config_file, env)
+    except ConfigError as error:
+        # A value given as a flag is named by its flag first: the key is not what was typed.
+        given = {name.lower().replace("__", ".") for name in overrides}
+        key, _, problem = str(error).partition(":")
+        if key not in given or key not in _FLAGS:
+            raise
+        raise ConfigError(f"{_FLAGS[key]} ({key}):{problem}") from None
     if options.provider == "scripted" and settings.planner.model == PlannerSettings().model:
         # The scripted model answers whatever model is asked for: unless a model was
         # configured, asking for it by its name makes every turn (and the chat's model

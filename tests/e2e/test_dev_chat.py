@@ -559,6 +559,9 @@ def test_dev_refuses_bad_options(tmp_path: Path) -> None:
     assert scenario.returncode == 1 and "txet" in scenario.stderr
     openai = run_cli(["dev", "--provider", "openai"], tmp_path)
     assert openai.returncode == 1 and "BALLET_OPENAI_API_KEY" in openai.stderr
+    port = run_cli(["dev", "--address", "127.0.0.1:99999"], tmp_path)
+    assert port.returncode == 2  # named by the flag typed, then the key it sets
+    assert "--address (server.address): expected host:port" in port.stderr, port.stderr
     # A folder that looks writable (root may write anywhere) but cannot be made: the
     # folder is named as the problem, not the dev secret that cannot be read there.
     unmade = run_cli(["dev", "--data-dir", "/proc/ballet-planner-test"], tmp_path)
