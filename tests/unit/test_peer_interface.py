@@ -1,7 +1,7 @@
-"""The names the peer benchmark (``../shared/tools/peerbench``, docs/performance.md T7) imports from
-this project stay importable: it runs LangGraph and the Agents SDK on the planner's own
-request shapes and tool results, so a rename here would break the comparison silently
-until the next benchmark run.
+"""The names the peer benchmark (the team's ``peerbench`` tool, docs/performance.md T7)
+imports from this project stay importable: it runs LangGraph and the Agents SDK on the
+planner's own request shapes and tool results, so a rename here would break the
+comparison silently until the next benchmark run.
 
 Its token and credential imports (``service.tokens``, ``service.server.credentials``) are not
 kept: the token code moved to ``ballet_common.tokens`` and gave the planner one
