@@ -242,8 +242,9 @@ class Renderer:
         with self._lock:
             held, self._held = self._held, None
             if held and unentered:
-                self._line_open = True
-                self._show("end_line", "")
+                # The typed line was not ended by Enter: end it before what was held.
+                self.out.write("\n")
+                self._line_open = False
             for kind, text in held or ():
                 self._show(kind, text)
 
