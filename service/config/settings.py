@@ -585,7 +585,9 @@ def _resolve(settings: Settings) -> Settings:
     if not database.url:
         path = (settings.data_dir / "planner.db").absolute()
         database = dataclasses.replace(database, url=f"sqlite+aiosqlite:///{path}")
-    elif not database.url.startswith(("postgresql", "sqlite")):
+    elif not database.url.startswith(("postgresql+psycopg:", "sqlite+aiosqlite:")):
+        # The engine takes these two drivers only; a URL without one (``sqlite:///...``,
+        # ``postgresql://...``) names another, and is refused here, in one line.
         raise ConfigError(
             "database.url: expected a PostgreSQL (postgresql+psycopg://...) or SQLite "
             f"(sqlite+aiosqlite:///...) URL, got one starting {database.url.split(':', 1)[0]!r}"

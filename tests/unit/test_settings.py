@@ -323,9 +323,14 @@ def test_a_non_finite_number_is_refused_naming_the_key(value: str) -> None:
         load_settings(None, {"BALLET_PLANNER__PLANNER__TURN_TIMEOUT": value})
 
 
-def test_a_database_url_of_another_engine_is_refused() -> None:
+@pytest.mark.parametrize(
+    "url", ["mysql://host/db", "sqlite:////tmp/planner.db", "postgresql://host/db"]
+)
+def test_a_database_url_of_another_engine_or_driver_is_refused(url: str) -> None:
+    # A plain sqlite:// or postgresql:// names a driver the engine does not take: one
+    # line at start, not a traceback from the engine.
     with pytest.raises(ConfigError, match=r"^database\.url: expected a PostgreSQL"):
-        load_settings(None, {"BALLET_PLANNER__DATABASE__URL": "mysql://host/db"})
+        load_settings(None, {"BALLET_PLANNER__DATABASE__URL": url})
 
 
 def test_a_grace_period_that_cannot_hold_the_writes_grace_is_refused() -> None:
