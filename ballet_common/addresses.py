@@ -1,5 +1,6 @@
 """Whether an address stays on this machine: the one test the planner's settings, its
-outbound channels, the chat client and the devstack all apply (decision 0332)."""
+outbound channels, the chat client and the devstack all apply (decision 0332); and the
+one reading of a ``host:port`` they bind."""
 
 from __future__ import annotations
 
@@ -20,6 +21,15 @@ def is_loopback(address: str) -> bool:
             break
     # ``ipv4:`` and ``ipv6:`` targets may list several addresses; all must be local.
     return all(_loopback_host(_host(part)) for part in target.split(","))
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` for IPv6) as its host (brackets removed) and port
+    (0-65535; 0: any free port). Raises ``ValueError`` for anything else."""
+    host, sep, port_text = address.rpartition(":")
+    if not sep or not host or not port_text.isdigit() or int(port_text) > 65535:
+        raise ValueError(f"expected host:port, got {address!r}")
+    return host.strip("[]"), int(port_text)
 
 
 def _loopback_host(host: str) -> bool:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import grpc
 
+from ballet_common.addresses import split_host_port
 from ballet_common.readyfile import remove_ready_file, write_ready_file
 from ballet_common.signals import StopSignals, stop_when_signalled
 from ballet_common.tokens import Trust, dev_secret
@@ -100,6 +101,10 @@ def parse_args(argv: list[str] | None = None) -> Options:
             parser.error(f"--{name} {path}: no such file or folder")
     if args.provider == "openai" and args.scenario is not None:
         parser.error("--scenario is for --provider scripted")
+    try:
+        split_host_port(args.address)
+    except ValueError as error:
+        parser.error(f"--address: {error}")
     config = DevStackConfig(
         data_dir=args.data_dir,
         database_url=args.database_url,

@@ -75,6 +75,7 @@ from service.config import (
     PlannerSettings,
     Settings,
     load_settings,
+    split_address,
 )
 from service.server.root import (
     EXIT_RESERVE_S,
@@ -171,8 +172,10 @@ def dev_settings(options: DevOptions, environ: Mapping[str, str] | None = None) 
     overrides (see the module docstring). The dependency addresses are the devstack's
     requested address; ``start_dev`` replaces them with the bound one.
 
-    Raises ``ConfigError`` naming the key.
+    Raises ``ConfigError`` naming the key (or the flag).
     """
+    # Checked first: the devstack binds it, and the planner's dependencies dial it.
+    split_address(options.devstack_address, "--devstack-address")
     env = dict(os.environ if environ is None else environ)
     overrides: dict[str, str] = {}
     if options.data_dir is not None:

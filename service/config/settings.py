@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from ballet_common.addresses import is_loopback as is_loopback
+from ballet_common.addresses import split_host_port
 
 # ConfigError is this module's error too: every caller of load_settings catches it here.
 from service.config.loading import ConfigError as ConfigError
@@ -749,10 +750,10 @@ def _check_tls_pair(prefix: str, cert: Path | None, key: Path | None) -> None:
 
 def split_address(address: str, key: str) -> tuple[str, int]:
     """Split ``host:port`` (``[v6]:port`` for IPv6); raises ``ConfigError`` naming ``key``."""
-    host, sep, port_text = address.rpartition(":")
-    if not sep or not host or not port_text.isdigit() or int(port_text) > 65535:
-        raise ConfigError(f"{key}: expected host:port, got {address!r}")
-    return host.strip("[]"), int(port_text)
+    try:
+        return split_host_port(address)
+    except ValueError as error:
+        raise ConfigError(f"{key}: {error}") from None
 
 
 def iter_keys(

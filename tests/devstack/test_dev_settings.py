@@ -7,11 +7,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from ballet.llm.v1 import gateway_pb2
 
+from ballet_common.addresses import split_host_port
 from devstack.dev import OPENAI_MODEL_VARIABLE, DevOptions, dev_settings
 from devstack.gateway import openai_provider
-from service.config import channels, load_settings
+from service.config import ConfigError, channels, load_settings
 
 
 def test_the_environment_applies_and_dev_points_every_dependency_at_the_devstack() -> None:
@@ -91,3 +93,19 @@ async def test_the_scripted_provider_names_itself_as_the_model_that_answered(
     mine, _ = make_provider("scripted", scenario)
     chunks = [chunk async for chunk in mine.generate(request)]
     assert isinstance(chunks[-1], FinishChunk) and chunks[-1].model == "scripted (mine.json)"
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1", "127.0.0.1:99999", "foo", "localhost:abc"])
+def test_a_devstack_address_that_is_not_host_port_is_refused_by_its_flag(address: str) -> None:
+    # Checked before anything binds or dials it: not "is not a loopback address" for a
+    # missing port, nor a port beyond 65535 wrapped by the bind.
+    with pytest.raises(ConfigError, match=r"^--devstack-address: expected host:port"):
+        dev_settings(DevOptions(devstack_address=address), {})
+
+
+@pytest.mark.parametrize(
+    ("address", "expected"),
+    [("127.0.0.1:0", ("127.0.0.1", 0)), ("[::1]:50051", ("::1", 50051))],
+)
+def test_host_port_is_read_once_for_every_binder(address: str, expected: tuple[str, int]) -> None:
+    assert split_host_port(address) == expected
