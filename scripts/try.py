@@ -21,6 +21,7 @@ Its own lines go to stderr, so stdout holds the chat's transcript alone
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -128,7 +129,11 @@ def _leave(signum: int, _frame: object) -> None:
 def main(argv: list[str]) -> int:
     if any(arg in ("-h", "--help") for arg in argv):
         # The docstring's markup is for readers of the code, not of a terminal.
-        print((__doc__ or "").replace("``", ""))
+        try:
+            print((__doc__ or "").replace("``", ""), flush=True)
+        except BrokenPipeError:
+            # Read by ``| head``, which left: no traceback, and nothing left to flush.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _leave)

@@ -539,19 +539,32 @@ def _missing_module(error: ImportError, module: str) -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``ballet-planner`` with ``argv`` (default: the process's); returns the exit
     code. Configuration errors print ``configuration error: <key>: <problem>``, exit 2."""
-    args, unknown = build_parser().parse_known_args(argv)
-    if unknown:
-        # argparse leaves a subcommand's unknown options to the top-level parser, whose
-        # usage does not name them: the subcommand's own usage does.
-        args.subcommands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
-    handler: Handler = args.handler
     try:
+        args, unknown = build_parser().parse_known_args(argv)
+        if unknown:
+            # argparse leaves a subcommand's unknown options to the top-level parser,
+            # whose usage does not name them: the subcommand's own usage does.
+            args.subcommands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+        handler: Handler = args.handler
         return handler(args)
     except ConfigError as error:
         print(f"ballet-planner: configuration error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        # Also while the subcommands load (a Ctrl-C right after the command is typed).
         return 130
+    except BrokenPipeError:
+        return _reader_left()
+
+
+def _reader_left() -> int:
+    """The exit code when whoever read the output left (``| head``): 141, as for a
+    program ended by SIGPIPE, without a traceback; output still buffered goes nowhere,
+    so flushing it at exit raises nothing either."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 141
 
 
 if __name__ == "__main__":
