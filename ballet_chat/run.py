@@ -25,7 +25,7 @@ async def run_once(client: ChatClient, text: str) -> int:
     refusal or the turn's end said once, on stderr: ``ChatClient.batch``).
 
     Ctrl-C cancels the turn on the planner and waits for its end; a second one leaves at
-    once. Either way the chat says on stderr whether the turn was cancelled or may still
+    once, its cancel written (``CANCEL_SEND_S``). Either way the chat says on stderr whether the turn was cancelled or may still
     run there, and returns 130 (docs/decisions/0321-ctrl-c-in-the-chat.md)."""
     client.batch = True
     assert client.session is not None
@@ -60,6 +60,10 @@ async def run_once(client: ChatClient, text: str) -> int:
         done, _ = await asyncio.wait({following, leaving}, return_when=asyncio.FIRST_COMPLETED)
         if following in done:
             following.result()
+        else:
+            # A second Ctrl-C leaves at once, but not before the first one's cancel is on
+            # its way (both can land in one pass of the loop, before it was written).
+            await _cancel_sent(client, interrupts[0], following)
     finally:
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.remove_signal_handler(signal.SIGINT)
@@ -80,6 +84,24 @@ async def run_once(client: ChatClient, text: str) -> int:
 
 #: The exit code after Ctrl-C (128 + SIGINT, as a shell reports it).
 INTERRUPTED = 130
+
+
+#: The longest a second Ctrl-C waits for the first one's cancel to be written (seconds):
+#: a message still being accepted names its turn within milliseconds.
+CANCEL_SEND_S = 2.0
+
+
+async def _cancel_sent(
+    client: ChatClient, cancelling: asyncio.Task[str], following: asyncio.Task[None]
+) -> None:
+    """Wait, at most ``CANCEL_SEND_S``, until the cancel that ``cancelling`` asked for is
+    written: at once for a running turn, or, for a message still being accepted, once
+    ``following`` has read the turn it started (``ChatClient.next_event`` sends it)."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(CANCEL_SEND_S):
+            await asyncio.wait({cancelling})
+            while client.cancel_requested and not following.done():
+                await asyncio.wait({following}, timeout=0.05)
 
 
 def _interrupted(sent: Sent) -> str:

@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -302,6 +303,54 @@ def test_ctrl_c_on_message_says_the_turn_was_cancelled(dev: DevProcess) -> None:
     assert len(said) == 1, err
     assert "interrupted: the turn was cancelled; see the session with --session " in said[0]
     assert "Traceback" not in err
+
+
+def test_two_quick_ctrl_c_on_message_leave_at_once_and_still_cancel_the_turn(
+    dev: DevProcess,
+) -> None:
+    # Found by a new-user trial: two SIGINTs in one pass of the chat's loop (`timeout`
+    # sends one to the chat, then one to its group) left before the first one's cancel
+    # was written, and the turn ran to its end. The second still leaves at once, once
+    # the cancel is on its way.
+    chat = chat_process(dev, "", "--message", "something slow, please")
+    read_until(chat, SLOW_TEXT[:8])
+    chat.send_signal(signal.SIGINT)
+    chat.send_signal(signal.SIGINT)
+    out, err = chat.communicate(timeout=60)
+    assert chat.returncode == 130, out + err
+    assert "Traceback" not in err
+    found = re.search(r"session (\S+) \(continue it with --session", err)
+    assert found, err
+    assert turn_end_reasons(dev, found[1]) == [resources_pb2.TURN_END_REASON_CANCELLED]
+
+
+def turn_end_reasons(dev: DevProcess, session_id: str) -> list[int]:
+    """How the session's turns ended (GetTurn), waiting up to 30 s for each to end."""
+    minted = run_cli(["token", "--user", "alice", "--data-dir", "data"], dev.cwd)
+    assert minted.returncode == 0, minted.stderr
+    metadata = (("authorization", f"Bearer {minted.stdout.strip()}"),)
+    reasons = []
+    with grpc.insecure_channel(dev.planner) as channel:
+        stub = planner_service_pb2_grpc.PlannerServiceStub(channel)
+        listed = stub.ListMessages(
+            planner_service_pb2.ListMessagesRequest(session_id=session_id),
+            metadata=metadata,
+            timeout=10,
+        )
+        turn_ids = dict.fromkeys(m.turn_id for m in listed.messages)
+        for turn_id in turn_ids:
+            deadline = time.monotonic() + 30
+            while True:
+                turn = stub.GetTurn(
+                    planner_service_pb2.GetTurnRequest(session_id=session_id, turn_id=turn_id),
+                    metadata=metadata,
+                    timeout=10,
+                ).turn
+                if turn.state == resources_pb2.TURN_STATE_ENDED or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+            reasons.append(turn.end_reason)
+    return reasons
 
 
 def test_a_resumed_session_says_earlier_messages_are_hidden_and_history_shows_them(
