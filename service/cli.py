@@ -101,11 +101,25 @@ def _database_overrides(args: argparse.Namespace) -> dict[str, str]:
     return overrides
 
 
+def _how_to_choose(args: argparse.Namespace) -> str:
+    """What a data directory's error says to do: name ``--data-dir`` when it was given."""
+    return datadir.WITH_OPTION if args.data_dir is not None else datadir.HOW_TO_CHOOSE
+
+
 def _serve(args: argparse.Namespace) -> int:
     settings = _settings(args.config, **_database_overrides(args))
     from service.server.logs import configure_logging
     from service.server.root import StartupError
     from service.server.serving import event_loop_runner, serve
+
+    if args.data_dir is not None:
+        # Given on the command line: its problem is named by the flag, before anything
+        # starts (the planner would name the setting).
+        try:
+            datadir.check_folder(settings.data_dir, datadir.WITH_OPTION)
+        except datadir.DataDirError as error:
+            print(f"ballet-planner: cannot start: {error}", file=sys.stderr)
+            return 1
 
     configure_logging(settings.logging)
     try:
@@ -141,7 +155,7 @@ def _migrate(args: argparse.Namespace) -> int:
 
     if settings.database.is_sqlite:
         try:
-            datadir.prepare(settings.data_dir)
+            datadir.prepare(settings.data_dir, _how_to_choose(args))
         except datadir.DataDirError as error:
             print(f"ballet-planner migrate: {error}", file=sys.stderr)
             return 1

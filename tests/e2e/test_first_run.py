@@ -48,6 +48,22 @@ def test_serve_with_an_unusable_data_directory_says_so_in_one_line(tmp_path: Pat
         assert "BALLET_PLANNER__DATA_DIR" in result.stderr
 
 
+def test_a_data_directory_given_as_a_flag_is_named_by_the_flag(tmp_path: Path) -> None:
+    # Found by a new-user trial: `serve --data-dir a-file` said to set data_dir
+    # (BALLET_PLANNER__DATA_DIR), which the user had not used.
+    for data_dir, expected in list(_unusable_dirs(tmp_path).items())[:2]:
+        for command in (["serve"], ["migrate"]):
+            result = run(
+                [*command, "--data-dir", data_dir],
+                tmp_path,
+                BALLET_PLANNER__SERVER__ADDRESS="127.0.0.1:0",
+                BALLET_PLANNER__SERVER__METRICS_ADDRESS="",
+            )
+            assert result.returncode == 1, result.stderr
+            _one_line(result, expected)
+            assert result.stderr.rstrip().endswith("give --data-dir a writable folder")
+
+
 def test_migrate_with_an_unusable_data_directory_says_so_in_one_line(tmp_path: Path) -> None:
     for data_dir, expected in list(_unusable_dirs(tmp_path).items())[:2]:
         result = run(["migrate"], tmp_path, BALLET_PLANNER__DATA_DIR=data_dir)
