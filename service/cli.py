@@ -423,8 +423,9 @@ def _add_purge(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         description="Delete the sessions idle for retention.session_idle_days days with "
         "everything in them (one pass of serve's retention job, e.g. in a CronJob), or with "
         "--human ID all of one human's (an erasure request); see docs/retention.md. Exit 0: "
-        "done (or a pass runs elsewhere); 1: the database is unusable, or an erasure is "
-        "incomplete; 2: a usage or configuration error.",
+        "done (or a pass runs elsewhere); 1: the database is unusable or missing, an "
+        "erasure is incomplete, or the counts could not be pushed (--pushgateway); 2: a "
+        "usage or configuration error.",
     )
     parser.add_argument("--config", type=Path, help="TOML configuration file (as for serve)")
     _add_database_url(parser)

@@ -148,10 +148,7 @@ async def run_purge(
     try:
         status = await schema_status(engine)
         if status.behind:
-            raise PurgeError(
-                f"the database schema is behind (at {status.current or 'nothing'}, this "
-                f"release needs {status.head}): run `ballet-planner migrate` first"
-            )
+            raise PurgeError(f"{status}: run `ballet-planner migrate` first")
         work = UnitsOfWork()
         purger = Purger(
             SqlRetentionStore(engine, replica, units_of_work=work),

@@ -476,10 +476,7 @@ async def _open_database(settings: Settings, tracing: Tracing | None) -> Databas
         else:
             status = await schema_status(url)
             if status.behind:
-                raise StartupError(
-                    f"the database schema is behind (at {status.current or 'nothing'}, this "
-                    f"release needs {status.head}): run `ballet-planner migrate` first"
-                )
+                raise StartupError(f"{status}: run `ballet-planner migrate` first")
         database = settings.database
         return await open_database(
             url,

@@ -13,7 +13,7 @@ from sqlalchemy import inspect, text
 from sqlalchemy.engine import Connection
 
 from service.adapters.store import make_engine, migrate, schema_status
-from service.adapters.store.migrate import alembic_config
+from service.adapters.store.migrate import SchemaStatus, alembic_config
 from service.adapters.store.tables import metadata
 from tests.integration.conftest import DATABASES, HOT
 
@@ -114,3 +114,13 @@ async def test_0004_turns_the_pending_bytes_into_tokens_and_back(db_url: str) ->
             assert pending == 4004
     finally:
         await engine.dispose()
+
+
+def test_where_the_schema_stands_reads_as_a_sentence() -> None:
+    # An empty database is not "behind (at nothing)" (found by a new-user trial).
+    assert str(SchemaStatus(None, "0010", behind=True)) == (
+        "the database schema has no tables yet (an empty database, this release needs 0010)"
+    )
+    assert str(SchemaStatus("0005", "0010", behind=True)) == (
+        "the database schema is behind (at 0005, this release needs 0010)"
+    )

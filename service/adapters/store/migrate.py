@@ -45,6 +45,17 @@ class SchemaStatus:
     head: str
     behind: bool
 
+    def __str__(self) -> str:
+        """Where the schema stands, for an error that says to migrate: ``the database
+        schema is behind (at 0005, this release needs 0010)``, or, for an empty database,
+        ``... has no tables yet (an empty database, ...)``."""
+        where = (
+            f"is behind (at {self.current}"
+            if self.current
+            else "has no tables yet (an empty database"
+        )
+        return f"the database schema {where}, this release needs {self.head})"
+
 
 def alembic_config(connection: Connection | None = None) -> Config:
     """The Alembic configuration, optionally bound to an open sync ``connection``
