@@ -34,7 +34,7 @@ def add_chat(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help=f"planner host:port (default: $BALLET_PLANNER__SERVER__ADDRESS or {DEFAULT_ADDRESS})",
     )
     parser.add_argument("--project", default="demo", help="project of a new session (demo)")
-    parser.add_argument("--session", default="", help="resume this session instead")
+    parser.add_argument("--session", help="resume this session instead")
     parser.add_argument("--user", help="mint a dev token for this user from the data dir")
     parser.add_argument(
         "--data-dir",
@@ -62,6 +62,14 @@ def chat(args: argparse.Namespace) -> int:
         mint_dev_token,
     )
 
+    # The arguments first: nothing is read for a command that cannot run.
+    if args.message is not None and not args.message.strip():
+        print("ballet-planner chat: --message is empty", file=sys.stderr)
+        return 2
+    if args.session is not None and not args.session.strip():
+        # Not a new session in disguise: whoever typed --session meant one.
+        print("ballet-planner chat: --session is empty (give a session id)", file=sys.stderr)
+        return 2
     address = args.address or os.environ.get("BALLET_PLANNER__SERVER__ADDRESS") or DEFAULT_ADDRESS
     mint = None
     if args.token:
@@ -100,14 +108,11 @@ def chat(args: argparse.Namespace) -> int:
     else:
         print("ballet-planner chat: give --user NAME (dev) or --token JWT", file=sys.stderr)
         return 2
-    if args.message is not None and not args.message.strip():
-        print("ballet-planner chat: --message is empty", file=sys.stderr)
-        return 2
     options = ChatOptions(
         address=address,
         token=token,
         project_id=args.project,
-        session_id=args.session,
+        session_id=args.session or "",
         message=args.message,
         as_json=args.json,
         mint=mint,

@@ -25,8 +25,9 @@ async def run_once(client: ChatClient, text: str) -> int:
     refusal or the turn's end said once, on stderr: ``ChatClient.batch``).
 
     Ctrl-C cancels the turn on the planner and waits for its end; a second one leaves at
-    once, its cancel written (``CANCEL_SEND_S``). Either way the chat says on stderr whether the turn was cancelled or may still
-    run there, and returns 130 (docs/decisions/0321-ctrl-c-in-the-chat.md)."""
+    once, its cancel written (``CANCEL_SEND_S``). Either way the chat says on stderr
+    whether the turn was cancelled or may still run there, and returns 130
+    (docs/decisions/0321-ctrl-c-in-the-chat.md)."""
     client.batch = True
     assert client.session is not None
     # One line on stderr (stdout keeps the transcript): how to go on with the session.

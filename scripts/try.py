@@ -135,6 +135,11 @@ def main(argv: list[str]) -> int:
             # Read by ``| head``, which left: no traceback, and nothing left to flush.
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    argv, resume = chat_arguments(argv)
+    if resume and not (resume[-1] if len(resume) == 2 else resume[0].partition("=")[2]).strip():
+        # Before anything is installed or started: a resume without its session.
+        say("--session needs a session id")
+        return 2
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _leave)
     try:
@@ -142,7 +147,6 @@ def main(argv: list[str]) -> int:
     except setup.SetupError as error:
         say(str(error))
         return 1
-    argv, resume = chat_arguments(argv)
     planner = python.with_name("ballet-planner")
     work = Path(tempfile.mkdtemp(prefix="ballet-try-"))
     log, ready = work / "dev.log", work / "ready.json"

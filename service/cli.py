@@ -573,13 +573,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _reader_left() -> int:
-    """The exit code when whoever read the output left (``| head``): 141, as for a
-    program ended by SIGPIPE, without a traceback; output still buffered goes nowhere,
-    so flushing it at exit raises nothing either."""
+    """The exit code when whoever read the output left (``| head``): 1, as ``chat``'s,
+    without a traceback; output still buffered goes nowhere, so flushing it at exit
+    raises nothing either."""
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
     os.close(devnull)
-    return 141
+    return 1
 
 
 if __name__ == "__main__":

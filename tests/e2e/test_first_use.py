@@ -382,6 +382,18 @@ def test_a_wrong_flag_prints_the_subcommands_usage(tmp_path: Path) -> None:
         assert "unrecognized arguments" in result.stderr
 
 
+def test_an_empty_session_or_message_is_refused_before_anything_is_read(tmp_path: Path) -> None:
+    # Found by a new-user trial: `chat --session ""` started a new session silently.
+    for args, said in (
+        (["--session", ""], "--session is empty"),
+        (["--message", " "], "--message is empty"),
+    ):
+        # No data directory here: the arguments are checked before the dev secret.
+        result = run_cli(["chat", "--user", "alice", *args], tmp_path)
+        assert result.returncode == 2
+        assert result.stderr.startswith(f"ballet-planner chat: {said}"), result.stderr
+
+
 def test_health_of_an_unknown_service_says_which_exist(dev: DevProcess) -> None:
     result = run_cli(["health", "--address", dev.planner, "--service", "nope"], dev.cwd)
     assert result.returncode == 1

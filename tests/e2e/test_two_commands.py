@@ -176,6 +176,18 @@ def test_try_gives_session_to_the_chat_and_the_rest_to_dev() -> None:
     assert try_script.chat_arguments(["--session=s-2"]) == ([], ["--session=s-2"])
 
 
+def test_try_refuses_a_session_without_its_id_before_installing_anything() -> None:
+    for argv in (["--session"], ["--session="], ["--session", " "]):
+        refused = subprocess.run(
+            [sys.executable, str(REPO / "scripts" / "try.py"), *argv],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert refused.returncode == 2, refused.stderr
+        assert refused.stderr == "scripts/try: --session needs a session id\n"
+
+
 def test_try_help_reads_as_plain_text() -> None:
     shown = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "try.py"), "--help"],
