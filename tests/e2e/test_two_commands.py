@@ -48,11 +48,12 @@ def clone(tmp_path: Path) -> Path:
 
 
 def run_try(checkout: Path, venv: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    # TMPDIR: a log that scripts/try keeps (dev failed) stays in the test's folder.
     return subprocess.run(
         ["scripts/try", *ANY_PORTS],
         cwd=checkout,
         input=QUESTION,
-        env=clean_env(BALLET_VENV=str(venv)),
+        env=clean_env(BALLET_VENV=str(venv), TMPDIR=str(checkout.parent)),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -107,7 +108,7 @@ def test_try_in_a_terminal_chats_and_stops_dev_when_the_chat_ends(tmp_path: Path
     terminal = Terminal(
         [str(checkout / "scripts/try"), *ANY_PORTS],
         checkout,
-        clean_env(BALLET_VENV=str(venv), TERM="xterm"),
+        clean_env(BALLET_VENV=str(venv), TMPDIR=str(checkout.parent), TERM="xterm"),
     )
     try:
         terminal.expect(r"chatting as alice about project demo", timeout=120)
@@ -134,7 +135,7 @@ def test_try_on_a_taken_port_says_how_to_take_free_ones(tmp_path: Path) -> None:
             ["scripts/try", *ANY_PORTS, "--address", address],  # the last --address wins
             cwd=checkout,
             input=QUESTION,
-            env=clean_env(BALLET_VENV=str(venv)),
+            env=clean_env(BALLET_VENV=str(venv), TMPDIR=str(checkout.parent)),
             capture_output=True,
             text=True,
             timeout=120,
