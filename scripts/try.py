@@ -219,7 +219,8 @@ def main(argv: list[str]) -> int:
         stopped = stop(dev)
         for line in said_after_banner(log):
             say(line.removeprefix("ballet-planner "))
-        if stopped not in (0, -signal.SIGINT) and not keep_log:
+        # 130: the stop's SIGINT (or a second Ctrl-C) cut dev's start or its stop short.
+        if stopped not in (0, 128 + signal.SIGINT, -signal.SIGINT) and not keep_log:
             keep_log = True
             say(f"dev exited with {stopped}; its log: {log}")
         if not keep_log:
