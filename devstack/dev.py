@@ -55,6 +55,7 @@ from ballet_common.signals import stopping_message as stopping_text
 from ballet_common.tokens import DevSecretError, Trust, dev_secret
 from ballet_common.tracing import Tracing, TracingConfigError, tracing_from_environment
 from devstack.defaults import BUF_INSTALL, BUF_PROGRAM
+from devstack.demo.project import GLOBEX_PROJECT_ID
 from devstack.gateway import GatewayServicer, Provider, add_gateway_service
 from devstack.importers.errors import ImportFileError
 from devstack.model import (
@@ -446,7 +447,7 @@ def banner(app: DevApp) -> str:
         f"  project    {project} of organization acme: {loaded}",
         *(
             f"  {'users' if index == 0 else '':<10} {line}"
-            for index, line in enumerate(describe_users())
+            for index, line in enumerate(describe_users({"globex": GLOBEX_PROJECT_ID}))
         ),
         f"  data       {shown_dir} ({database})",
         "",

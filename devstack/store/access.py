@@ -43,15 +43,21 @@ DEFAULT_ROLES = {
 }
 
 
-def describe_users() -> list[str]:
+def describe_users(projects: dict[str, str] | None = None) -> list[str]:
     """The dev users as ``dev``'s banner lists them, one line per organization, from
     ``USERS`` and ``DEFAULT_ROLES`` (the table the devstack seeds and records for the
     chat's and token's check, ``ballet_common.devusers``): "organization acme: alice (all
-    five permissions), bob (read permissions only), ..."."""
+    five permissions), bob (read permissions only), ...". ``projects`` names an
+    organization's project where the banner does not otherwise ("organization globex,
+    project globex-ops: carol ..."), so its users know what to chat about."""
     by_org: dict[str, list[str]] = {}
     for user, (org, _) in USERS.items():
         by_org.setdefault(org, []).append(f"{user} ({ROLE_SUMMARIES[DEFAULT_ROLES[user]]})")
-    return [f"organization {org}: {', '.join(names)}" for org, names in by_org.items()]
+    named = projects or {}
+    return [
+        f"organization {org}{f', project {named[org]}' if org in named else ''}: {', '.join(names)}"
+        for org, names in by_org.items()
+    ]
 
 
 async def seed_identities(session: AsyncSession) -> None:
@@ -109,9 +115,7 @@ async def put_project(
             )
 
 
-async def set_role(
-    session: AsyncSession, *, user: str, project_id: str, role: str | None
-) -> None:
+async def set_role(session: AsyncSession, *, user: str, project_id: str, role: str | None) -> None:
     """Give ``user`` the ``role`` on ``project_id``, replacing any role they had, or take
     it away (None). Raises ``ValueError`` for an unknown role, user or project."""
     if role is not None and role not in ROLE_PERMISSIONS:

@@ -11,8 +11,10 @@ import pytest
 from ballet.llm.v1 import gateway_pb2
 
 from ballet_common.addresses import split_host_port
+from devstack.demo.project import GLOBEX_PROJECT_ID
 from devstack.dev import OPENAI_MODEL_VARIABLE, DevOptions, dev_settings
 from devstack.gateway import openai_provider
+from devstack.store.access import describe_users
 from service.config import ConfigError, channels, load_settings
 
 
@@ -109,3 +111,10 @@ def test_a_devstack_address_that_is_not_host_port_is_refused_by_its_flag(address
 )
 def test_host_port_is_read_once_for_every_binder(address: str, expected: tuple[str, int]) -> None:
     assert split_host_port(address) == expected
+
+
+def test_the_banner_names_the_project_of_an_organization_it_does_not_chat_about() -> None:
+    # Found by a new-user trial: carol's organization was listed, her project nowhere.
+    lines = describe_users({"globex": GLOBEX_PROJECT_ID})
+    assert lines[0].startswith("organization acme: alice (all five permissions)")
+    assert lines[1] == "organization globex, project globex-ops: carol (all five permissions)"
