@@ -34,6 +34,7 @@ with a message that says what to do.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import uuid
 from collections.abc import Callable, Sequence
@@ -559,6 +560,23 @@ class ChatClient:
             )
         )
         return True
+
+    async def cancel_acknowledged(self) -> None:
+        """Cancel the running turn with the unary ``CancelTurn``, which answers once the
+        planner has the cancel (a cancel written on the stream may not be read before the
+        stream closes); errors are ignored: the turn may have ended, or the planner be
+        gone. Nothing when no turn is known to run."""
+        if not self.running_turn or self.session is None:
+            return
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await self.stub.CancelTurn(
+                planner_service_pb2.CancelTurnRequest(
+                    request_id=uuid.uuid4().hex,
+                    session_id=self.session.session_id,
+                    turn_id=self.running_turn,
+                ),
+                metadata=self._metadata(),
+            )
 
     async def request_cancel(self) -> str:
         """Cancel the running turn now (``"now"``), or, while a message sent is being

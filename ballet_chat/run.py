@@ -95,14 +95,17 @@ CANCEL_SEND_S = 2.0
 async def _cancel_sent(
     client: ChatClient, cancelling: asyncio.Task[str], following: asyncio.Task[None]
 ) -> None:
-    """Wait, at most ``CANCEL_SEND_S``, until the cancel that ``cancelling`` asked for is
-    written: at once for a running turn, or, for a message still being accepted, once
-    ``following`` has read the turn it started (``ChatClient.next_event`` sends it)."""
+    """Wait, at most ``CANCEL_SEND_S``, until the planner has the cancel that
+    ``cancelling`` asked for: its turn is known at once for a running turn, or, for a
+    message still being accepted, once ``following`` has read the turn it started; then
+    the unary ``CancelTurn`` says the planner has it (the stream's own cancel may still
+    be unread when the stream closes)."""
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(CANCEL_SEND_S):
             await asyncio.wait({cancelling})
             while client.cancel_requested and not following.done():
                 await asyncio.wait({following}, timeout=0.05)
+            await client.cancel_acknowledged()
 
 
 def _interrupted(sent: Sent) -> str:

@@ -308,7 +308,7 @@ def test_dev_on_a_terminal_logs_text_and_keeps_start_and_call_lines_out(tmp_path
     assert f"`{BUF_INSTALL}`" in readme
     # The users as the devstack knows them (the same table the chat's check reads).
     for user, (org, _) in USERS.items():
-        assert re.search(rf"organization {org}: [^\n]*\b{user} \(", terminal.output), user
+        assert re.search(rf"organization {org}[:,][^\n]*\b{user} \(", terminal.output), user
 
 
 def test_dev_logs_json_when_not_on_a_terminal_or_when_asked(dev: DevProcess) -> None:
