@@ -16,7 +16,8 @@ file is open to other users, for a warning.
 
 ``check_sqlite_file`` asks SQLite whether an existing database file is one, so that a
 damaged ``planner.db`` or ``devstack.db`` is one line at start-up naming the file and what
-to do, not a traceback from deep inside the first migration.
+to do, not a traceback from deep inside the first migration; and whether this process
+may write it, so that a read-only one is refused at start, not found by every write.
 """
 
 from __future__ import annotations
@@ -104,8 +105,8 @@ _NOT_A_DATABASE = frozenset({26, 11})
 
 
 class DatabaseFileError(ValueError):
-    """A SQLite database file is not a database or is damaged; ``str(error)`` is one line
-    naming the file and what to do."""
+    """A SQLite database file is not a database, is damaged or is read-only;
+    ``str(error)`` is one line naming the file and what to do."""
 
 
 def check_sqlite_file(path: Path) -> None:
@@ -115,9 +116,16 @@ def check_sqlite_file(path: Path) -> None:
     SQLite check the file header and the first page; an empty file is a valid empty
     database. Cheap (one page), unlike ``PRAGMA integrity_check``: damage further in
     is found when it is read. Raises ``DatabaseFileError`` when SQLite answers
-    ``SQLITE_NOTADB`` or ``SQLITE_CORRUPT``; other failures (a locked or unreadable file)
-    are left to the caller's own opening, which reports them.
+    ``SQLITE_NOTADB`` or ``SQLITE_CORRUPT``, or when this process may not write the file
+    (its mode, or a read-only file system: SQLite would open it read-only and fail every
+    write); other failures (a locked or unreadable file) are left to the caller's own
+    opening, which reports them.
     """
+    if path.exists() and not os.access(path, os.W_OK):
+        raise DatabaseFileError(
+            f"{path} is read-only for this process (its mode or its file system); make "
+            "it writable, or move it away (the next start makes an empty one)"
+        )
     uri = f"{path.absolute().as_uri()}?mode=rw"
     try:
         with contextlib.closing(sqlite3.connect(uri, uri=True)) as connection:

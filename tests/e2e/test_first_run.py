@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_cli_serve import run
+from tests.e2e.dev_support import clean_env
+from tests.e2e.test_cli_serve import command, run
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -52,9 +55,9 @@ def test_a_data_directory_given_as_a_flag_is_named_by_the_flag(tmp_path: Path) -
     # Found by a new-user trial: `serve --data-dir a-file` said to set data_dir
     # (BALLET_PLANNER__DATA_DIR), which the user had not used.
     for data_dir, expected in list(_unusable_dirs(tmp_path).items())[:2]:
-        for command in (["serve"], ["migrate"]):
+        for subcommand in (["serve"], ["migrate"]):
             result = run(
-                [*command, "--data-dir", data_dir],
+                [*subcommand, "--data-dir", data_dir],
                 tmp_path,
                 BALLET_PLANNER__SERVER__ADDRESS="127.0.0.1:0",
                 BALLET_PLANNER__SERVER__METRICS_ADDRESS="",
@@ -88,6 +91,50 @@ def test_dev_with_an_unusable_data_directory_says_so_in_one_line(tmp_path: Path)
         )
         assert result.returncode == 1, result.stderr
         _one_line(result, expected)
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None,
+    reason="a read-only mount of one file needs root and unshare",
+)
+def test_a_read_only_database_file_stops_serve_and_dev_in_one_line(tmp_path: Path) -> None:
+    # Found by a new-user trial: with planner.db read-only in a writable data directory,
+    # serve started, said SERVING, and failed every chat. Read-only here is a read-only
+    # bind mount of the file alone (root writes any file whatever its mode).
+    data = tmp_path / "data"
+    migrated = run(["migrate", "--data-dir", str(data)], tmp_path)
+    assert migrated.returncode == 0, migrated.stderr
+    database = data / "planner.db"
+    for args in (
+        ["serve"],
+        ["dev", "--address", "127.0.0.1:0", "--devstack-address", "127.0.0.1:0"],
+    ):
+        mounted = f"mount --bind {database} {database} && mount -o remount,bind,ro {database}"
+        inner = shlex.join([*command(), *args, "--data-dir", str(data)])
+        result = subprocess.run(
+            [
+                "unshare",
+                "--mount",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                f"{mounted} && exec {inner}",
+            ],
+            cwd=tmp_path,
+            env=clean_env(
+                BALLET_PLANNER__SERVER__ADDRESS="127.0.0.1:0",
+                BALLET_PLANNER__SERVER__METRICS_ADDRESS="",
+            ),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode == 1, result.stderr
+        assert "Traceback" not in result.stderr, result.stderr
+        # The last line says it (serve logs its dev-mode warning first).
+        last = result.stderr.strip().splitlines()[-1]
+        assert f"{database} is read-only for this process" in last, result.stderr
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes to any folder")
