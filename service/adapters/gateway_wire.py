@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import functools
 import weakref
-from dataclasses import replace
 
 from ballet.llm.v1 import gateway_pb2
 
+from service.core.model import copied
 from service.core.ports import ModelMessage, ModelRequest, Purpose, Role, ToolDeclaration
 
 _ROLES = {
@@ -37,7 +37,7 @@ def to_wire(request: ModelRequest, encoded: MessageEncodings | None = None) -> b
         head = to_proto(request, with_tools=False).SerializeToString()
         messages = b""
     else:
-        head = to_proto(replace(request, messages=()), with_tools=False).SerializeToString()
+        head = to_proto(copied(request, messages=()), with_tools=False).SerializeToString()
         messages = b"".join([encoded.field(message) for message in request.messages])
     return head + messages + _tools_wire(tuple(request.tools))
 

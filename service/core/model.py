@@ -314,12 +314,15 @@ class SessionEvent:
         # Every commit numbers each of its events: a copy of the fields, not
         # dataclasses.replace, which re-runs __init__ over every field (ten times slower).
         if self.message is None:
-            return _copied(self, sequence=sequence)
-        return _copied(self, sequence=sequence, message=_copied(self.message, sequence=sequence))
+            return copied(self, sequence=sequence)
+        return copied(self, sequence=sequence, message=copied(self.message, sequence=sequence))
 
 
-def _copied(value: _T, **changes: object) -> _T:
-    """A copy of the frozen dataclass ``value`` with ``changes``, without ``__init__``."""
+def copied(value: _T, **changes: object) -> _T:
+    """A copy of the dataclass ``value`` with ``changes`` (field names to values),
+    without ``__init__``: ``dataclasses.replace`` for the hot path, about ten times
+    faster. Only for dataclasses without ``__slots__`` or ``__post_init__``, whose
+    ``changes`` are fields of theirs (not checked)."""
     fields = dict(value.__dict__)
     fields.update(changes)
     copied = object.__new__(type(value))

@@ -16,13 +16,19 @@ connection, task or timer.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from service.core.estimate import messages_tokens
-from service.core.model import ContextEstimate, EventKind, Message, Session, SessionEvent
+from service.core.model import (
+    ContextEstimate,
+    EventKind,
+    Message,
+    Session,
+    SessionEvent,
+    copied,
+)
 from service.core.ports import ContextSnapshot, SummaryUpdate
 
 #: Bytes counted per message besides its text (the object and its fields).
@@ -115,7 +121,7 @@ class ContextCache:
             running = running_turn_id
         elif turn_ended:
             running = ""
-        entry.session = dataclasses.replace(
+        entry.session = copied(
             session,
             last_sequence=last_sequence,
             context=context,

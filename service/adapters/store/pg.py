@@ -60,7 +60,14 @@ from service.core.errors import (
     StoreConflict,
     StoreUnavailable,
 )
-from service.core.model import EventKind, Session, SessionEvent, Turn, TurnStartedData
+from service.core.model import (
+    EventKind,
+    Session,
+    SessionEvent,
+    Turn,
+    TurnStartedData,
+    copied,
+)
 from service.core.ports import (
     ContextSnapshot,
     LeaseStatus,
@@ -635,7 +642,7 @@ class PgSessionStore(SqlSessionStore):
         outcome = result["outcome"]
         if outcome == "started":
             stored_events = units.numbered(start.events, int(result["last_sequence"]))
-            stored = dataclasses.replace(turn, human_sequence=stored_events[human_index].sequence)
+            stored = copied(turn, human_sequence=stored_events[human_index].sequence)
             return TurnStartOutcome(StartOutcomeKind.STARTED, stored, stored_events), followed
         if outcome == "duplicate":
             event = result.get("event")

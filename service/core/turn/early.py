@@ -37,14 +37,13 @@ gateway call stays the child of the loop's model-call span, decision 0190).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from collections.abc import AsyncIterator
 
 from service.core.context import with_context
 from service.core.conversation import Conversations
 from service.core.estimate import messages_tokens
-from service.core.model import ContextEstimate, Message, Session, Turn
+from service.core.model import ContextEstimate, Message, Session, Turn, copied
 from service.core.ports import Acting, ModelChunk, ModelRequest, Purpose
 from service.core.turn.compact import Compactor
 from service.core.turn.events import EventBuilder
@@ -159,7 +158,7 @@ class EarlyCall:
         if deps.tracer.current() is not None:
             return None  # the gateway call stays the child of its model call's span (0190)
         try:
-            ahead = dataclasses.replace(state, messages=messages, context=context)
+            ahead = copied(state, messages=messages, context=context)
             request = _next_request(deps, conversations, ahead, prompt)
             return None if request is None else cls.opened(deps, request)
         except Exception as error:  # an optimisation: never a reason for a turn to fail
@@ -176,9 +175,7 @@ class EarlyCall:
         """This call, taken over by the loop, when ``request`` is the request it was
         opened with (every field but ``request_id`` and ``deadlines``); else None, and
         the call is cancelled."""
-        same = dataclasses.replace(
-            request, request_id=self.request.request_id, deadlines=self.request.deadlines
-        )
+        same = copied(request, request_id=self.request.request_id, deadlines=self.request.deadlines)
         if same != self.request:
             self._count("differed")
             self.cancel()

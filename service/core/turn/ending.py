@@ -16,12 +16,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from service.core.errors import StoreConflict
 from service.core.fanout import Hub
-from service.core.model import ContextEstimate, Message, MessageKind, Session, SessionEvent, Turn
+from service.core.model import (
+    ContextEstimate,
+    Message,
+    MessageKind,
+    Session,
+    SessionEvent,
+    Turn,
+    copied,
+)
 from service.core.model import TurnEndReason as Reason
 from service.core.ports import Clock, Promoted, Promotion, SessionStore, TurnCommit, TurnPatch
 from service.core.tools import WRITE_TOOLS, ToolOutcome, error_result
@@ -177,7 +185,7 @@ def closing_commit(
         turn_id=events.turn_id,
         now=events.clock.now(),
         events=closing,
-        turn_patch=replace(
+        turn_patch=copied(
             patch or TurnPatch(),
             rounds=totals.rounds,
             usage=totals.usage,

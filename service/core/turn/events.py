@@ -10,7 +10,7 @@ numbers both with one sequence when it commits them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from service.core.ids import new_message_id
@@ -29,6 +29,7 @@ from service.core.model import (
     TurnEndReason,
     TurnStartedData,
     Usage,
+    copied,
 )
 from service.core.ports.clock import Clock
 from service.core.tools import ToolOutcome
@@ -59,7 +60,7 @@ class EventBuilder:
         """``message_accepted`` storing the human message that starts the turn; live, it
         carries the sender's ``request_id`` (``SessionEvent.request_id``, not stored)."""
         event = self._stored(EventKind.MESSAGE_ACCEPTED, MessageKind.HUMAN, text=text)
-        return replace(event, request_id=request_id) if request_id else event
+        return copied(event, request_id=request_id) if request_id else event
 
     def message_queued(self, text: str, on_busy: OnBusy, request_id: str = "") -> SessionEvent:
         """``message_queued``: the human message waits as this (queued) turn; the store
@@ -67,7 +68,7 @@ class EventBuilder:
         ``request_id``, as ``message_accepted`` does."""
         data = MessageQueuedData(text, "", on_busy, self.human_id)
         event = self._event(EventKind.MESSAGE_QUEUED, data=data)
-        return replace(event, request_id=request_id) if request_id else event
+        return copied(event, request_id=request_id) if request_id else event
 
     def turn_started(self, model: str, max_rounds: int) -> SessionEvent:
         """``turn_started`` with the model and the round budget."""

@@ -41,7 +41,14 @@ from service.core import tracing
 from service.core.conversation import Conversations
 from service.core.errors import PlannerError, StoreConflict, StoreUnavailable
 from service.core.estimate import messages_tokens
-from service.core.model import ContextEstimate, EventKind, Message, SessionEvent, TurnEndReason
+from service.core.model import (
+    ContextEstimate,
+    EventKind,
+    Message,
+    SessionEvent,
+    TurnEndReason,
+    copied,
+)
 from service.core.ports import FinishReason, Purpose, SummaryUpdate, TurnCommit, TurnPatch
 from service.core.tools import WRITE_TOOLS, ToolOutcome, error_result
 from service.core.tools.cut import cut_text, utf8_size
@@ -485,7 +492,7 @@ class TurnLoop:
             if answer.usage is not None
             else None
         )
-        patch = replace(state.versions, rounds=state.rounds, usage=state.usage)
+        patch = copied(state.versions, rounds=state.rounds, usage=state.usage)
         shared = {first: tuple(calls) for first, calls in repeats.items()}
         if allowed and not any(call.name in WRITE_TOOLS for call in allowed):
             return RunTools(tuple(allowed), RoundCommit(events, patch, context), shared)

@@ -13,11 +13,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from service.core import tracing
 from service.core.estimate import messages_tokens
-from service.core.model import ContextEstimate, SessionEvent
+from service.core.model import ContextEstimate, SessionEvent, copied
 from service.core.ports import ToolCall, TurnPatch
 from service.core.tools import TOOLS_BY_NAME, WRITE_TOOLS, ToolContext, ToolOutcome, error_result
 from service.core.turn.model_call import time_left
@@ -208,12 +208,10 @@ class ToolRound:
         first = self._unstored
         if first is not None:
             # The round's own commit: its answer and calls, then these results.
-            patch = replace(first.patch, writes=state.writes)
+            patch = copied(first.patch, writes=state.writes)
             if first.context is not None:
                 added = messages_tokens(e.message for e in events if e.message is not None)
-                context = replace(
-                    first.context, pending_tokens=first.context.pending_tokens + added
-                )
+                context = copied(first.context, pending_tokens=first.context.pending_tokens + added)
             events = [*first.events, *events]
         await self._commit(events, patch, context, last)
         if first is not None:
