@@ -176,7 +176,8 @@ class ChatClient:
     #: the order they were queued (docs/decisions/0300-queued-turns.md).
     queued: list[str] = field(default_factory=list)
     #: How many of this client's messages were refused or ended their turn otherwise
-    #: than COMPLETED or MAX_ROUNDS.
+    #: than COMPLETED or MAX_ROUNDS, and how many of its commands failed (a usage error,
+    #: an /open that found no session).
     failed: int = 0
     #: No human watches a terminal (``--message``, piped input): errors go to stderr
     #: once, prefixed like the CLI's, instead of into the transcript.

@@ -12,8 +12,13 @@ When stdin is not a terminal (``printf 'a\nb\n' | ballet-planner chat ...``), no
 a prompt or waits to type: the lines queue, each one (message or command) taken after
 the previous turn has ended, and at the end of input the chat waits for the running
 turn, then exits 0 when every message of its own was accepted and its turn ended
-``COMPLETED`` or ``MAX_ROUNDS``, 1 otherwise; errors go to stderr once, as with
-``--message`` (docs/decisions/0166-chat-without-a-terminal.md).
+``COMPLETED`` or ``MAX_ROUNDS`` and every command did what it was asked, 1 otherwise;
+errors go to stderr once, as with ``--message``
+(docs/decisions/0166-chat-without-a-terminal.md).
+
+A command that takes no argument (``/new``, ``/cancel``, ``/quit``, ...) refuses one
+rather than ignoring it: ``/cancel TURN`` or ``/new TITLE`` would do something else
+than what was meant.
 """
 
 from __future__ import annotations
@@ -32,6 +37,10 @@ from ballet_chat.input import LineSource
 from ballet_chat.render import describe_status, describe_turn_end, error_of, short
 
 PROMPT = "> "
+#: The commands that take no argument: one given is refused, not ignored.
+_WITHOUT_ARGUMENT = frozenset(
+    {"/quit", "/exit", "/help", "/cancel", "/new", "/sessions", "/history"}
+)
 #: The exit code after Ctrl-C without a terminal (128 + SIGINT, as a shell reports it).
 INTERRUPTED = 130
 #: How many of the project's newest sessions ``/open PREFIX`` looks among.
@@ -140,8 +149,8 @@ class Interactive:
 
     async def run(self) -> int:
         """Until ``/quit``, end of input or a second Ctrl-C: 0 (without a terminal, 1
-        when a message of this client was refused or its turn failed); 1 via
-        ``ChatError`` when the stream fails."""
+        when a message of this client was refused or its turn failed, or a command
+        failed); 1 via ``ChatError`` when the stream fails."""
         if not self.batch:
             self.client.note(HELP)
         if self.client.session is not None:  # --session: resumed
@@ -297,10 +306,11 @@ class Interactive:
             client.note(PROMPT + line)
         if line.startswith("/"):
             command, _, argument = line.partition(" ")
-            if command in ("/quit", "/exit"):
+            argument = argument.strip()
+            if command in ("/quit", "/exit") and not argument:
                 self._say_leaving()
                 return False
-            await self._command(command, argument.strip())
+            await self._command(command, argument)
             if not client.busy:
                 self.prompt()
             return True
@@ -319,13 +329,32 @@ class Interactive:
         await client.send(line, on_busy)
         return True
 
+    def _refuse(self, why: str) -> None:
+        """A command that could not do what it was asked: ``why`` is noted, and without
+        a terminal the chat exits 1 at the end and ``why`` goes to stderr (as for a
+        refused message)."""
+        client = self.client
+        client.failed += 1
+        if self.batch:
+            # A line of its own on stderr, not an aside in the transcript: no parentheses.
+            if why.startswith("(") and why.endswith(")"):
+                why = why[1:-1]
+            print(f"ballet-planner chat: {why}", file=client.err, flush=True)
+        else:
+            client.note(why)
+
     async def _command(self, command: str, argument: str) -> None:
         client = self.client
+        if argument and command in _WITHOUT_ARGUMENT:
+            # Not ignored: "/cancel TURN" or "/new TITLE" would do something else than
+            # what was meant.
+            self._refuse(f"usage: {command} (it takes no argument; /help lists the commands)")
+            return
         if command == "/help":
             client.note(HELP)
         elif command == "/interrupt":
             if not argument:
-                client.note("usage: /interrupt TEXT (stops the running answer, sends TEXT)")
+                self._refuse("usage: /interrupt TEXT (stops the running answer, sends TEXT)")
             elif client.session is None:
                 await self._handle(argument)
             else:
@@ -342,7 +371,7 @@ class Interactive:
             self.waiting_for_a_message()
         elif command == "/open":
             if not argument:
-                client.note("usage: /open ROW, or a session id or its start (see /sessions)")
+                self._refuse("usage: /open ROW, or a session id or its start (see /sessions)")
             else:
                 session_id = await self._session_named(argument)
                 if session_id:
@@ -352,7 +381,7 @@ class Interactive:
         elif command == "/history":
             await self._history()
         else:
-            client.note(f"unknown command {command}; /help lists them")
+            self._refuse(f"unknown command {command}; /help lists them")
 
     async def _sessions(self, page_size: int) -> Any:
         """The project's newest sessions (a ``ListSessionsResponse``), or None after
@@ -366,7 +395,7 @@ class Interactive:
                 timeout=10,
             )
         except grpc.aio.AioRpcError as error:
-            client.note("error: " + describe_status(*error_of(error)))
+            self._refuse("error: " + describe_status(*error_of(error)))
             return None
 
     async def _session_named(self, argument: str) -> str:
@@ -378,9 +407,9 @@ class Interactive:
             if 1 <= row <= len(self.listed):
                 return self.listed[row - 1]
             if not self.listed:
-                self.client.note("(list them with /sessions first, then /open ROW)")
+                self._refuse("(list them with /sessions first, then /open ROW)")
             else:
-                self.client.note(f"(no row {row}: /sessions listed {len(self.listed)})")
+                self._refuse(f"(no row {row}: /sessions listed {len(self.listed)})")
             return ""
         listed = await self._sessions(OPEN_PREFIX_SESSIONS)
         if listed is None:
@@ -390,7 +419,7 @@ class Interactive:
             return argument
         matching = [session_id for session_id in ids if session_id.startswith(argument)]
         if len(matching) > 1:
-            self.client.note(
+            self._refuse(
                 f"({len(matching)} sessions start with {argument}: "
                 f"{', '.join(matching[:5])}; give more of the id)"
             )
@@ -429,7 +458,7 @@ class Interactive:
         try:
             messages = await client.history()
         except ChatError as error:
-            client.note(f"error: {error}")
+            self._refuse(f"error: {error}")
             return
         count = f"{len(messages)} message" + ("" if len(messages) == 1 else "s")
         client.note(f"all {count} of session {client.session.session_id}:")
@@ -448,7 +477,7 @@ class Interactive:
         try:
             await self.client.resume(session_id)
         except ChatError as error:
-            self.client.note(f"error: {error}")
+            self._refuse(f"error: {error}")
             if previous is None:
                 self.waiting_for_a_message()
                 return

@@ -24,10 +24,10 @@ async def run_once(client: ChatClient, text: str) -> int:
     """Send ``text``, show the turn, return 0 for COMPLETED or MAX_ROUNDS, else 1 (the
     refusal or the turn's end said once, on stderr: ``ChatClient.batch``).
 
-    Ctrl-C cancels the turn on the planner and waits for its end; a second one leaves at
-    once, its cancel written (``CANCEL_SEND_S``). Either way the chat says on stderr
-    whether the turn was cancelled or may still run there, and returns 130
-    (docs/decisions/0321-ctrl-c-in-the-chat.md)."""
+    Ctrl-C cancels the turn on the planner and waits for its end; a second one leaves
+    once the planner has answered the cancel, waiting at most ``CANCEL_SEND_S``. Either
+    way the chat says on stderr whether the turn was cancelled or may still run there,
+    and returns 130 (docs/decisions/0321-ctrl-c-in-the-chat.md)."""
     client.batch = True
     assert client.session is not None
     # One line on stderr (stdout keeps the transcript): how to go on with the session.
@@ -87,8 +87,9 @@ async def run_once(client: ChatClient, text: str) -> int:
 INTERRUPTED = 130
 
 
-#: The longest a second Ctrl-C waits for the first one's cancel to be written (seconds):
-#: a message still being accepted names its turn within milliseconds.
+#: The longest a second Ctrl-C waits for the planner to answer the first one's cancel
+#: (seconds): a message still being accepted names its turn within milliseconds, and the
+#: unary ``CancelTurn`` answers once the planner has the cancel.
 CANCEL_SEND_S = 2.0
 
 

@@ -18,6 +18,8 @@ from ballet.planner.v1 import chat_pb2, resources_pb2
 from ballet.planner.v1 import planner_service_pb2 as pb
 
 from ballet_chat.client import ChatClient, ChatOptions
+from ballet_chat.input import LineSource
+from ballet_chat.run import run_chat
 from ballet_common.grpc.channels import make_channel
 from devstack.dev import DevApp, DevOptions, start_dev
 
@@ -126,3 +128,42 @@ async def test_the_client_knows_its_message_by_request_id_never_by_its_text(app:
     assert list(mine.own_turns) == [sent.turn_id]
     shown = mine.renderer.out.getvalue()  # type: ignore[attr-defined]
     assert shown.count("alice: the same words") == 1  # the other's message, echoed once
+
+
+async def piped(app: DevApp, lines: str) -> tuple[int, str, str]:
+    """``run_chat`` with ``lines`` as its input (not a terminal): its exit code, stdout
+    and stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    options = ChatOptions(address=app.planner.address, token=app.stack.token("alice"))
+    code = await run_chat(options, lines=LineSource(io.StringIO(lines)), out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("line", "said"),
+    [
+        # An argument a command does not take is refused, not ignored: "/cancel TURN"
+        # or "/new TITLE" would do something else than what was meant.
+        ("/new Budget review", "usage: /new (it takes no argument"),
+        ("/cancel t-123", "usage: /cancel (it takes no argument"),
+        ("/quit now", "usage: /quit (it takes no argument"),
+        ("/open", "usage: /open ROW"),
+        ("/open 7", "list them with /sessions first"),
+        ("/open no-such-session", "error: "),
+        ("/interrupt", "usage: /interrupt TEXT"),
+        ("/frobnicate", "unknown command /frobnicate"),
+    ],
+)
+async def test_a_piped_command_that_fails_says_why_on_stderr_and_the_chat_exits_1(
+    app: DevApp, line: str, said: str
+) -> None:
+    code, out, err = await piped(app, line + "\n")
+    assert code == 1, out + err
+    assert f"ballet-planner chat: {said}" in err, err
+    assert "> " + line in out  # the transcript shows the line as typed
+
+
+async def test_piped_commands_that_work_leave_the_exit_code_0(app: DevApp) -> None:
+    code, out, err = await piped(app, "/help\n/sessions\n/new\n/history\n/cancel\n")
+    assert code == 0, out + err
+    assert "ballet-planner chat:" not in err, err
