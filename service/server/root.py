@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -704,9 +705,17 @@ def _serve_metrics(metrics: Metrics, settings: Settings) -> MetricsServer:
     try:
         return start_metrics_server(metrics, address)
     except OSError as error:
+        # A port in use wants another port; a host that does not resolve, or is not
+        # this machine's, wants another host.
+        what = (
+            "choose a free address"
+            if error.errno == errno.EADDRINUSE
+            else "give an address of this machine, e.g. 127.0.0.1:9464, or empty to turn "
+            "the endpoint off"
+        )
         raise StartupError(
             f"server.metrics_address: cannot bind {address} "
-            f"({(error.strerror or str(error)).lower()}): choose a free address "
+            f"({(error.strerror or str(error)).lower()}): {what} "
             "(server.metrics_address, BALLET_PLANNER__SERVER__METRICS_ADDRESS)",
             setting="server.metrics_address",
         ) from error

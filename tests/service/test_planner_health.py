@@ -7,6 +7,7 @@ sleeps.
 from __future__ import annotations
 
 import asyncio
+import socket
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -127,3 +128,26 @@ async def test_a_second_planner_on_a_port_in_use_is_refused(
             await start_planner(second)
     finally:
         await first.stop(0)
+
+
+@pytest.mark.parametrize(
+    ("address", "said"),
+    [
+        # A port in use wants another port...
+        ("in use", "choose a free address"),
+        # ...a host that does not resolve wants another host, not another port.
+        ("no-such-host.invalid:9464", "give an address of this machine, e.g. 127.0.0.1:9464"),
+    ],
+)
+async def test_a_metrics_address_that_cannot_be_bound_says_what_to_change(
+    tracker: FakeTracker, tmp_path: Path, address: str, said: str
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        if address == "in use":
+            address = f"127.0.0.1:{taken.getsockname()[1]}"
+        settings = planner_settings(tmp_path, tracker.address, SERVER__METRICS_ADDRESS=address)
+        with pytest.raises(StartupError, match=r"server\.metrics_address") as raised:
+            await start_planner(settings)
+    assert said in str(raised.value)
