@@ -63,6 +63,7 @@ from ballet_chat.render import (
     short,
     status_text,
     summarize_result,
+    terminal_safe,
 )
 
 __all__ = [
@@ -482,7 +483,7 @@ class ChatClient:
                 mine = response.turn_id in self.own_turns and not echo_mine
                 self.renderer.render(response, mine=mine)
         if self.batch and report:
-            print(f"ballet-planner chat: {report}", file=self.err, flush=True)
+            print(f"ballet-planner chat: {terminal_safe(report)}", file=self.err, flush=True)
         if not self.busy:
             self.cancel_requested = False
         if was_busy and not self.busy and self.on_idle is not None:
@@ -506,7 +507,7 @@ class ChatClient:
         """A line from the client itself (not the planner): stdout, or stderr in JSON
         mode so that stdout stays one JSON object per line."""
         if self.options.as_json:
-            print(text, file=self.err, flush=True)
+            print(terminal_safe(text), file=self.err, flush=True)
         else:
             self.renderer.line(text)
 

@@ -54,6 +54,7 @@ def chat(args: argparse.Namespace) -> int:
     """Run ``ballet-planner chat``; returns the exit code (0 as ``run_chat`` says, 1 when
     the planner cannot be reached or refuses, 2 for a usage problem)."""
     from ballet_chat.client import ChatError, ChatOptions
+    from ballet_chat.render import terminal_safe
     from ballet_chat.run import run_chat
     from ballet_common.tokens import (
         DEFAULT_DEV_TOKEN_TTL_S,
@@ -120,7 +121,7 @@ def chat(args: argparse.Namespace) -> int:
     try:
         return asyncio.run(run_chat(options))
     except ChatError as error:
-        print(f"ballet-planner chat: {error}", file=sys.stderr)
+        print(f"ballet-planner chat: {terminal_safe(str(error))}", file=sys.stderr)
         return 1
     except BrokenPipeError:
         # The reader went away (e.g. `| head`): stop quietly, without a traceback at exit.

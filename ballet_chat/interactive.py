@@ -34,7 +34,13 @@ from google.protobuf import json_format
 
 from ballet_chat.client import TITLE_CHARS, ChatClient, ChatError, pump
 from ballet_chat.input import LineSource
-from ballet_chat.render import describe_status, describe_turn_end, error_of, short
+from ballet_chat.render import (
+    describe_status,
+    describe_turn_end,
+    error_of,
+    short,
+    terminal_safe,
+)
 
 PROMPT = "> "
 #: The commands that take no argument: one given is refused, not ignored.
@@ -51,8 +57,9 @@ HELP = (
     "Commands: /interrupt TEXT (stop the answer and send TEXT now), /cancel (the running "
     "turn), /new (a new session), /sessions (this "
     "project's sessions, numbered), /open ROW or ID (another session: a /sessions row, or "
-    "an id or its start), /history (every message of this session), /help, /quit. Ctrl-C "
-    "cancels a running turn, or quits."
+    "an id or its start), /history (every message of this session), /help, /quit (or "
+    "Ctrl-D). A message that starts with / is typed with //. Ctrl-C cancels a running "
+    "turn, or quits."
 )
 
 
@@ -304,7 +311,10 @@ class Interactive:
         if self.batch:
             # What a terminal would have shown as typed, so the transcript reads as one.
             client.note(PROMPT + line)
-        if line.startswith("/"):
+        if line.startswith("//"):
+            # A message that starts with a slash (decision 0404).
+            line = line[1:]
+        elif line.startswith("/"):
             command, _, argument = line.partition(" ")
             argument = argument.strip()
             if command in ("/quit", "/exit") and not argument:
@@ -339,7 +349,7 @@ class Interactive:
             # A line of its own on stderr, not an aside in the transcript: no parentheses.
             if why.startswith("(") and why.endswith(")"):
                 why = why[1:-1]
-            print(f"ballet-planner chat: {why}", file=client.err, flush=True)
+            print(f"ballet-planner chat: {terminal_safe(why)}", file=client.err, flush=True)
         else:
             client.note(why)
 

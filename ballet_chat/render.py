@@ -38,6 +38,34 @@ SHORT_CHARS = 100
 _SINGULAR = {"entries": "entry", "statuses": "status"}
 
 
+def _visible_controls() -> dict[int, str]:
+    """``str.translate``'s table for ``terminal_safe``."""
+    table: dict[int, str] = {}
+    for code in [*range(0x20), 0x7F]:
+        if chr(code) not in "\n\t":
+            # Caret notation, as ``cat -v`` shows them: ESC is ^[, BEL ^G, CR ^M, DEL ^?.
+            table[code] = "^" + chr(code ^ 0x40)
+    for code in [*range(0x80, 0xA0), *range(0x202A, 0x202F), *range(0x2066, 0x206A)]:
+        # C1 controls (0x9B opens a sequence as ESC [ does on some terminals) and the
+        # bidirectional overrides, which reorder what a line seems to say.
+        table[code] = f"<U+{code:04X}>"
+    return table
+
+
+_VISIBLE_CONTROLS = _visible_controls()
+
+
+def terminal_safe(text: str) -> str:
+    """``text`` with every control character but newline and tab made visible (``^[``
+    for ESC, ``<U+202E>`` for a bidirectional override), and CR LF made LF. What the
+    chat shows comes from the model, other humans and the planner's data: an escape
+    sequence in it must not drive the terminal (colour it, retitle its window, move the
+    cursor to overwrite a line; decision 0403)."""
+    if text.isprintable():
+        return text
+    return text.replace("\r\n", "\n").translate(_VISIBLE_CONTROLS)
+
+
 def plural(count: int, noun: str, nouns: str | None = None) -> str:
     """``1 round``, ``0 rounds``, ``2 rounds``; ``nouns`` when not ``noun + "s"``."""
     return f"{count} {noun if count == 1 else (nouns or noun + 's')}"
@@ -270,6 +298,7 @@ class Renderer:
             self._cut = False
             if not text.startswith("\n"):
                 text = CONTINUED + text
+        text = terminal_safe(text)
         self.out.write(text)
         self.out.flush()
         self._line_open = not text.endswith("\n")

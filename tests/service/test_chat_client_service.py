@@ -167,3 +167,11 @@ async def test_piped_commands_that_work_leave_the_exit_code_0(app: DevApp) -> No
     code, out, err = await piped(app, "/help\n/sessions\n/new\n/history\n/cancel\n")
     assert code == 0, out + err
     assert "ballet-planner chat:" not in err, err
+
+
+async def test_a_line_starting_with_two_slashes_is_a_message_with_one(app: DevApp) -> None:
+    # Decision 0404: "/etc/hosts is what?" could not be sent; "//" drops one slash.
+    code, out, err = await piped(app, "//etc/hosts is what?\n/history\n")
+    assert code == 0, out + err
+    assert "unknown command" not in out + err
+    assert "\nalice: /etc/hosts is what?\n" in out, out  # as /history shows it stored

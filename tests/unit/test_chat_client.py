@@ -394,3 +394,22 @@ def test_what_a_line_left_unentered_held_is_shown_on_a_line_of_its_own() -> None
     assert out.getvalue() == "> half a li\n(cancelling the turn; Ctrl-C again quits)\n"
     renderer.release(unentered=True)  # nothing held: nothing shown
     assert out.getvalue().endswith("quits)\n")
+
+
+def test_escape_sequences_in_what_the_planner_sends_are_shown_not_obeyed() -> None:
+    # A model steered by a ticket's text answered with sequences that coloured the
+    # terminal, retitled its window and overwrote the line (decision 0403).
+    out = io.StringIO()
+    renderer = Renderer(out)
+    text = (
+        "says \x1b[31mRED\x1b[0m \x1b]0;pwned\x07 title\rOVERWRITE\r\nfine\tnext \u202eabc \x9b1m"
+    )
+    renderer.render(chat_pb2.ChatResponse(text_delta=chat_pb2.TextDelta(message_id="m", text=text)))
+    other = message(resources_pb2.MESSAGE_KIND_HUMAN, text="hi \x1b[2J", human_id="bob")
+    renderer.render(chat_pb2.ChatResponse(message_accepted=chat_pb2.MessageAccepted(message=other)))
+    shown = out.getvalue()
+    assert shown == (
+        "says ^[[31mRED^[[0m ^[]0;pwned^G title^MOVERWRITE\nfine\tnext <U+202E>abc <U+009B>1m\n"
+        "bob: hi ^[[2J\n"
+    )
+    assert not any(c in shown for c in "\x1b\x07\r\x9b\u202e")
