@@ -20,6 +20,7 @@ Its own lines go to stderr, so stdout holds the chat's transcript alone
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -45,7 +46,10 @@ BANNER_END = "Stop with Ctrl-C."
 
 
 def say(message: str) -> None:
-    print(f"scripts/try: {message}", file=sys.stderr, flush=True)
+    # OSError: the terminal is gone (its window closed); nobody reads this, and what
+    # follows (stopping dev) must still happen.
+    with contextlib.suppress(OSError):
+        print(f"scripts/try: {message}", file=sys.stderr, flush=True)
 
 
 def wait_ready(ready: Path, dev: subprocess.Popen[bytes]) -> dict[str, str] | None:
@@ -69,8 +73,8 @@ def stop(dev: subprocess.Popen[bytes]) -> int:
     stops), saying so first, since a turn may hold the stop up for seconds; a Ctrl-C
     meanwhile is dev's second one (it stops at once). Returns dev's exit code."""
     if dev.poll() is None:
-        say("stopping dev (a running turn may take a few seconds to end; Ctrl-C stops it at once)")
         dev.send_signal(signal.SIGINT)
+        say("stopping dev (a running turn may take a few seconds to end; Ctrl-C stops it at once)")
         try:
             try:
                 return dev.wait(STOP_LIMIT_S)
@@ -122,7 +126,10 @@ def chat_arguments(argv: list[str]) -> tuple[list[str], list[str]]:
 
 def _leave(signum: int, _frame: object) -> None:
     # SIGTERM, or SIGHUP when the terminal closes: leave through main's `finally`, which
-    # stops dev (in its own session, nothing else would).
+    # stops dev (in its own session, nothing else would). Once: a second signal must not
+    # cut that `finally` short.
+    for other in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(other, signal.SIG_IGN)
     raise SystemExit(128 + signum)
 
 
@@ -215,7 +222,10 @@ def main(argv: list[str]) -> int:
     finally:
         if chatting is not None and chatting.poll() is None:
             chatting.terminate()  # this process was told to leave: the chat goes too
-            chatting.wait(10)
+            try:
+                chatting.wait(10)
+            except subprocess.TimeoutExpired:
+                chatting.kill()
         stopped = stop(dev)
         for line in said_after_banner(log):
             say(line.removeprefix("ballet-planner "))

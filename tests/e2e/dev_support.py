@@ -194,15 +194,29 @@ class Terminal:
     """A command in a pseudo-terminal: ``send`` types a line, ``expect`` waits for a
     pattern in the output after the previous match (a regex; ``timeout`` in seconds)."""
 
-    def __init__(self, argv: list[str], cwd: Path, env: dict[str, str]) -> None:
+    def __init__(
+        self, argv: list[str], cwd: Path, env: dict[str, str], *, controlling: bool = False
+    ) -> None:
+        """``controlling``: the command leads a session of its own whose controlling
+        terminal is this one, as in a terminal window, so that ``hang_up`` is the window
+        closing."""
         import pty
 
         master, slave = pty.openpty()
         self.process = subprocess.Popen(
-            argv, cwd=cwd, env=env, stdin=slave, stdout=slave, stderr=slave, close_fds=True
+            argv,
+            cwd=cwd,
+            env=env,
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            close_fds=True,
+            start_new_session=controlling,
+            preexec_fn=_take_the_terminal if controlling else None,
         )
         os.close(slave)
         self.fd = master
+        self._open = True
         self.output = ""
         self._pos = 0
 
@@ -254,9 +268,25 @@ class Terminal:
             pass
         return self.process.wait(max(0.1, deadline - time.monotonic()))
 
+    def hang_up(self) -> None:
+        """Close the terminal under the command, as closing its window does: the kernel
+        sends its session SIGHUP, and writes to the terminal fail from then on."""
+        if self._open:
+            self._open = False
+            os.close(self.fd)
+
     def close(self) -> None:
         """Kill the process if it still runs; close the pty."""
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait(10)
-        os.close(self.fd)
+        self.hang_up()
+
+
+def _take_the_terminal() -> None:
+    """In a child that leads a new session: make its stdin (a terminal) its controlling
+    terminal."""
+    import fcntl
+    import termios
+
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)

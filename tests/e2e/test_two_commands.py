@@ -17,6 +17,7 @@ the two others, passed on to ``dev``, so that nothing else on the machine can cl
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
@@ -24,6 +25,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -122,6 +124,37 @@ def test_try_in_a_terminal_chats_and_stops_dev_when_the_chat_ends(tmp_path: Path
     finally:
         terminal.close()
     assert "Traceback" not in terminal.output
+
+
+def test_try_stops_dev_when_its_terminal_window_closes(tmp_path: Path) -> None:
+    # Closing the window left dev running, holding its ports and the data directory:
+    # the next scripts/try failed "in use". Its stop wrote to the closed terminal first,
+    # which raised, so dev was never told.
+    checkout = clone(tmp_path)
+    venv = stamped_venv(checkout)
+    terminal = Terminal(
+        [str(checkout / "scripts/try"), *ANY_PORTS],
+        checkout,
+        clean_env(BALLET_VENV=str(venv), TMPDIR=str(checkout.parent), TERM="xterm"),
+        controlling=True,
+    )
+    try:
+        terminal.expect(r"chatting as alice about project demo", timeout=120)
+        terminal.expect(r"> ")
+        terminal.hang_up()
+        terminal.process.wait(40)
+        lock = checkout / ".ballet-dev" / "planner.lock"
+        deadline = time.monotonic() + 40
+        with lock.open("a") as handle:
+            while True:
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break  # dev let the data directory go: it stopped
+                except OSError:
+                    assert time.monotonic() < deadline, "dev still holds the data directory"
+                    time.sleep(0.1)
+    finally:
+        terminal.close()
 
 
 def test_try_on_a_taken_port_says_how_to_take_free_ones(tmp_path: Path) -> None:
