@@ -55,7 +55,7 @@ def chat(args: argparse.Namespace) -> int:
     the planner cannot be reached or refuses, 2 for a usage problem)."""
     from ballet_chat.client import ChatError, ChatOptions
     from ballet_chat.render import terminal_safe
-    from ballet_chat.run import run_chat
+    from ballet_chat.run import address_problem, run_chat
     from ballet_common.tokens import (
         DEFAULT_DEV_TOKEN_TTL_S,
         DevSecretError,
@@ -71,7 +71,18 @@ def chat(args: argparse.Namespace) -> int:
         # Not a new session in disguise: whoever typed --session meant one.
         print("ballet-planner chat: --session is empty (give a session id)", file=sys.stderr)
         return 2
+    if args.token and args.user:
+        print(
+            "ballet-planner chat: give --user NAME (a dev token minted here) or --token JWT, "
+            "not both",
+            file=sys.stderr,
+        )
+        return 2
     address = args.address or os.environ.get("BALLET_PLANNER__SERVER__ADDRESS") or DEFAULT_ADDRESS
+    problem = address_problem(address)
+    if problem:
+        print(f"ballet-planner chat: {problem}", file=sys.stderr)
+        return 2
     mint = None
     if args.token:
         token = args.token
@@ -92,8 +103,8 @@ def chat(args: argparse.Namespace) -> int:
             print(f"ballet-planner chat: {error}", file=sys.stderr)
             return 2
         except OSError as error:
-            problem = datadir.unusable(data_dir, error, "read the dev secret", datadir.WITH_OPTION)
-            print(f"ballet-planner chat: {problem}", file=sys.stderr)
+            unusable = datadir.unusable(data_dir, error, "read the dev secret", datadir.WITH_OPTION)
+            print(f"ballet-planner chat: {unusable}", file=sys.stderr)
             return 2
         user, org = args.user, args.org
         users = devusers.read(data_dir)

@@ -117,7 +117,11 @@ class TextStitcher:
 
 
 def short(text: str, limit: int = SHORT_CHARS) -> str:
-    """``text`` on one line, cut to ``limit`` characters with "…"."""
+    """``text`` on one line, cut to ``limit`` characters with "…"; control characters
+    (a NUL, an escape) count as spaces, so a title made of a message is one the planner
+    takes."""
+    if not text.isprintable():
+        text = "".join(c if c.isprintable() else " " for c in text)
     flat = " ".join(text.split())
     return flat if len(flat) <= limit else flat[: limit - 1] + "…"
 

@@ -129,6 +129,28 @@ async def _follow(client: ChatClient, sent: Sent) -> None:
             raise ChatError("the planner closed the stream before the turn ended")
 
 
+def address_problem(address: str) -> str:
+    """Why ``--address ADDRESS`` cannot be the planner's (one line, naming the flag), or
+    ``""`` when it can: a ``HOST:PORT`` on this machine (decision 0167)."""
+    if "://" in address:
+        return (
+            f"--address {address}: give HOST:PORT without a scheme, e.g. 127.0.0.1:50051 "
+            "(the chat speaks gRPC, not HTTP)"
+        )
+    if not _has_port(address):
+        return f"--address {address}: expected the planner's HOST:PORT, e.g. 127.0.0.1:50051"
+    if not is_loopback(address):
+        # The client speaks plaintext gRPC, which the planner's own rules allow only on
+        # this machine (docs/spec/authority.md); a tunnel is what reaches one elsewhere.
+        return (
+            f"--address {address}: chat reaches a planner on this machine only "
+            "(127.0.0.1:PORT, localhost:PORT or [::1]:PORT; it has no TLS); for one "
+            "elsewhere, forward a local port to it, e.g. `ssh -N -L 50051:HOST:50051 "
+            "SSH_HOST`, and give --address 127.0.0.1:50051"
+        )
+    return ""
+
+
 def _has_port(address: str) -> bool:
     """Whether ``address`` ends in a port (1-65535), or is a Unix socket."""
     if address.startswith(("unix:", "unix-abstract:")):
@@ -148,19 +170,9 @@ async def run_chat(
     ``ChatError`` when the planner cannot be reached, refuses the token, or the project
     or session does not exist."""
     client = ChatClient(options, out or sys.stdout, err or sys.stderr)
-    if not _has_port(options.address):
-        raise ChatError(
-            f"--address {options.address}: expected the planner's HOST:PORT, e.g. 127.0.0.1:50051"
-        )
-    if not is_loopback(options.address):
-        # The client speaks plaintext gRPC, which the planner's own rules allow only on
-        # this machine (docs/spec/authority.md); a tunnel is what reaches one elsewhere.
-        raise ChatError(
-            f"--address {options.address}: chat reaches a planner on this machine only "
-            "(127.0.0.1:PORT, localhost:PORT or [::1]:PORT; it has no TLS); for one "
-            "elsewhere, forward a local port to it, e.g. `ssh -N -L 50051:HOST:50051 "
-            "SSH_HOST`, and give --address 127.0.0.1:50051"
-        )
+    problem = address_problem(options.address)
+    if problem:
+        raise ChatError(problem)
     client.channel = make_channel(options.address, tls=None, insecure=False)
     try:
         if options.session_id:

@@ -41,6 +41,7 @@ from devstack.model import (
     ProviderName,
     ProviderSetupError,
     make_provider,
+    scripted_model_name,
 )
 from devstack.server import DEFAULT_ADDRESS, DevStack, DevStackConfig, StartupReport
 
@@ -150,6 +151,10 @@ def banner(
     if options.provider == "openai" and openai_model:
         # The planner names the model in every request, and the gateway uses that name.
         env["BALLET_PLANNER__PLANNER__MODEL"] = openai_model
+    elif options.provider != "openai":
+        # As dev does (decision 0272): the turns, and the chat's model line, name the
+        # scripted model that answers, not the planner's default model.
+        env["BALLET_PLANNER__PLANNER__MODEL"] = scripted_model_name(options.scenario)
     prefix = " ".join(f"{key}={shlex.quote(value)}" for key, value in env.items())
     data = [] if config.data_dir == PLANNER_DATA_DIR else ["--data-dir", str(config.data_dir)]
     lines += [

@@ -57,8 +57,10 @@ ROLE_PERMISSIONS: dict[str, frozenset[str]] = {
 ROLE_SUMMARIES = {
     "maintainer": "all five permissions",
     "viewer": "read permissions only",
-    "guest": "sees the project, may read nothing of it",
-    "skill-reader": "may read only its skills",
+    # The planner reads the project as the human to open a session (tracker.read): it
+    # refuses both of these the project; they are for the backends' permission checks.
+    "guest": "no permission: the planner refuses the project",
+    "skill-reader": "skill.read only: the planner refuses the project",
 }
 
 #: The only actors a planner credential may claim: ``planner:<session_id>``.

@@ -5,10 +5,11 @@
 2. Starts ``ballet-planner dev`` with its defaults (planner ``127.0.0.1:50051``, devstack
    ``127.0.0.1:50052``, metrics ``127.0.0.1:9464``, state in ``./.ballet-dev``, the
    scripted demo model); arguments are passed to ``dev`` (e.g. ``--address
-   127.0.0.1:0`` for any free port, ``--provider openai``), but ``--session ID``, which
-   goes to the chat (resume that session). ``dev`` runs in its own
+   127.0.0.1:0`` for any free port, ``--provider openai``), but ``--session ID`` and
+   ``--user NAME``, which go to the chat (resume that session; chat as that dev user
+   instead of alice, e.g. ``bob``, who may only read). ``dev`` runs in its own
    session, so Ctrl-C in the chat reaches the chat only; its output goes to a log file.
-3. Opens ``ballet-planner chat`` as alice in the same terminal, on the address and
+3. Opens ``ballet-planner chat`` as alice (or ``--user``) in the same terminal, on the address and
    project ``dev`` reported (its ``--ready-file``). Lines piped in are sent one by one, as
    with ``chat`` itself: ``echo "What are the open epics?" | scripts/try``.
 4. When the chat ends (``/quit``, Ctrl-D, the end of the piped input), stops ``dev`` as
@@ -40,6 +41,7 @@ ROOT = setup.ROOT
 START_LIMIT_S = 120.0
 #: dev's own stop takes at most its server.grace_s (20 s by default); then SIGKILL.
 STOP_LIMIT_S = 30.0
+#: Who the chat is, unless ``--user`` names another dev user.
 USER = "alice"
 #: The last line of dev's banner.
 BANNER_END = "Stop with Ctrl-C."
@@ -108,20 +110,26 @@ def text_logs(argv: list[str]) -> list[str]:
     return [] if any(arg.startswith("--log-format") for arg in argv) else ["--log-format", "text"]
 
 
-def chat_arguments(argv: list[str]) -> tuple[list[str], list[str]]:
-    """``argv`` split into dev's arguments and the chat's (``--session ID``, as the chat
-    names it in its hints)."""
+def chat_arguments(argv: list[str]) -> tuple[list[str], list[str], str | None]:
+    """``argv`` split into dev's arguments, the chat's ``--session ID`` (as the chat
+    names it in its hints), and the user of ``--user NAME`` (None without it; "" when
+    its name is missing)."""
     rest: list[str] = []
     chat: list[str] = []
+    user: str | None = None
     words = iter(argv)
     for word in words:
         if word == "--session":
             chat += [word, next(words, "")]
         elif word.startswith("--session="):
             chat.append(word)
+        elif word == "--user":
+            user = next(words, "")
+        elif word.startswith("--user="):
+            user = word.partition("=")[2]
         else:
             rest.append(word)
-    return rest, chat
+    return rest, chat, user
 
 
 def _leave(signum: int, _frame: object) -> None:
@@ -142,11 +150,15 @@ def main(argv: list[str]) -> int:
             # Read by ``| head``, which left: no traceback, and nothing left to flush.
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    argv, resume = chat_arguments(argv)
+    argv, resume, named = chat_arguments(argv)
     if resume and not (resume[-1] if len(resume) == 2 else resume[0].partition("=")[2]).strip():
         # Before anything is installed or started: a resume without its session.
         say("--session needs a session id")
         return 2
+    if named is not None and not named.strip():
+        say("--user needs a dev user's name (alice, bob, ...: dev's banner lists them)")
+        return 2
+    user = named or USER
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _leave)
     try:
@@ -197,7 +209,7 @@ def main(argv: list[str]) -> int:
             f"{values['devstack_address']}, data {values['data_dir']} (its log while it runs: "
             f"{log})"
         )
-        say(f"chatting as {USER} about project {values['project']}; /quit or Ctrl-D leaves")
+        say(f"chatting as {user} about project {values['project']}; /quit or Ctrl-D leaves")
         chat = [
             str(planner),
             "chat",
@@ -206,7 +218,7 @@ def main(argv: list[str]) -> int:
             "--project",
             values["project"],
             "--user",
-            USER,
+            user,
             "--data-dir",
             values["data_dir"],
             *resume,

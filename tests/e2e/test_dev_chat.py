@@ -392,16 +392,26 @@ def chat_from_a_pipe_args(
 
 
 def test_chat_names_what_to_do_for_an_address_it_cannot_use(tmp_path: Path) -> None:
+    # A usage problem: exit 2, as for the other options.
     for address in ("garbage", "127.0.0.1:99999"):
         refused = run_cli(
             ["chat", "--address", address, "--token", "t", "--message", "hi"], tmp_path
         )
-        assert refused.returncode == 1
+        assert refused.returncode == 2
         assert f"--address {address}: expected the planner's HOST:PORT" in refused.stderr
+    url = run_cli(
+        ["chat", "--address", "http://127.0.0.1:50051", "--token", "t", "--message", "hi"],
+        tmp_path,
+    )
+    assert url.returncode == 2
+    assert "--address http://127.0.0.1:50051: give HOST:PORT without a scheme" in url.stderr
+    both = run_cli(["chat", "--user", "alice", "--token", "t", "--message", "hi"], tmp_path)
+    assert both.returncode == 2
+    assert "give --user NAME (a dev token minted here) or --token JWT, not both" in both.stderr
     remote = run_cli(
         ["chat", "--address", "example.com:50051", "--token", "t", "--message", "hi"], tmp_path
     )
-    assert remote.returncode == 1
+    assert remote.returncode == 2
     assert "insecure" not in remote.stderr  # chat has no such option
     assert "--address example.com:50051: chat reaches a planner on this machine only" in (
         remote.stderr

@@ -81,6 +81,8 @@ def test_serve_pointed_at_the_standalone_devstack_answers_a_chat_message(
     serve_line = printed_command(banner, "ballet-planner", "serve")
     env = dict(word.split("=", 1) for word in serve_line if "=" in word)
     assert env["BALLET_PLANNER__DATA_DIR"] == "data"
+    # The turns name the model that answers, as under dev (decision 0272).
+    assert env["BALLET_PLANNER__PLANNER__MODEL"] == "scripted demo"
     env.update(
         BALLET_PLANNER__SERVER__ADDRESS="127.0.0.1:0", BALLET_PLANNER__SERVER__METRICS_ADDRESS=""
     )
@@ -112,6 +114,7 @@ def test_serve_pointed_at_the_standalone_devstack_answers_a_chat_message(
         )
         assert chat.returncode == 0, chat.stdout + chat.stderr
         assert "-> list_items" in chat.stdout and "PAN-4" in chat.stdout
+        assert "(model scripted demo)" in chat.stdout, chat.stdout
     finally:
         served.terminate()
         served.wait(30)

@@ -104,6 +104,23 @@ def test_try_from_a_clone_answers_a_piped_question(tmp_path: Path) -> None:
     assert_answered(run_try(checkout, venv, timeout=120), checkout)
 
 
+def test_try_chats_as_the_user_it_is_given(tmp_path: Path) -> None:
+    checkout = clone(tmp_path)
+    venv = stamped_venv(checkout)
+    result = subprocess.run(
+        ["scripts/try", *ANY_PORTS, "--user", "bob"],
+        cwd=checkout,
+        input=QUESTION,
+        env=clean_env(BALLET_VENV=str(venv), TMPDIR=str(checkout.parent)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "scripts/try: chatting as bob about project demo" in result.stderr
+    assert "PAN-4" in result.stdout  # bob may read the tracker
+
+
 def test_try_in_a_terminal_chats_and_stops_dev_when_the_chat_ends(tmp_path: Path) -> None:
     checkout = clone(tmp_path)
     venv = stamped_venv(checkout)
@@ -191,9 +208,10 @@ def test_try_from_a_clone_installs_everything_it_needs(tmp_path: Path) -> None:
     assert "setup:" not in again.stderr  # the rerun installs nothing
 
 
-def test_try_gives_session_to_the_chat_and_the_rest_to_dev() -> None:
+def test_try_gives_session_and_user_to_the_chat_and_the_rest_to_dev() -> None:
     """The chat's hints say "see the session with --session ID": scripts/try takes that
-    argument for its chat, and passes every other to ``dev``."""
+    argument for its chat, and ``--user NAME`` (who the chat is), and passes every other
+    to ``dev``."""
     sys.path.insert(0, str(REPO / "scripts"))
     try:
         spec = importlib.util.spec_from_file_location("try_script", REPO / "scripts/try.py")
@@ -206,12 +224,21 @@ def test_try_gives_session_to_the_chat_and_the_rest_to_dev() -> None:
     assert try_script.chat_arguments(argv) == (
         ["--address", "127.0.0.1:0", "--provider", "openai"],
         ["--session", "s-1"],
+        None,
     )
-    assert try_script.chat_arguments(["--session=s-2"]) == ([], ["--session=s-2"])
+    assert try_script.chat_arguments(["--session=s-2"]) == ([], ["--session=s-2"], None)
+    assert try_script.chat_arguments(["--user", "bob", "-v"]) == (["-v"], [], "bob")
+    assert try_script.chat_arguments(["--user=carol"]) == ([], [], "carol")
 
 
-def test_try_refuses_a_session_without_its_id_before_installing_anything() -> None:
-    for argv in (["--session"], ["--session="], ["--session", " "]):
+def test_try_refuses_a_session_or_user_without_its_value_before_installing_anything() -> None:
+    for argv, said in [
+        (["--session"], "--session needs a session id"),
+        (["--session="], "--session needs a session id"),
+        (["--session", " "], "--session needs a session id"),
+        (["--user"], "--user needs a dev user's name"),
+        (["--user="], "--user needs a dev user's name"),
+    ]:
         refused = subprocess.run(
             [sys.executable, str(REPO / "scripts" / "try.py"), *argv],
             capture_output=True,
@@ -219,7 +246,7 @@ def test_try_refuses_a_session_without_its_id_before_installing_anything() -> No
             timeout=30,
         )
         assert refused.returncode == 2, refused.stderr
-        assert refused.stderr == "scripts/try: --session needs a session id\n"
+        assert refused.stderr.startswith(f"scripts/try: {said}"), refused.stderr
 
 
 def test_try_help_reads_as_plain_text() -> None:

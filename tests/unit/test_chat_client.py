@@ -81,6 +81,12 @@ def test_tool_results_are_summarized_in_a_few_words(
     assert summarize_result(content, is_error) == summary
 
 
+def test_short_makes_control_characters_spaces() -> None:
+    # A piped line with a NUL named a session "field open.title of the request holds a
+    # NUL" (the title is the first message, shortened).
+    assert short("a\x00b \x1b[31mc\td\ne") == "a b [31mc d e"
+
+
 def test_short_flattens_and_cuts() -> None:
     assert short("a\n  b") == "a b"
     assert short("x" * 200, 10) == "x" * 9 + "…"
