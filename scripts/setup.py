@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -98,18 +99,43 @@ def ensure(purpose: str) -> Path:
         f"installing the planner and its devstack{tools} into {_shown(venv)} (editable; "
         "once: a rerun takes a second)"
     )
-    installed = subprocess.run(
+    returncode = _pip(
         [str(python), "-m", "pip", "install", "--quiet", *PURPOSES[purpose]],
-        cwd=ROOT,
-        stdin=subprocess.DEVNULL,
         env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1"},
     )
-    if installed.returncode != 0:
-        raise SetupError(f"pip install failed (exit {installed.returncode}); see above")
+    if returncode != 0:
+        raise SetupError(f"pip install failed (exit {returncode}); see above")
     stamp[purpose] = wanted
     (venv / STAMP).write_text(json.dumps(stamp) + "\n", encoding="utf-8")
     _say(f"installed in {time.monotonic() - started:.0f} s")
     return python
+
+
+#: pip's warning for an index location of the machine's pip configuration that does not
+#: exist: one per package and location, dozens in a first install, none about this project.
+_MISSING_LOCATION = re.compile(r"^WARNING: Location '.*' is ignored: it is neither a file nor")
+
+
+def _pip(argv: list[str], env: dict[str, str]) -> int:
+    """Run pip in the checkout, its output shown as it comes but for the warnings about
+    missing index locations, counted in one line instead; returns its exit code."""
+    process = subprocess.Popen(
+        argv, cwd=ROOT, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
+    )
+    assert process.stderr is not None
+    missing = 0
+    for line in process.stderr:
+        if _MISSING_LOCATION.match(line):
+            missing += 1
+        else:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+    if missing:
+        _say(
+            f"left out {missing} warnings of pip about index locations that this machine's "
+            "pip configuration names and that do not exist (`pip config list` shows it)"
+        )
+    return process.wait()
 
 
 def _shown(path: Path) -> str:
