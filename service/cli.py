@@ -555,7 +555,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``ballet-planner`` with ``argv`` (default: the process's); returns the exit
     code. Configuration errors print ``configuration error: <key>: <problem>``, exit 2."""
     try:
-        args, unknown = build_parser().parse_known_args(argv)
+        parser = build_parser()
+        words = list(sys.argv[1:] if argv is None else argv)
+        if all(word.startswith("-") for word in words):
+            # No command: argparse would only say that COMMAND is missing, not that an
+            # option it was given is unknown.
+            unknown = [word for word in words if word not in ("-h", "--help", "--version")]
+            if unknown:
+                parser.error(
+                    f"unrecognized arguments: {' '.join(unknown)}; give a COMMAND first "
+                    "(`ballet-planner --help` lists them)"
+                )
+        args, unknown = parser.parse_known_args(words)
         if unknown:
             # argparse leaves a subcommand's unknown options to the top-level parser,
             # whose usage does not name them: the subcommand's own usage does.

@@ -380,6 +380,10 @@ def test_a_wrong_flag_prints_the_subcommands_usage(tmp_path: Path) -> None:
         assert result.returncode == 2
         assert result.stderr.startswith(f"usage: ballet-planner {usage} "), result.stderr
         assert "unrecognized arguments" in result.stderr
+    # Without a command, the unknown flag is named too, not only the missing COMMAND.
+    bare = run_cli(["--bogus"], tmp_path)
+    assert bare.returncode == 2
+    assert "unrecognized arguments: --bogus; give a COMMAND first" in bare.stderr
 
 
 def test_an_empty_session_or_message_is_refused_before_anything_is_read(tmp_path: Path) -> None:
