@@ -509,7 +509,7 @@ class ChatClient:
         if self.options.as_json:
             print(terminal_safe(text), file=self.err, flush=True)
         else:
-            self.renderer.line(text)
+            self.renderer.aside(text)
 
     @property
     def holds_nothing(self) -> bool:

@@ -14,8 +14,8 @@ appears or changes; one line when the turn ends. Counts take the right plural
 
 While the human types a line, output is held (``Renderer.hold``, from the line reader's
 thread) and shown once the line is entered (``Renderer.release``), so that an answer
-never streams into the line being edited; an answer cut mid-line by the typed line goes
-on after ``… `` (decision 0401).
+never streams into the line being edited; an answer cut mid-line by the typed line, or
+by an aside (a note, a queued message), goes on after ``… `` (decision 0401).
 """
 
 from __future__ import annotations
@@ -237,6 +237,12 @@ class Renderer:
         """Write ``text`` on a line of its own."""
         self._out("line", text)
 
+    def aside(self, text: str) -> None:
+        """Write ``text`` on a line of its own, as an aside that does not end the answer
+        (a note, a message queued or sent by someone else): an answer whose line it
+        interrupts goes on after it marked ``CONTINUED``, as after a typed line."""
+        self._out("aside", text)
+
     def end_line(self) -> None:
         """Start a new line if the cursor is not at the start of one."""
         self._out("end_line", "")
@@ -288,7 +294,13 @@ class Renderer:
                 self._show(kind, text)
 
     def _show(self, kind: str, text: str) -> None:
-        """Show one ``write``, ``line`` or ``end_line``; the caller holds the lock."""
+        """Show one ``write``, ``line``, ``aside`` or ``end_line``; the caller holds the
+        lock."""
+        if kind == "aside":
+            interrupted = self._line_open
+            self._show("line", text)
+            self._cut = interrupted
+            return
         if kind == "line":
             # A line of its own: the answer it follows is not cut, it ended or paused.
             self._cut = False
@@ -332,11 +344,11 @@ class Renderer:
         elif kind == "message_queued":
             queued = response.message_queued
             if mine and queued.on_busy == resources_pb2.ON_BUSY_INTERRUPT:
-                self.line(f"  (interrupting: {short(queued.text, 60)} runs next)")
+                self.aside(f"  (interrupting: {short(queued.text, 60)} runs next)")
             elif mine:
-                self.line(f"  (queued: {short(queued.text, 60)}; it runs when this answer ends)")
+                self.aside(f"  (queued: {short(queued.text, 60)}; it runs when this answer ends)")
             else:
-                self.line(f"{queued.human_id or 'human'} (queued): {queued.text}")
+                self.aside(f"{queued.human_id or 'human'} (queued): {queued.text}")
         elif kind == "turn_started":
             model = response.turn_started.model
             if model and model != self.model:

@@ -419,3 +419,23 @@ def test_escape_sequences_in_what_the_planner_sends_are_shown_not_obeyed() -> No
         "bob: hi ^[[2J\n"
     )
     assert not any(c in shown for c in "\x1b\x07\r\x9b\u202e")
+
+
+def test_a_note_in_the_middle_of_an_answer_marks_where_the_answer_goes_on() -> None:
+    # A message typed while the answer streams is queued: its note cut a word in two,
+    # and the rest of the word read as a new line of text.
+    out = io.StringIO()
+    renderer = Renderer(out)
+    renderer.write("eleven twelve t")
+    renderer.aside("  (queued: next; it runs when this answer ends)")
+    renderer.write("hirteen fourteen")
+    renderer.end_line()
+    renderer.aside("  (a note between answers)")
+    renderer.write("A new answer.")
+    assert out.getvalue() == (
+        "eleven twelve t\n"
+        "  (queued: next; it runs when this answer ends)\n"
+        "… hirteen fourteen\n"
+        "  (a note between answers)\n"
+        "A new answer."
+    )
