@@ -178,6 +178,9 @@ class Interactive:
             self.lines.close()
             # A line left unentered (Ctrl-C, the stream ended): what it held is shown.
             self.client.renderer.release(unentered=True)
+            # The prompt left on screen (Ctrl-C at it): what follows the chat (a shell's
+            # prompt, scripts/try's lines) starts a line of its own.
+            self.client.renderer.end_line()
 
     def _interrupt(self) -> None:
         if self.batch:

@@ -276,10 +276,12 @@ class Renderer:
 
     def release(self, *, unentered: bool = False) -> None:
         """The typed line was entered: show what was held meanwhile. ``unentered``: it
-        was left as typed (the chat ends), so what was held starts a line of its own."""
+        was left as typed (the chat ends, a Ctrl-C or Ctrl-D in the line), so the line is
+        ended first and what was held, or what follows the chat, starts a line of its
+        own."""
         with self._lock:
             held, self._held = self._held, None
-            if held and unentered:
+            if held is not None and unentered:
                 # The typed line was not ended by Enter: end it before what was held.
                 self.out.write("\n")
                 self._line_open = False

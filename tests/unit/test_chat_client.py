@@ -402,6 +402,22 @@ def test_what_a_line_left_unentered_held_is_shown_on_a_line_of_its_own() -> None
     assert out.getvalue().endswith("quits)\n")
 
 
+def test_the_chat_leaves_its_last_line_ended() -> None:
+    # Ctrl-D as the first key of a line, or Ctrl-C at the prompt: what followed the chat
+    # (scripts/try's "stopping dev") was printed on the prompt's line.
+    out = io.StringIO()
+    renderer = Renderer(out)
+    renderer.write("> ")
+    renderer.hold(new_line=False)  # a key of the line: Ctrl-D
+    renderer.release(unentered=True)
+    renderer.end_line()
+    assert out.getvalue() == "> \n"
+    renderer.write("> ")  # Ctrl-C at the prompt: nothing typed
+    renderer.release(unentered=True)
+    renderer.end_line()
+    assert out.getvalue() == "> \n> \n"
+
+
 def test_escape_sequences_in_what_the_planner_sends_are_shown_not_obeyed() -> None:
     # A model steered by a ticket's text answered with sequences that coloured the
     # terminal, retitled its window and overwrote the line (decision 0403).
