@@ -49,16 +49,29 @@ def clone(tmp_path: Path) -> Path:
     return target
 
 
-def run_try(checkout: Path, venv: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+def run_try(
+    checkout: Path, venv: Path, timeout: float, *args: str
+) -> subprocess.CompletedProcess[str]:
+    """``scripts/try ARGS`` on free ports with the question piped in, to its end."""
     # TMPDIR: a log that scripts/try keeps (dev failed) stays in the test's folder.
     return subprocess.run(
-        ["scripts/try", *ANY_PORTS],
+        ["scripts/try", *ANY_PORTS, *args],
         cwd=checkout,
         input=QUESTION,
         env=clean_env(BALLET_VENV=str(venv), TMPDIR=str(checkout.parent)),
         capture_output=True,
         text=True,
         timeout=timeout,
+    )
+
+
+def try_in_a_terminal(checkout: Path, venv: Path, *, controlling: bool = False) -> Terminal:
+    """``scripts/try`` on free ports in a pseudo-terminal (``Terminal``)."""
+    return Terminal(
+        [str(checkout / "scripts/try"), *ANY_PORTS],
+        checkout,
+        clean_env(BALLET_VENV=str(venv), TMPDIR=str(checkout.parent), TERM="xterm"),
+        controlling=controlling,
     )
 
 
@@ -107,15 +120,7 @@ def test_try_from_a_clone_answers_a_piped_question(tmp_path: Path) -> None:
 def test_try_chats_as_the_user_it_is_given(tmp_path: Path) -> None:
     checkout = clone(tmp_path)
     venv = stamped_venv(checkout)
-    result = subprocess.run(
-        ["scripts/try", *ANY_PORTS, "--user", "bob"],
-        cwd=checkout,
-        input=QUESTION,
-        env=clean_env(BALLET_VENV=str(venv), TMPDIR=str(checkout.parent)),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_try(checkout, venv, 120, "--user", "bob")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "scripts/try: chatting as bob about project demo" in result.stderr
     assert "PAN-4" in result.stdout  # bob may read the tracker
@@ -124,11 +129,7 @@ def test_try_chats_as_the_user_it_is_given(tmp_path: Path) -> None:
 def test_try_in_a_terminal_chats_and_stops_dev_when_the_chat_ends(tmp_path: Path) -> None:
     checkout = clone(tmp_path)
     venv = stamped_venv(checkout)
-    terminal = Terminal(
-        [str(checkout / "scripts/try"), *ANY_PORTS],
-        checkout,
-        clean_env(BALLET_VENV=str(venv), TMPDIR=str(checkout.parent), TERM="xterm"),
-    )
+    terminal = try_in_a_terminal(checkout, venv)
     try:
         terminal.expect(r"chatting as alice about project demo", timeout=120)
         terminal.expect(r"> ")
@@ -149,12 +150,7 @@ def test_try_stops_dev_when_its_terminal_window_closes(tmp_path: Path) -> None:
     # which raised, so dev was never told.
     checkout = clone(tmp_path)
     venv = stamped_venv(checkout)
-    terminal = Terminal(
-        [str(checkout / "scripts/try"), *ANY_PORTS],
-        checkout,
-        clean_env(BALLET_VENV=str(venv), TMPDIR=str(checkout.parent), TERM="xterm"),
-        controlling=True,
-    )
+    terminal = try_in_a_terminal(checkout, venv, controlling=True)
     try:
         terminal.expect(r"chatting as alice about project demo", timeout=120)
         terminal.expect(r"> ")
