@@ -177,15 +177,7 @@ def test_try_on_a_taken_port_says_how_to_take_free_ones(tmp_path: Path) -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         address = f"127.0.0.1:{taken.getsockname()[1]}"
-        result = subprocess.run(
-            ["scripts/try", *ANY_PORTS, "--address", address],  # the last --address wins
-            cwd=checkout,
-            input=QUESTION,
-            env=clean_env(BALLET_VENV=str(venv), TMPDIR=str(checkout.parent)),
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        result = run_try(checkout, venv, 120, "--address", address)  # the last one wins
     assert result.returncode == 1, result.stderr
     assert f"server.address {address} is in use" in result.stderr
     assert "`scripts/try --address 127.0.0.1:0 " in result.stderr
